@@ -1,0 +1,195 @@
+"""Context-parallel collectives: differentiable all-gather, metadata all-gather and the halo exchange.
+
+All functions are identities (or cheap local equivalents) when the CP group is ``None`` or has one rank, so
+model code can call them unconditionally. Each accepts an optional :class:`~dsv4.cp.traffic.TrafficCounter`
+and a ``kind`` label; bytes are counted as the point-to-point volume this rank sends and receives (an all-gather
+of ``n`` bytes per rank over ``C`` ranks: ``n*(C-1)`` each way). Backward traffic is recorded under
+``f"{kind}.backward"``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dsv4.cp.groups import ProcessGroup, dsv4_cp_enabled, dsv4_cp_rank, dsv4_cp_size
+from dsv4.cp.traffic import TrafficCounter
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _gather_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Plain all-gather of ``x`` along dim 0 in rank order (bools travel as uint8)."""
+    size = dist.get_world_size(group=group)
+    send = x.contiguous()
+    is_bool = send.dtype == torch.bool
+    if is_bool:
+        send = send.to(torch.uint8)
+    out = send.new_empty((size * send.shape[0],) + tuple(send.shape[1:]))
+    _all_gather_single(out, send, group=group)
+    return out.bool() if is_bool else out
+
+
+class _AllGather(torch.autograd.Function):
+    """Concatenate every rank's tensor along ``dim``; backward reduce-scatters (sums) into the owner."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, traffic, kind):  # type: ignore[override]
+        ctx.dim, ctx.group, ctx.traffic, ctx.kind = dim, group, traffic, kind
+        size = dist.get_world_size(group=group)
+        out = _gather_dim0(x.movedim(dim, 0), group).movedim(0, dim)
+        if traffic is not None:
+            n = _nbytes(x) * (size - 1)
+            traffic.add(kind, sent=n, received=n)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        group, dim = ctx.group, ctx.dim
+        size = dist.get_world_size(group=group)
+        g = grad.movedim(dim, 0).contiguous()
+        out = g.new_empty((g.shape[0] // size,) + tuple(g.shape[1:]))
+        _reduce_scatter_single(out, g, group=group)
+        if ctx.traffic is not None:
+            n = _nbytes(out) * (size - 1)
+            ctx.traffic.add(f"{ctx.kind}.backward", sent=n, received=n)
+        return out.movedim(0, dim), None, None, None, None
+
+
+def dsv4_cp_all_gather(
+    tensor: torch.Tensor,
+    dim: int = 1,
+    cp_group: ProcessGroup | None = None,
+    *,
+    traffic: TrafficCounter | None = None,
+    kind: str = "all_gather",
+) -> torch.Tensor:
+    """Differentiable all-gather along ``dim`` in rank order.
+
+    Without CP the same object is returned. With CP the result has ``C`` times the rank's size along ``dim``; the
+    backward pass sums every rank's gradient slice into its owner, so if each rank computes
+    ``loss = (gathered * w).sum()`` the local gradient is ``C * w[own slice]``. All ranks must pass tensors of
+    the same shape.
+    """
+    if not dsv4_cp_enabled(cp_group):
+        return tensor
+    dim = dim % tensor.dim()
+    return _AllGather.apply(tensor, dim, cp_group, traffic, kind)
+
+
+def dsv4_cp_all_gather_metadata(
+    tensor: torch.Tensor | None,
+    dim: int = 1,
+    cp_group: ProcessGroup | None = None,
+    *,
+    traffic: TrafficCounter | None = None,
+    kind: str = "metadata",
+) -> torch.Tensor | None:
+    """Non-differentiable all-gather of integer/bool metadata along ``dim`` (identity without CP or for None)."""
+    if tensor is None or not dsv4_cp_enabled(cp_group):
+        return tensor
+    dim = dim % tensor.dim()
+    with torch.no_grad():
+        out = _gather_dim0(tensor.detach().movedim(dim, 0), cp_group).movedim(0, dim).contiguous()
+    if traffic is not None:
+        n = _nbytes(tensor) * (dsv4_cp_size(cp_group) - 1)
+        traffic.add(kind, sent=n, received=n)
+    return out
+
+
+def _p2p(ops: list[tuple[str, torch.Tensor, int]], group: ProcessGroup) -> None:
+    """Run (``"send"|"recv"``, tensor, group rank) operations together and wait for all of them."""
+    if not ops:
+        return
+    p2p = [
+        dist.P2POp(dist.isend if op == "send" else dist.irecv, t, dist.get_global_rank(group, peer), group)
+        for op, t, peer in ops
+    ]
+    for work in dist.batch_isend_irecv(p2p):
+        work.wait()
+
+
+class _HaloExchange(torch.autograd.Function):
+    """Rank r receives the last ``rows`` rows (along ``dim``) of rank r-1; rank 0 receives zeros."""
+
+    @staticmethod
+    def forward(ctx, x, rows, dim, group, traffic, kind):  # type: ignore[override]
+        rank, size = dsv4_cp_rank(group), dsv4_cp_size(group)
+        ctx.rows, ctx.dim, ctx.group, ctx.traffic, ctx.kind = rows, dim, group, traffic, kind
+        ctx.length = x.shape[dim]
+        tail = x.narrow(dim, x.shape[dim] - rows, rows).contiguous()
+        halo = torch.zeros_like(tail)
+        ops = []
+        if rank + 1 < size:
+            ops.append(("send", tail, rank + 1))
+        if rank > 0:
+            ops.append(("recv", halo, rank - 1))
+        _p2p(ops, group)
+        if traffic is not None:
+            n = _nbytes(tail)
+            traffic.add(kind, sent=n if rank + 1 < size else 0, received=n if rank > 0 else 0)
+        return halo
+
+    @staticmethod
+    def backward(ctx, grad_halo):  # type: ignore[override]
+        group, rows, dim = ctx.group, ctx.rows, ctx.dim
+        rank, size = dsv4_cp_rank(group), dsv4_cp_size(group)
+        grad_halo = grad_halo.contiguous()
+        grad_tail = torch.zeros_like(grad_halo)
+        ops = []
+        if rank > 0:
+            ops.append(("send", grad_halo, rank - 1))
+        if rank + 1 < size:
+            ops.append(("recv", grad_tail, rank + 1))
+        _p2p(ops, group)
+        if ctx.traffic is not None:
+            n = _nbytes(grad_halo)
+            ctx.traffic.add(
+                f"{ctx.kind}.backward", sent=n if rank > 0 else 0, received=n if rank + 1 < size else 0
+            )
+        shape = list(grad_halo.shape)
+        shape[dim] = ctx.length - rows
+        grad_x = torch.cat([grad_tail.new_zeros(shape), grad_tail], dim=dim)
+        return grad_x, None, None, None, None, None
+
+
+def halo_exchange(
+    tensor: torch.Tensor,
+    rows: int,
+    dim: int = 1,
+    cp_group: ProcessGroup | None = None,
+    *,
+    traffic: TrafficCounter | None = None,
+    kind: str = "halo",
+) -> torch.Tensor:
+    """Differentiable halo exchange: return the previous rank's last ``rows`` rows of ``tensor`` along ``dim``.
+
+    Shapes: ``tensor`` has ``L >= rows`` rows along ``dim``; the result has the same shape with ``rows`` rows
+    along ``dim``. Rank 0 (and the single-rank path) receives zeros. The gradient of the received rows is sent
+    back to rank r-1 and added to the gradient of its last ``rows`` rows. Only neighbours talk: each rank sends
+    and receives ``rows`` rows once per call.
+    """
+    dim = dim % tensor.dim()
+    length = tensor.shape[dim]
+    if rows < 0 or rows > length:
+        raise ValueError(
+            f"halo_exchange: rows={rows} must be in [0, local length {length}] along dim {dim}; "
+            "the local shard is shorter than the halo (use fewer CP ranks or a longer sequence)"
+        )
+    if not dsv4_cp_enabled(cp_group) or rows == 0:
+        return tensor.new_zeros(tensor.shape[:dim] + (rows,) + tensor.shape[dim + 1 :])
+    return _HaloExchange.apply(tensor, rows, dim, cp_group, traffic, kind)
+
+
+def all_reduce_max(value: int, group: ProcessGroup | None = None, device: torch.device | str = "cpu") -> int:
+    """MAX all-reduce of a Python int over ``group`` (WORLD when None); identity without ``torch.distributed``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())

@@ -1,0 +1,61 @@
+"""`CPContext`: the one object through which model code sees context parallelism.
+
+The model receives ``cp=None`` (single rank) or a ``CPContext``. It never touches process groups directly: it
+asks the context for its rank/size and calls the context's exchange verbs, which count their traffic.
+
+Invariants:
+
+* ``size == 1`` (``group`` None or a one-rank group) is exactly the single-rank path: every verb is an identity
+  (gathers) or returns zeros (halo), and no collective runs.
+* Rank ``r`` owns global tokens ``[r*L, (r+1)*L)`` of the padded row (contiguous split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4.cp.collectives import dsv4_cp_all_gather, dsv4_cp_all_gather_metadata, halo_exchange
+from dsv4.cp.groups import ProcessGroup, dsv4_cp_rank, dsv4_cp_size
+from dsv4.cp.traffic import TrafficCounter
+
+
+@dataclass
+class CPContext:
+    """Context-parallel state handed to ``model.forward(..., cp=...)``.
+
+    Args:
+        group: the CP process group (``None`` or one rank = CP disabled).
+        halo: rows a rank receives from its predecessor per layer (the model sets it from its config when None:
+            ``sliding_window - 1``, at least the compressor overlap).
+        traffic: counter of bytes moved per exchange kind (shared by every verb of this context).
+    """
+
+    group: ProcessGroup | None = None
+    halo: int | None = None
+    traffic: TrafficCounter = field(default_factory=TrafficCounter)
+
+    @property
+    def rank(self) -> int:
+        return dsv4_cp_rank(self.group)
+
+    @property
+    def size(self) -> int:
+        return dsv4_cp_size(self.group)
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 1, kind: str = "all_gather") -> torch.Tensor:
+        """Differentiable all-gather along ``dim`` (see :func:`dsv4_cp_all_gather`)."""
+        return dsv4_cp_all_gather(tensor, dim, self.group, traffic=self.traffic, kind=kind)
+
+    def all_gather_metadata(self, tensor: torch.Tensor, dim: int = 1, kind: str = "metadata") -> torch.Tensor:
+        """Non-differentiable all-gather of integer/bool metadata along ``dim``."""
+        return dsv4_cp_all_gather_metadata(tensor, dim, self.group, traffic=self.traffic, kind=kind)
+
+    def halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "halo") -> torch.Tensor:
+        """The previous rank's last ``rows`` rows along ``dim`` (zeros on rank 0), differentiable."""
+        return halo_exchange(tensor, rows, dim, self.group, traffic=self.traffic, kind=kind)

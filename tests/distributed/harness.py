@@ -1,0 +1,87 @@
+"""Run a function on N gloo ranks on loopback and collect each rank's return value.
+
+Usage in a test::
+
+    from tests.distributed.harness import run_on_ranks
+
+    def _body(rank: int, world_size: int, arg) -> dict:   # module-level, so it pickles
+        ...
+        return {"value": tensor}
+
+    results = run_on_ranks(_body, world_size=2, args=(arg,))   # list indexed by rank
+
+The process group (gloo, WORLD) is initialised before ``fn`` runs and destroyed afterwards. Exceptions in a
+rank are re-raised in the parent with the rank's traceback. Tensors in the results travel through a
+multiprocessing queue serialised with ``torch.save``, so they must be CPU tensors.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import queue as queue_module
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        buffer = io.BytesIO()  # serialise: shared-memory tensors would vanish when this process exits
+        torch.save(out, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 300.0) -> list:
+    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)``; return results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    for _ in range(world_size):
+        try:
+            rank, status, payload = queue.get(timeout=timeout)
+        except queue_module.Empty:  # a rank died without reporting, or hung
+            dead = [f"rank {i} exit code {p.exitcode}" for i, p in enumerate(procs) if not p.is_alive()]
+            errors.append(f"no result within {timeout}s; {', '.join(dead) or 'all ranks still running'}")
+            break
+        if status == "ok":
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            errors.append(f"rank {rank} failed:\n{payload}")
+            break
+    for p in procs:
+        p.join(timeout=timeout if not errors else 5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
