@@ -1,0 +1,295 @@
+"""`DSV4Config`: the one configuration dataclass of a DeepSeek-V4-family model.
+
+Field names and defaults follow ``reference/dsv4-architecture.md`` section 1.1; the defaults are the V4 Flash
+values as released (YaRN compress rope and the 43-entry ``compress_ratios`` of the Flash checkpoint).
+
+Invariants enforced by ``__post_init__`` (a violation raises ``ValueError`` naming the field and the numbers):
+
+* ``compress_ratios`` holds one non-negative int per backbone layer (an empty list means "all 0" and is
+  normalised to ``[0] * num_hidden_layers``); it may carry up to ``num_nextn_predict_layers`` extra entries for
+  the MTP blocks. A layer beyond the list reads ratio 0 (``ratio_for_layer``).
+* ``head_dim`` and ``qk_rope_head_dim`` are even and ``0 < qk_rope_head_dim <= head_dim`` (RoPE acts on the last
+  ``qk_rope_head_dim`` dims as interleaved pairs).
+* When any layer has ratio 4 (CSA) the indexer dims are usable: ``index_head_dim`` even and
+  ``>= qk_rope_head_dim``, ``index_n_heads >= 1``.
+* ``num_attention_heads % o_groups == 0``; ``num_experts_per_tok <= n_routed_experts``;
+  ``num_hash_layers <= num_hidden_layers``; only a single shared K=V head (``num_key_value_heads == 1``) and untied
+  embeddings are supported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from dsv4.cp.multiple import dsv4_cp_local_seq_multiple
+
+SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
+TOPK_METHODS = ("noaux_tc", "greedy")
+TORCH_DTYPES = ("float32", "bfloat16", "float16")
+
+# Flash checkpoint values (benchmark YAML spelled out in dsv4-architecture.md 1.1).
+FLASH_ROPE_SCALING: dict[str, Any] = {
+    "type": "yarn",
+    "factor": 16.0,
+    "original_max_position_embeddings": 65536,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
+FLASH_COMPRESS_RATIOS: list[int] = [0, 0] + [4, 128] * 20 + [4]
+
+
+def _flash_rope_scaling() -> dict[str, Any]:
+    return dict(FLASH_ROPE_SCALING)
+
+
+def _flash_compress_ratios() -> list[int]:
+    return list(FLASH_COMPRESS_RATIOS)
+
+
+@dataclass
+class DSV4Config:
+    """Hyper-parameters of a DSV4 model (defaults: V4 Flash)."""
+
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = 512
+    qk_rope_head_dim: int = 64
+    q_lora_rank: int = 1024
+    o_lora_rank: int = 1024
+    o_groups: int = 8
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 6
+    moe_intermediate_size: int = 2048
+    routed_scaling_factor: float = 1.5
+    norm_topk_prob: bool = True
+    scoring_func: str = "sqrtsoftplus"
+    topk_method: str = "noaux_tc"
+    hidden_act: str = "silu"
+    swiglu_limit: float = 10.0
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: dict[str, Any] | None = field(default_factory=_flash_rope_scaling)
+    compress_ratios: list[int] = field(default_factory=_flash_compress_ratios)
+    sliding_window: int = 128
+    num_hash_layers: int = 3
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    index_head_dim: int = 128
+    index_n_heads: int = 64
+    index_topk: int = 512
+    num_nextn_predict_layers: int = 1
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "bfloat16"
+    # dsv4 additions (not in the reference config)
+    mtp_loss_weight: float = 0.1  # reference "loss scale default 0.1" (dsv4-architecture.md 5.3)
+    train_indexer: bool = False
+    attention_chunk_size: int = 256
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        # Hydra/OmegaConf hand in ListConfig/DictConfig; normalise to plain Python containers.
+        self.compress_ratios = [int(r) for r in (self.compress_ratios or [])]
+        if not self.compress_ratios:
+            self.compress_ratios = [0] * int(self.num_hidden_layers)
+        if self.rope_scaling is not None:
+            self.rope_scaling = dict(self.rope_scaling)
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(name: str, msg: str) -> None:
+            raise ValueError(f"DSV4Config.{name}: {msg}")
+
+        for name in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+            "q_lora_rank", "o_lora_rank", "o_groups", "n_routed_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "max_position_embeddings", "sliding_window", "hc_mult",
+            "hc_sinkhorn_iters", "index_topk", "attention_chunk_size",
+        ):
+            value = getattr(self, name)
+            if int(value) != value or value < 1:
+                fail(name, f"must be an integer >= 1, got {value!r}")
+        for name in ("n_shared_experts", "num_hash_layers", "num_nextn_predict_layers"):
+            value = getattr(self, name)
+            if int(value) != value or value < 0:
+                fail(name, f"must be an integer >= 0, got {value!r}")
+        for name in ("rope_theta", "compress_rope_theta", "rms_norm_eps", "initializer_range", "routed_scaling_factor"):
+            if not getattr(self, name) > 0:
+                fail(name, f"must be > 0, got {getattr(self, name)!r}")
+        if self.hc_eps < 0:
+            fail("hc_eps", f"must be >= 0, got {self.hc_eps}")
+        if self.mtp_loss_weight < 0:
+            fail("mtp_loss_weight", f"must be >= 0, got {self.mtp_loss_weight}")
+        if not self.swiglu_limit > 0:
+            fail("swiglu_limit", f"must be > 0, got {self.swiglu_limit}")
+
+        if self.num_key_value_heads != 1:
+            fail("num_key_value_heads", f"only one shared K=V head is supported, got {self.num_key_value_heads}")
+        if self.head_dim % 2:
+            fail("head_dim", f"must be even (RoPE pairs), got {self.head_dim}")
+        if self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
+            fail("qk_rope_head_dim", f"must be even and in [2, head_dim={self.head_dim}], got {self.qk_rope_head_dim}")
+        if self.num_attention_heads % self.o_groups:
+            fail("o_groups", f"num_attention_heads={self.num_attention_heads} is not divisible by o_groups={self.o_groups}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            fail(
+                "num_experts_per_tok",
+                f"{self.num_experts_per_tok} exceeds n_routed_experts={self.n_routed_experts}",
+            )
+        if self.num_hash_layers > self.num_hidden_layers:
+            fail("num_hash_layers", f"{self.num_hash_layers} exceeds num_hidden_layers={self.num_hidden_layers}")
+        if self.scoring_func not in SCORING_FUNCS:
+            fail("scoring_func", f"must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
+        if self.topk_method not in TOPK_METHODS:
+            fail("topk_method", f"must be one of {TOPK_METHODS}, got {self.topk_method!r}")
+        if self.hidden_act != "silu":
+            fail("hidden_act", f"only 'silu' (clamped SwiGLU) is supported, got {self.hidden_act!r}")
+        if self.torch_dtype not in TORCH_DTYPES:
+            fail("torch_dtype", f"must be one of {TORCH_DTYPES}, got {self.torch_dtype!r}")
+        if self.tie_word_embeddings:
+            fail("tie_word_embeddings", "only untied embeddings are supported (got True)")
+
+        n, mtp, got = self.num_hidden_layers, self.num_nextn_predict_layers, len(self.compress_ratios)
+        if not n <= got <= n + mtp:
+            fail(
+                "compress_ratios",
+                f"has {got} entries, expected num_hidden_layers={n} (or up to {n + mtp} with one extra entry per "
+                f"MTP layer); an empty list means all 0",
+            )
+        bad = [(i, r) for i, r in enumerate(self.compress_ratios) if r < 0]
+        if bad:
+            fail("compress_ratios", f"ratios must be >= 0, got (layer, ratio) {bad}")
+        if 4 in self.compress_ratios:
+            if self.index_head_dim % 2 or self.index_head_dim < self.qk_rope_head_dim:
+                fail(
+                    "index_head_dim",
+                    f"must be even and >= qk_rope_head_dim={self.qk_rope_head_dim} when a layer has ratio 4, "
+                    f"got {self.index_head_dim}",
+                )
+            if self.index_n_heads < 1:
+                fail("index_n_heads", f"must be >= 1 when a layer has ratio 4, got {self.index_n_heads}")
+
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind != "yarn":
+                fail("rope_scaling", f"only YaRN scaling is supported, got type {kind!r}")
+            factor = self.rope_scaling.get("factor")
+            orig = self.rope_scaling.get("original_max_position_embeddings")
+            if factor is None or not factor > 0:
+                fail("rope_scaling", f"'factor' must be > 0, got {factor!r}")
+            if orig is None or not orig > 0:
+                fail("rope_scaling", f"'original_max_position_embeddings' must be > 0, got {orig!r}")
+
+    # ------------------------------------------------------------------ helpers
+    def ratio_for_layer(self, layer_idx: int) -> int:
+        """Compress ratio of layer ``layer_idx``; MTP layers (index >= num_hidden_layers) beyond the list read 0."""
+        if layer_idx < 0:
+            raise ValueError(f"DSV4Config.ratio_for_layer: layer_idx must be >= 0, got {layer_idx}")
+        if layer_idx < len(self.compress_ratios):
+            return self.compress_ratios[layer_idx]
+        return 0
+
+    @property
+    def active_ratios(self) -> list[int]:
+        """Sorted distinct ratios > 0 over the backbone and the MTP layers."""
+        total = self.num_hidden_layers + self.num_nextn_predict_layers
+        return sorted({self.ratio_for_layer(i) for i in range(total)} - {0})
+
+    @property
+    def cp_shard_multiple(self) -> int:
+        """lcm over active ratios with ratio 4 counted as 8 (``dsv4.cp.dsv4_cp_local_seq_multiple``)."""
+        return dsv4_cp_local_seq_multiple(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, ignore_unknown: bool = False) -> "DSV4Config":
+        """Build from a mapping; unknown keys raise unless ``ignore_unknown`` (e.g. for an HF ``config.json``).
+
+        ``compress_rates`` (the transformers built-in spelling) is accepted as an alias of ``compress_ratios``.
+        """
+        data = dict(data)
+        if "compress_rates" in data and "compress_ratios" not in data:
+            data["compress_ratios"] = data.pop("compress_rates")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown and not ignore_unknown:
+            raise ValueError(f"DSV4Config.from_dict: unknown keys {unknown}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "DSV4Config":
+        """A named configuration: ``"tiny"`` (CPU tests), ``"flash"`` (V4 Flash) or ``"pro"`` (V4 Pro)."""
+        if name not in PRESETS:
+            raise ValueError(f"DSV4Config.preset: unknown preset {name!r}, expected one of {sorted(PRESETS)}")
+        values = dict(PRESETS[name])
+        values.update(overrides)
+        return cls(**values)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "flash": {},
+    # Pro: the reference repo states only 384 routed / 1 shared / 6 per token; every other value below comes
+    # from third-party pages listed in dsv4-architecture.md 1.1 (not authoritative, not verified against a
+    # released config.json). "Layers 0-1 HCA then CSA/HCA interleaved" -> [128, 128] + [4, 128, 4, ...].
+    "pro": {
+        "num_hidden_layers": 61,
+        "hidden_size": 7168,
+        "num_attention_heads": 128,
+        "head_dim": 512,
+        "q_lora_rank": 1536,
+        "o_lora_rank": 1024,
+        "o_groups": 16,
+        "n_routed_experts": 384,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 6,
+        "moe_intermediate_size": 3072,
+        "index_topk": 1024,
+        "num_nextn_predict_layers": 1,
+        "compress_ratios": [128, 128] + [4 if i % 2 == 0 else 128 for i in range(59)],
+    },
+    # Trains on a 2-core CPU: every layer kind (SWA 0, CSA 4, HCA 128) and the CP shard multiple
+    # lcm(8, 128) = 128 are exercised; sliding_window 16 keeps the band small.
+    "tiny": {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "q_lora_rank": 32,
+        "o_lora_rank": 32,
+        "o_groups": 2,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "max_position_embeddings": 1024,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+        "compress_ratios": [0, 4, 128, 4],
+        "sliding_window": 16,
+        "num_hash_layers": 1,
+        "hc_mult": 4,
+        "index_head_dim": 32,
+        "index_n_heads": 2,
+        "index_topk": 8,
+        "num_nextn_predict_layers": 1,
+        "torch_dtype": "float32",
+        "attention_chunk_size": 64,
+    },
+}

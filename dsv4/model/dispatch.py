@@ -1,0 +1,78 @@
+"""Token dispatchers: how routed tokens reach their experts and come back (the MoE's only seam to EP).
+
+The MoE layer (``dsv4/model/moe.py``) decides *which* experts see a token (``topk_ids [N, k]``) and *how much*
+each contributes (``topk_weights [N, k]``, fp32). A :class:`TokenDispatcher` decides *where* the expert math
+runs. It calls an :class:`ExpertGroup` on a token matrix sorted by local expert id:
+
+    y_sorted = experts(x_sorted [T, d], tokens_per_expert [E_local] (int64, CPU or device))
+
+Segment ``e`` of ``x_sorted`` (``tokens_per_expert[e]`` rows, in order) belongs to local expert ``e``, i.e.
+global expert ``experts.expert_offset + e``. The dispatcher returns ``sum_j topk_weights[n, j] *
+expert_{topk_ids[n, j]}(x[n])`` for every token ``n``, shape ``[N, d]`` in ``x.dtype`` (accumulated in fp32).
+
+:class:`LocalDispatcher` is the single-rank implementation (all experts local, ``expert_offset == 0``).
+Expert-parallel dispatchers (all-to-all, all-gather + reduce-scatter) implement the same ``run`` and live in
+``dsv4/parallel/dispatch.py``: they exchange the (token, expert) pairs, call their rank's ``ExpertGroup`` on
+the rows they received, and send the results back, without any change to ``moe.py``. Model code never imports
+``torch.distributed``; a distributed dispatcher is injected with :func:`dsv4.model.moe.set_dispatcher`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class ExpertGroup(Protocol):
+    """The experts held by this rank: global ids ``[expert_offset, expert_offset + num_local_experts)``."""
+
+    num_experts: int
+    num_local_experts: int
+    expert_offset: int
+
+    def __call__(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class TokenDispatcher(Protocol):
+    """Runs routed experts for ``N`` tokens; see the module docstring for the exact contract."""
+
+    def run(
+        self, experts: ExpertGroup, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the ``N*k`` (token, expert) pairs by expert.
+
+    Returns ``order [N*k]`` (indices into the flattened ``topk_ids``, stable within an expert),
+    ``token_idx [N*k]`` (``order // k``, the source token of each sorted pair) and
+    ``tokens_per_expert [num_experts]`` (int64).
+    """
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_idx = order // topk_ids.shape[-1]
+    tokens_per_expert = torch.bincount(flat, minlength=num_experts)
+    return order, token_idx, tokens_per_expert
+
+
+class LocalDispatcher:
+    """Every expert lives on this rank: sort pairs by expert, run each expert on its contiguous segment, and
+    scatter-add the weighted results back to their tokens. No Python loop over tokens."""
+
+    def run(
+        self, experts: ExpertGroup, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        if experts.num_local_experts != experts.num_experts:
+            raise ValueError(
+                f"LocalDispatcher needs all experts on this rank, got {experts.num_local_experts} of "
+                f"{experts.num_experts}; use an expert-parallel dispatcher"
+            )
+        order, token_idx, tokens_per_expert = sort_by_expert(topk_ids, experts.num_experts)
+        y = experts(x.index_select(0, token_idx), tokens_per_expert)
+        w = topk_weights.reshape(-1).index_select(0, order).float()
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        out.index_add_(0, token_idx, y.float() * w.unsqueeze(-1))
+        return out.to(x.dtype)

@@ -1,0 +1,200 @@
+"""`DSV4Model` (embedding -> blocks -> hyper-head -> norm) and `DSV4ForCausalLM` (+ lm_head, MTP, loss).
+
+Public contract (DESIGN.md section 4)::
+
+    out = DSV4ForCausalLM(config)(input_ids [B, L], position_ids=None, packed_seq_ids=None,
+                                  padding_mask=None, cp=None, labels=None)
+    out.logits        [B, L, vocab] fp32, for this rank's L local tokens
+    out.mtp_logits    list of [B, L, vocab] fp32, one per MTP depth
+    out.loss          (labels given) loss_sum / label_count
+    out.loss_sum      CE_sum + mtp_loss_weight * mean_d(MTP_CE_sum_d)   (one scalar: reduce it over ranks)
+    out.label_count   number of labels != -100 (main head)
+
+Defaults: ``position_ids = rank * L + arange(L)`` (rank 0 without CP), ``packed_seq_ids`` all 1 (one
+document), ``padding_mask`` None (no pad keys). Labels are pre-shifted (``labels[i]`` is the target of
+``logits[i]``; -100 = ignored). The MTP term is normalised by the *main* label count so that a distributed
+trainer reduces exactly one (sum, count) pair: ``loss = (sum over ranks loss_sum) / (sum over ranks
+label_count)``. The per-depth sums/counts are also returned for logging.
+
+Weights: ``nn.Linear``/``nn.Embedding`` weights ~ N(0, initializer_range); other modules initialise themselves
+(RMSNorm ones, hyper-connection fn ~ N(0, initializer_range), base 0, scale 1, expert weights ~ N(0, std)).
+Embeddings are untied. Parameters are created in the default dtype; the model never imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.model.attention import AttentionMetadata, build_attention_metadata
+from dsv4.model.block import DSV4Block
+from dsv4.model.hyper_connections import HyperHead
+from dsv4.model.moe import GroupedExperts
+from dsv4.model.mtp import MultiTokenPrediction
+from dsv4.model.norm import RMSNorm
+
+
+@dataclass
+class DSV4Output:
+    """Output of :class:`DSV4ForCausalLM`. Loss fields are ``None`` without labels."""
+
+    logits: torch.Tensor
+    mtp_logits: list[torch.Tensor] = field(default_factory=list)
+    loss: torch.Tensor | None = None
+    loss_sum: torch.Tensor | None = None
+    label_count: torch.Tensor | None = None
+    ce_loss_sum: torch.Tensor | None = None
+    mtp_loss_sums: list[torch.Tensor] = field(default_factory=list)
+    mtp_label_counts: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class BackboneOutput:
+    hidden: torch.Tensor  # [B, L, d]  final-normed, after the hyper-head
+    streams: torch.Tensor  # [B, L, hc, d]  residual streams after the last block (MTP input)
+    attn_metadata: AttentionMetadata  # built once per forward, reused by the MTP blocks
+
+
+def default_position_ids(input_ids: torch.Tensor, cp=None) -> torch.Tensor:
+    """``rank * L + arange(L)`` broadcast to ``[B, L]`` (rank 0 without CP)."""
+    b, length = input_ids.shape
+    rank = cp.rank if cp is not None else 0
+    pos = torch.arange(rank * length, (rank + 1) * length, device=input_ids.device)
+    return pos.unsqueeze(0).expand(b, length)
+
+
+class DSV4Model(nn.Module):
+    """Backbone: ``forward(input_ids [B, L], position_ids, packed_seq_ids, padding_mask, cp) -> BackboneOutput``.
+
+    All arguments are already resolved (no defaults here, see :class:`DSV4ForCausalLM`)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DSV4Block(config, i) for i in range(config.num_hidden_layers))
+        self.hc_head = HyperHead(
+            config.hc_mult,
+            config.hidden_size,
+            hc_eps=config.hc_eps,
+            norm_eps=config.rms_norm_eps,
+            init_std=config.initializer_range,
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        packed_seq_ids: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        cp=None,
+    ) -> BackboneOutput:
+        meta = build_attention_metadata(self.config, position_ids, packed_seq_ids, padding_mask, cp)
+        h = self.embed_tokens(input_ids)
+        x = h.unsqueeze(-2).expand(*h.shape[:-1], self.config.hc_mult, h.shape[-1])
+        for layer in self.layers:
+            x = layer(x, input_ids, position_ids, packed_seq_ids, padding_mask, cp, meta)
+        return BackboneOutput(hidden=self.norm(self.hc_head(x)), streams=x, attn_metadata=meta)
+
+
+class DSV4ForCausalLM(nn.Module):
+    """DSV4 backbone + fp32 lm_head + MTP depths + token-sum CE loss. See the module docstring."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DSV4Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = MultiTokenPrediction(config)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 lm_head: ``[B, L, d] -> [B, L, vocab]`` fp32."""
+        return F.linear(hidden.float(), self.lm_head.weight.float())
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        packed_seq_ids: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        cp=None,
+        labels: torch.Tensor | None = None,
+    ) -> DSV4Output:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
+        if position_ids is None:
+            position_ids = default_position_ids(input_ids, cp)
+        if packed_seq_ids is None:
+            packed_seq_ids = torch.ones_like(input_ids)
+        for name, t in (("position_ids", position_ids), ("packed_seq_ids", packed_seq_ids),
+                        ("padding_mask", padding_mask), ("labels", labels)):
+            if t is not None and t.shape != input_ids.shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(input_ids.shape)} (input_ids)")
+
+        backbone = self.model(input_ids, position_ids, packed_seq_ids, padding_mask, cp)
+        logits = self.logits_from_hidden(backbone.hidden)
+        mtp_hiddens, mtp_labels = self.mtp(
+            backbone.streams, self.model.embed_tokens, input_ids, position_ids, packed_seq_ids, padding_mask,
+            labels=labels, cp=cp, attn_metadata=backbone.attn_metadata,
+        )
+        out = DSV4Output(logits=logits, mtp_logits=[self.logits_from_hidden(h) for h in mtp_hiddens])
+        if labels is None:
+            return out
+
+        out.ce_loss_sum, out.label_count = token_ce_sum(logits, labels)
+        loss_sum = out.ce_loss_sum
+        if mtp_labels:
+            for mtp_logit, mtp_label in zip(out.mtp_logits, mtp_labels):
+                s, n = token_ce_sum(mtp_logit, mtp_label)
+                out.mtp_loss_sums.append(s)
+                out.mtp_label_counts.append(n)
+            loss_sum = loss_sum + self.config.mtp_loss_weight * torch.stack(out.mtp_loss_sums).mean()
+        out.loss_sum = loss_sum
+        out.loss = loss_sum / out.label_count.clamp_min(1)
+        return out
+
+    def num_parameters(self, active_only: bool = False) -> int:
+        """Total parameters, or the parameters active per token (see :func:`parameter_counts`)."""
+        counts = parameter_counts(self)
+        return counts["active"] if active_only else counts["total"]
+
+
+def token_ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of fp32 CE over labels != -100, count of those labels)``."""
+    flat_labels = labels.reshape(-1)
+    ce = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), flat_labels, ignore_index=-100, reduction="sum"
+    )
+    return ce, (flat_labels != -100).sum()
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """``{"total", "active", "routed_experts"}`` parameter counts of ``model`` (works on the meta device).
+
+    ``active`` = every parameter except routed experts, plus ``num_experts_per_tok`` routed experts per MoE
+    layer (MTP layers included; shared experts, embedding and lm_head are counted in full).
+    """
+    total = sum(p.numel() for p in model.parameters())
+    routed = 0
+    active_routed = 0
+    top_k = model.config.num_experts_per_tok
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            n = sum(p.numel() for p in m.parameters(recurse=False))
+            routed += n
+            active_routed += n // m.num_local_experts * min(top_k, m.num_local_experts)
+    return {"total": total, "active": total - routed + active_routed, "routed_experts": routed}

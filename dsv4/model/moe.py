@@ -1,0 +1,268 @@
+"""Mixture-of-experts FFN (spec section 5.2): routed experts + shared expert(s), clamped SwiGLU.
+
+Shapes: ``MoE.forward(x [B, L, d], input_ids [B, L] | None, padding_mask [B, L] | None) -> [B, L, d]``.
+
+Routing (:class:`MoEGate`), all in fp32:
+
+* scores ``s = sqrt(softplus(x @ W_g.T))`` (``scoring_func == "sqrtsoftplus"``; ``"sigmoid"``/``"softmax"``
+  are also accepted);
+* hash layers (``layer_idx < num_hash_layers``): ``topk_ids = tid2eid[input_id]`` (int64 buffer
+  ``[vocab, k]``, not trainable, no bias);
+* other layers, ``topk_method == "noaux_tc"``: ``topk_ids = topk(s + e_score_correction_bias)`` (no group
+  limit). The bias changes *which* experts are picked, never their weights;
+* weights ``w = s.gather(topk_ids)``, divided by their sum when ``norm_topk_prob``, times
+  ``routed_scaling_factor``.
+
+Load balancing: during training every non-hash gate accumulates ``expert_load [E]`` (tokens routed to each
+expert, a non-persistent fp32 buffer, no autograd). After each optimizer step the training loop calls
+:func:`update_load_balancing_bias` (optionally summing the loads over ranks with a ``reduce`` callable), which
+applies ``bias += rate * sign(mean_load - load_e)`` (``rate`` = 1e-3) and clears the loads. There is no
+auxiliary loss.
+
+Padding (our choice, the spec is silent): tokens flagged in ``padding_mask`` skip the whole FFN. They are not
+routed, not counted in ``expert_load`` and their MoE output (routed + shared) is exactly zero. Pad tokens never
+carry a label, and real tokens never attend to them, so this only saves work and keeps the load statistics
+clean.
+
+Experts use the clamped SwiGLU in fp32: ``gate = min(x W1, limit)``, ``up = clamp(x W3, -limit, limit)``,
+``h = silu(gate) * up`` cast back to the activation dtype, then ``W2``. ``swiglu_limit`` of ``None``/``0``
+disables the clamp. The routed expert math goes through a :class:`~dsv4.model.dispatch.TokenDispatcher`
+(default :class:`~dsv4.model.dispatch.LocalDispatcher`), so expert parallelism plugs in without touching this
+file.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.model.dispatch import LocalDispatcher, TokenDispatcher
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` computed in fp32, returned in ``gate.dtype``."""
+    g, u = gate.float(), up.float()
+    if limit:
+        g = g.clamp(max=limit)
+        u = u.clamp(min=-limit, max=limit)
+    return (F.silu(g) * u).to(gate.dtype)
+
+
+def expert_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """Router scores from router logits (fp32)."""
+    logits = logits.float()
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return torch.sigmoid(logits)
+    if scoring_func == "softmax":
+        return torch.softmax(logits, dim=-1)
+    raise ValueError(f"unknown scoring_func {scoring_func!r}; expected sqrtsoftplus, sigmoid or softmax")
+
+
+class MLP(nn.Module):
+    """Dense clamped-SwiGLU MLP (the shared expert): ``w2(swiglu(w1 x, w3 x))``. ``[..., d] -> [..., d]``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None) -> None:
+        super().__init__()
+        self.swiglu_limit = swiglu_limit
+        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit))
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts held by this rank, stacked: ``w1, w3 [E_local, I, d]``, ``w2 [E_local, d, I]``.
+
+    Implements :class:`~dsv4.model.dispatch.ExpertGroup`: ``forward(x_sorted [T, d], tokens_per_expert
+    [E_local]) -> [T, d]`` where rows are grouped by local expert in order. Global expert ids held here are
+    ``[expert_offset, expert_offset + num_local_experts)``.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        swiglu_limit: float | None,
+        expert_offset: int = 0,
+        num_local_experts: int | None = None,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.expert_offset = expert_offset
+        self.num_local_experts = num_experts if num_local_experts is None else num_local_experts
+        self.swiglu_limit = swiglu_limit
+        self.init_std = init_std
+        n = self.num_local_experts
+        self.w1 = nn.Parameter(torch.empty(n, intermediate_size, hidden_size))
+        self.w3 = nn.Parameter(torch.empty(n, intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(n, hidden_size, intermediate_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for w in (self.w1, self.w3, self.w2):
+            nn.init.normal_(w, std=self.init_std)
+
+    def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        counts = tokens_per_expert.tolist()
+        outs = []
+        for e, chunk in enumerate(torch.split(x_sorted, counts, dim=0)):
+            if chunk.shape[0] == 0:
+                continue
+            h = clamped_swiglu(chunk @ self.w1[e].t(), chunk @ self.w3[e].t(), self.swiglu_limit)
+            outs.append(h @ self.w2[e].t())
+        if not outs:
+            return x_sorted.new_zeros(x_sorted.shape)
+        return torch.cat(outs, dim=0)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, local=[{self.expert_offset}, "
+            f"{self.expert_offset + self.num_local_experts}), hidden={self.w1.shape[2]}, inter={self.w1.shape[1]}"
+        )
+
+
+class MoEGate(nn.Module):
+    """Router of one layer: ``forward(x [N, d], input_ids [N] | None) -> (topk_ids [N, k] int64,
+    topk_weights [N, k] fp32)``. Hash gates hold ``tid2eid``; score gates hold ``e_score_correction_bias``."""
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.scoring_func = config.scoring_func
+        self.topk_method = config.topk_method
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.init_std = config.initializer_range
+        self.layer_idx = layer_idx
+        self.is_hash = layer_idx < config.num_hash_layers
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        if self.is_hash:
+            self.register_buffer("tid2eid", torch.empty(config.vocab_size, self.top_k, dtype=torch.long))
+            self.e_score_correction_bias = None
+            self.expert_load = None
+        else:
+            if self.topk_method not in ("noaux_tc", "greedy"):
+                raise ValueError(f"unknown topk_method {self.topk_method!r}; expected noaux_tc or greedy")
+            self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+            self.register_buffer("expert_load", torch.zeros(self.num_experts, dtype=torch.float32), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.init_std)
+        if self.is_hash and self.tid2eid.device.type != "meta":
+            # Deterministic per layer: top_k distinct random experts per token id (a checkpoint overrides it).
+            gen = torch.Generator(device="cpu").manual_seed(1000 + self.layer_idx)
+            noise = torch.rand(self.tid2eid.shape[0], self.num_experts, generator=gen, device="cpu")
+            self.tid2eid.copy_(noise.argsort(dim=-1)[:, : self.top_k])
+        if not self.is_hash:
+            self.e_score_correction_bias.zero_()
+            self.expert_load.zero_()
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = expert_scores(F.linear(x.float(), self.weight.float()), self.scoring_func)
+        if self.is_hash:
+            if input_ids is None:
+                raise ValueError(f"layer {self.layer_idx} uses hash routing and needs input_ids")
+            topk_ids = self.tid2eid[input_ids]
+        elif self.topk_method == "noaux_tc":
+            topk_ids = torch.topk(scores.detach() + self.e_score_correction_bias, self.top_k, dim=-1).indices
+        else:
+            topk_ids = torch.topk(scores.detach(), self.top_k, dim=-1).indices
+        weights = scores.gather(-1, topk_ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        weights = weights * self.routed_scaling_factor
+        if self.expert_load is not None and self.training:
+            with torch.no_grad():
+                self.expert_load += torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts).float()
+        return topk_ids, weights
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor | None = None, rate: float = 1e-3) -> None:
+        """``bias += rate * sign(mean(load) - load)``: under-loaded experts become more likely to be picked.
+
+        ``load`` defaults to the accumulated ``expert_load`` (already summed over ranks by the caller if
+        needed). The accumulated load is cleared afterwards.
+        """
+        if self.e_score_correction_bias is None:
+            return
+        load = self.expert_load if load is None else load.to(self.expert_load)
+        self.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+        self.expert_load.zero_()
+
+
+class MoE(nn.Module):
+    """Routed experts (through a dispatcher) + ``n_shared_experts`` shared experts; see the module docstring."""
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.gate = MoEGate(config, layer_idx)
+        self.experts = GroupedExperts(
+            config.n_routed_experts,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            config.swiglu_limit,
+            init_std=config.initializer_range,
+        )
+        n_shared = config.n_shared_experts or 0
+        self.shared_experts = (
+            MLP(config.hidden_size, config.moe_intermediate_size * n_shared, config.swiglu_limit) if n_shared else None
+        )
+        self.dispatcher: TokenDispatcher = LocalDispatcher()
+
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        ids = None if input_ids is None else input_ids.reshape(-1)
+        keep = None
+        if padding_mask is not None:
+            keep = (~padding_mask.reshape(-1)).nonzero().squeeze(-1)
+            flat = flat.index_select(0, keep)
+            ids = None if ids is None else ids.index_select(0, keep)
+        topk_ids, topk_weights = self.gate(flat, ids)
+        y = self.dispatcher.run(self.experts, flat, topk_ids, topk_weights)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        if keep is not None:
+            y = torch.zeros(shape[:-1].numel(), shape[-1], dtype=y.dtype, device=y.device).index_copy(0, keep, y)
+        return y.reshape(shape)
+
+
+def set_dispatcher(model: nn.Module, dispatcher: TokenDispatcher) -> None:
+    """Use ``dispatcher`` for every MoE layer in ``model`` (e.g. an expert-parallel one)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.dispatcher = dispatcher
+
+
+@torch.no_grad()
+def update_load_balancing_bias(
+    model: nn.Module, rate: float = 1e-3, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> None:
+    """Apply the noaux_tc bias update to every score-routed gate of ``model`` and clear the loads.
+
+    Call after each optimizer step. ``reduce`` (e.g. an all-reduce SUM over the data/context/expert ranks that
+    share the router) maps the stacked local loads ``[num_gates, E]`` to the global ones; it is called once, so
+    the trainer pays one collective per step.
+    """
+    gates = [m for m in model.modules() if isinstance(m, MoEGate) and m.expert_load is not None]
+    if not gates:
+        return
+    loads = torch.stack([g.expert_load for g in gates])
+    if reduce is not None:
+        loads = reduce(loads)
+    for gate, load in zip(gates, loads):
+        gate.update_bias(load, rate)

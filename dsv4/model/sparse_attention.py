@@ -1,0 +1,182 @@
+"""Reference sparse attention kernel in plain torch (dsv4-architecture.md 2.1, 2.3, 3).
+
+Every query ``i`` (kv row ``query_offset + i``) attends to
+
+* the window band: kv rows ``j`` with ``q - W < j <= q`` (linear row indices), ``key_seq[j] == q_seq > 0`` and
+  ``not key_padding[j]``; the W rows are GATHERED per query (``[chunk, W]``), never masked out of ``[L, L]``;
+* compressed rows (``ratio > 0``): either the CSA top-k list ``[chunk, k]`` (``-1`` = none) or, for HCA, all
+  ``P`` rows; both under the compressed rule ``q_seq > 0 and comp_seq[p] == q_seq and
+  comp_pos[p] < (q_pos + 1) // ratio`` (``q_pos`` document-local).
+
+Softmax in fp32 with the per-head sink in the denominator only:
+``p_j = exp(z_j) / (sum_allowed exp(z_k) + exp(sink_h))``, ``z = q . k * scale`` (``scale = D^-0.5``).
+Output ``out[b, i, h] = sum_j p_j kv_j`` (K = V). A query without any allowed key outputs exactly 0 with finite
+gradients.
+
+Memory: queries run in chunks of ``chunk_size``; the largest intermediate is ``[B, chunk, H, W + k]`` (CSA) or
+``[B, chunk, H, W + P]`` (HCA) plus the gathered ``[B, chunk, W (+k), D]`` keys. With ``checkpoint`` (default
+when grads are needed) each chunk is recomputed in backward, so the saved activations are O(L * H * D), not
+O(L * (W + P)).
+
+For context parallelism the caller prepends halo rows to ``kv`` (``query_offset = halo``) and passes all-gathered
+compressed rows and their metadata; nothing here depends on the rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+
+def _chunk_attention(
+    q: Tensor,
+    kv: Tensor,
+    sink: Tensor,
+    q_seq: Tensor,
+    q_pos: Tensor,
+    kv_seq: Tensor,
+    kv_pad: Tensor,
+    comp: Tensor | None,
+    comp_seq: Tensor | None,
+    comp_pos: Tensor | None,
+    topk: Tensor | None,
+    start: int,
+    query_offset: int,
+    window: int,
+    ratio: int,
+    scale: float,
+) -> Tensor:
+    """Attention of the query chunk ``q [B, C, H, D]`` starting at query index ``start``."""
+    b, c, h, d = q.shape
+    device = q.device
+    qf = q.float()
+
+    # Window band: rows (q_row - W + 1 .. q_row), gathered per query -> [C, W].
+    q_rows = query_offset + start + torch.arange(c, device=device)
+    rows = q_rows[:, None] - torch.arange(window - 1, -1, -1, device=device)[None, :]
+    in_range = rows >= 0
+    rows = rows.clamp(min=0)
+    keys = kv[:, rows]  # [B, C, W, D]
+    allowed = (
+        in_range[None]
+        & (kv_seq[:, rows] == q_seq[:, :, None])
+        & (q_seq[:, :, None] > 0)
+        & ~kv_pad[:, rows]
+    )  # [B, C, W]
+    logits = torch.einsum("bchd,bcwd->bchw", qf, keys.float()) * scale
+    parts = [logits.masked_fill(~allowed[:, :, None, :], float("-inf"))]
+
+    if comp is not None:  # also with P == 0, so the compressor stays in the graph (zero grads, not None)
+        if topk is not None:  # CSA: gather the selected rows per query -> [B, C, k, D]
+            sel_valid = topk >= 0
+            sel = topk.clamp(min=0)
+            batch = torch.arange(b, device=device)[:, None, None]
+            ckeys = comp[batch, sel]
+            c_allowed = sel_valid & compressed_key_allowed(
+                q_seq, q_pos, comp_seq[batch, sel], comp_pos[batch, sel], ratio
+            )
+            c_logits = torch.einsum("bchd,bckd->bchk", qf, ckeys.float()) * scale
+        else:  # HCA: every compressed row, causal/document rule -> [B, C, P]
+            c_allowed = compressed_key_allowed(q_seq, q_pos, comp_seq, comp_pos, ratio)
+            c_logits = torch.einsum("bchd,bpd->bchp", qf, comp.float()) * scale
+        parts.append(c_logits.masked_fill(~c_allowed[:, :, None, :], float("-inf")))
+
+    # Sink column: adds exp(sink) to the denominator; its value slot is dropped (value 0).
+    sink_col = sink.float().view(1, 1, h, 1).expand(b, c, h, 1)
+    probs = torch.softmax(torch.cat(parts + [sink_col], dim=-1), dim=-1)
+    w = keys.shape[2]
+    out = torch.einsum("bchw,bcwd->bchd", probs[..., :w], keys.float())
+    if comp is not None:
+        p_comp = probs[..., w:-1]
+        if topk is not None:
+            out = out + torch.einsum("bchk,bckd->bchd", p_comp, ckeys.float())
+        else:
+            out = out + torch.einsum("bchp,bpd->bchd", p_comp, comp.float())
+    return out.to(q.dtype)
+
+
+def compressed_key_allowed(
+    query_seq_ids: Tensor, query_positions: Tensor, key_seq_ids: Tensor, key_positions: Tensor, ratio: int
+) -> Tensor:
+    """Compressed-key rule of section 3 as a bool mask ``[B, Lq, K]``.
+
+    ``allowed(q, p) = q_doc > 0 and key_seq[p] == q_doc and key_pos[p] < (q_pos_doc + 1) // ratio``.
+    Queries are ``[B, Lq]``; keys are ``[B, P]`` (shared by all queries) or ``[B, Lq, K]`` (gathered per query).
+    """
+    if key_seq_ids.dim() == 2:
+        key_seq_ids, key_positions = key_seq_ids[:, None, :], key_positions[:, None, :]
+    q_seq = query_seq_ids[:, :, None]
+    limit = torch.div(query_positions + 1, ratio, rounding_mode="floor")[:, :, None]
+    return (q_seq > 0) & (key_seq_ids == q_seq) & (key_positions < limit)
+
+
+def sparse_attention(
+    q: Tensor,
+    kv: Tensor,
+    sink: Tensor,
+    *,
+    window: int,
+    query_seq_ids: Tensor,
+    query_positions: Tensor,
+    kv_seq_ids: Tensor,
+    kv_padding: Tensor | None = None,
+    query_offset: int | None = None,
+    compressed: Tensor | None = None,
+    compressed_seq_ids: Tensor | None = None,
+    compressed_positions: Tensor | None = None,
+    ratio: int = 0,
+    topk_indices: Tensor | None = None,
+    chunk_size: int = 256,
+    scale: float | None = None,
+    checkpoint: bool | None = None,
+) -> Tensor:
+    """Sliding-window + compressed sparse attention. Returns ``[B, L, H, D]`` in ``q.dtype``.
+
+    Args:
+        q: ``[B, L, H, D]`` queries (normalised, RoPE'd).
+        kv: ``[B, L_kv, D]`` window K=V rows; query ``i`` sits at kv row ``query_offset + i``.
+        sink: ``[H]`` per-head sink logits.
+        window: sliding window W.
+        query_seq_ids, query_positions: ``[B, L]`` document ids (0 = pack padding) and doc-local positions.
+        kv_seq_ids: ``[B, L_kv]`` document ids of the kv rows; kv_padding: ``[B, L_kv]`` True = excluded key.
+        query_offset: defaults to ``L_kv - L`` (halo rows first).
+        compressed: ``[B, P, D]`` compressed K=V rows (``ratio > 0``) with ``compressed_seq_ids`` /
+            ``compressed_positions`` ``[B, P]`` (window id, doc-local window index).
+        topk_indices: ``[B, L, k]`` CSA selection (``-1`` = none); None with ``compressed`` means HCA (all P).
+        chunk_size: queries per chunk; scale: defaults to ``D ** -0.5``;
+        checkpoint: recompute each chunk in backward (default: when autograd is recording).
+    """
+    b, length, h, d = q.shape
+    l_kv = kv.shape[1]
+    if query_offset is None:
+        query_offset = l_kv - length
+    if query_offset < 0 or query_offset + length > l_kv:
+        raise ValueError(f"sparse_attention: queries [{query_offset}, {query_offset + length}) outside kv rows {l_kv}")
+    if compressed is not None and ratio < 1:
+        raise ValueError(f"sparse_attention: compressed rows need ratio >= 1, got {ratio}")
+    if kv_padding is None:
+        kv_padding = torch.zeros(b, l_kv, dtype=torch.bool, device=kv.device)
+    scale = d**-0.5 if scale is None else scale
+    # Never gather more band rows than exist before the last query.
+    band = max(1, min(window, query_offset + length))
+    if checkpoint is None:
+        checkpoint = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, kv, sink, compressed)
+        )
+    outs = []
+    for start in range(0, length, chunk_size):
+        end = min(start + chunk_size, length)
+        args = (
+            q[:, start:end], kv, sink, query_seq_ids[:, start:end], query_positions[:, start:end], kv_seq_ids,
+            kv_padding, compressed, compressed_seq_ids, compressed_positions,
+            None if topk_indices is None else topk_indices[:, start:end],
+            start, query_offset, band, ratio, scale,
+        )
+        if checkpoint:
+            outs.append(_checkpoint(_chunk_attention, *args, use_reentrant=False))
+        else:
+            outs.append(_chunk_attention(*args))
+    if not outs:
+        return q.new_zeros(b, 0, h, d)
+    return torch.cat(outs, dim=1)

@@ -1,0 +1,58 @@
+"""Token-weighted loss over data x context parallel ranks, every label counted once.
+
+Each rank computes ``loss_sum`` (sum of per-token CE over its local labels != -100) and ``label_count``. The
+global loss is ``sum_ranks(loss_sum) / sum_ranks(label_count)`` — the mean over every labelled token of the
+global batch, exactly what a single process computes on the unsharded batch. Ranks with no labelled token
+(e.g. a CP rank holding only pack padding) contribute 0 and never divide by zero.
+
+Gradient contract: :func:`reduce_token_loss` returns ``loss_for_backward = loss_sum / global_count`` per rank.
+Summing parameter gradients over the participating ranks (what FSDP2/DDP do with a SUM reduction, or a mean
+reduction scaled by ``grad_scale = world size``) gives the gradient of the global token mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TokenLoss:
+    """``loss``: this rank's share to backpropagate; ``value``: the global loss (detached, identical on every
+    rank); ``global_count``: labelled tokens over all ranks (detached)."""
+
+    loss: torch.Tensor
+    value: torch.Tensor
+    global_count: torch.Tensor
+
+
+def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    if group is False or not (dist.is_available() and dist.is_initialized()):
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def reduce_token_loss(
+    loss_sum: torch.Tensor,
+    label_count: torch.Tensor | int,
+    group=None,
+    grad_scale: float = 1.0,
+) -> TokenLoss:
+    """Reduce a per-rank (CE sum, label count) pair over ``group`` (the dp x cp ranks; WORLD when None).
+
+    Args:
+        loss_sum: scalar, differentiable sum of token losses on this rank.
+        label_count: scalar number of labelled tokens on this rank.
+        group: process group to reduce over; ``False`` (or no ``torch.distributed``) = this rank only.
+        grad_scale: multiply the backward share, e.g. by the world size when the gradient reduction averages.
+    """
+    count = torch.as_tensor(label_count, device=loss_sum.device).detach().to(torch.float64)
+    global_count = _all_reduce_sum(count, group)
+    denom = global_count.clamp_min(1).to(loss_sum.dtype)
+    loss = loss_sum / denom
+    value = _all_reduce_sum(loss.detach(), group)
+    return TokenLoss(loss=loss * grad_scale if grad_scale != 1.0 else loss, value=value, global_count=global_count)
