@@ -207,3 +207,37 @@ def test_no_quadratic_intermediate():
         p = length // ratio
         bound = max(length * H * D, chunk * window * D, chunk * H * (window + (8 if csa else p)), chunk * p)
         assert probe.largest <= bound < length * length // 4, (ratio, probe.largest)
+
+
+def test_window_and_document_rule_equals_seed_dense_mask():
+    """SWA keys: the seed's packed dense mask (dsv4.cp masks, the reference's own rule) is the oracle.
+
+    Packed row of three documents (one with per-document pad slots) plus pack padding; window 4. Attention with
+    the seed's additive mask + the sink column must equal the gathered-band kernel for every real query.
+    """
+    from dsv4.cp import build_dsv4_cp_packed_causal_padding_mask
+
+    g = torch.Generator().manual_seed(5)
+    seq = torch.tensor([[1] * 8 + [2] * 8 + [3] * 4 + [0] * 4])
+    pos = torch.tensor([list(range(8)) * 2 + list(range(4)) + [0] * 4])
+    pad = torch.zeros_like(seq, dtype=torch.bool)
+    pad[0, 13:16] = True  # document 2 has 5 real tokens and 3 pad slots
+    pad[0, 20:] = True
+    b, length, h, d, window = 1, seq.shape[1], 2, 8, 4
+    q = torch.randn(b, length, h, d, generator=g)  # fp32: the kernel computes in fp32
+    kv = torch.randn(b, length, d, generator=g)
+    sink = torch.randn(h, generator=g)
+    mask = build_dsv4_cp_packed_causal_padding_mask(
+        position_ids=pos, packed_seq_ids=seq, dtype=torch.float64, device="cpu", cp_group=None,
+        padding_mask=pad, sliding_window=window,
+    )  # [B, 1, S, S]
+    q64, kv64, sink64 = q.double(), kv.double(), sink.double()  # the oracle runs in fp64
+    scores = torch.einsum("bshd,btd->bhst", q64, kv64) * d**-0.5 + mask
+    scores = torch.cat([scores, sink64.view(1, h, 1, 1).expand(b, h, length, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :-1]
+    dense = torch.einsum("bhst,btd->bshd", probs, kv64).float()
+    out = sparse_attention(q, kv, sink, window=window, query_seq_ids=seq, query_positions=pos, kv_seq_ids=seq,
+                           kv_padding=pad, chunk_size=5)
+    real = seq[0] > 0  # pack-padding queries have no key at all (the dense mask gives them only the sink too)
+    torch.testing.assert_close(out[:, real], dense[:, real], atol=1e-6, rtol=1e-5)
+    assert torch.equal(out[:, ~real], torch.zeros_like(out[:, ~real]))
