@@ -8,6 +8,7 @@ from dsv4.cp.collectives import (
     all_reduce_max,
     dsv4_cp_all_gather,
     dsv4_cp_all_gather_metadata,
+    gather_preceding,
     halo_exchange,
 )
 from dsv4.cp.context import CPContext
@@ -56,6 +57,7 @@ __all__ = [
     "dsv4_cp_rank",
     "dsv4_cp_sharder",
     "dsv4_cp_size",
+    "gather_preceding",
     "halo_exchange",
     "make_dsv4_contiguous_shard_cp_batch_and_ctx",
     "shard_batch_contiguous",

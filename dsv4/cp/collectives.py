@@ -193,3 +193,91 @@ def all_reduce_max(value: int, group: ProcessGroup | None = None, device: torch.
     t = torch.tensor([int(value)], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())
+
+
+class _GatherPreceding(torch.autograd.Function):
+    """Rank r receives rows ``[starts[r], r*n)`` of the global concatenation from the ranks that own them."""
+
+    @staticmethod
+    def forward(ctx, x, starts, dim, group, traffic, kind):  # type: ignore[override]
+        rank, size = dsv4_cp_rank(group), dsv4_cp_size(group)
+        n = x.shape[dim]
+        ctx.dim, ctx.group, ctx.traffic, ctx.kind, ctx.starts, ctx.n = dim, group, traffic, kind, starts, n
+        ops, received, sent_bytes = [], [], 0
+        for receiver in range(rank + 1, size):  # my rows that a later rank needs: [max(starts[j], rank*n), (rank+1)*n)
+            first = max(starts[receiver] - rank * n, 0)
+            if first < n:
+                piece = x.narrow(dim, first, n - first).contiguous()
+                ops.append(("send", piece, receiver))
+                sent_bytes += _nbytes(piece)
+        for owner in range(rank):  # rows of an earlier rank that I need
+            first = max(starts[rank] - owner * n, 0)
+            if first < n:
+                shape = list(x.shape)
+                shape[dim] = n - first
+                buf = x.new_empty(shape)
+                ops.append(("recv", buf, owner))
+                received.append(buf)
+        _p2p(ops, group)
+        if traffic is not None:
+            traffic.add(kind, sent=sent_bytes, received=sum(_nbytes(b) for b in received))
+        return torch.cat(received + [x], dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        group, dim, n, starts = ctx.group, ctx.dim, ctx.n, ctx.starts
+        rank, size = dsv4_cp_rank(group), dsv4_cp_size(group)
+        ops, incoming, offset, sent_bytes = [], [], 0, 0
+        for owner in range(rank):  # return the gradient of rows I received to their owners
+            first = max(starts[rank] - owner * n, 0)
+            if first < n:
+                piece = grad.narrow(dim, offset, n - first).contiguous()
+                ops.append(("send", piece, owner))
+                sent_bytes += _nbytes(piece)
+                offset += n - first
+        grad_x = grad.narrow(dim, offset, n).clone()
+        for receiver in range(rank + 1, size):
+            first = max(starts[receiver] - rank * n, 0)
+            if first < n:
+                shape = list(grad_x.shape)
+                shape[dim] = n - first
+                buf = grad_x.new_empty(shape)
+                ops.append(("recv", buf, receiver))
+                incoming.append((first, buf))
+        _p2p(ops, group)
+        for first, buf in incoming:
+            grad_x.narrow(dim, first, n - first).add_(buf)
+        if ctx.traffic is not None:
+            ctx.traffic.add(
+                f"{ctx.kind}.backward", sent=sent_bytes, received=sum(_nbytes(b) for _, b in incoming)
+            )
+        return grad_x, None, None, None, None, None
+
+
+def gather_preceding(
+    tensor: torch.Tensor,
+    starts: list[int],
+    dim: int = 1,
+    cp_group: ProcessGroup | None = None,
+    *,
+    traffic: TrafficCounter | None = None,
+    kind: str = "gather_preceding",
+) -> torch.Tensor:
+    """Differentiable causal gather: rows ``[starts[rank], (rank+1)*n)`` of the global concatenation.
+
+    Every rank holds ``n`` rows along ``dim`` (rank r owns global rows ``[r*n, (r+1)*n)``); ``starts`` (identical
+    on every rank, ``starts[r] <= r*n``) says where the suffix each rank needs begins. Rank r receives only what
+    it asked for, straight from the owners (point-to-point), so a rank that needs nothing from its predecessors
+    (``starts[r] == r*n``) receives nothing. The result is ``[received rows of ranks < r in order ; own rows]``.
+    Backward returns the gradient of every received row to its owner, summed there.
+    """
+    if not dsv4_cp_enabled(cp_group):
+        return tensor
+    dim = dim % tensor.dim()
+    size, n = dsv4_cp_size(cp_group), tensor.shape[dim]
+    if len(starts) != size:
+        raise ValueError(f"gather_preceding: {len(starts)} starts for a CP group of {size} ranks")
+    for r, s in enumerate(starts):
+        if not 0 <= s <= r * n:
+            raise ValueError(f"gather_preceding: starts[{r}] = {s} must be in [0, {r * n}] (rank {r} owns row {r * n} on)")
+    return _GatherPreceding.apply(tensor, [int(s) for s in starts], dim, cp_group, traffic, kind)

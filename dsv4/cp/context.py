@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4.cp.collectives import dsv4_cp_all_gather, dsv4_cp_all_gather_metadata, halo_exchange
+from dsv4.cp.collectives import (
+    dsv4_cp_all_gather,
+    dsv4_cp_all_gather_metadata,
+    gather_preceding,
+    halo_exchange,
+)
 from dsv4.cp.groups import ProcessGroup, dsv4_cp_rank, dsv4_cp_size
 from dsv4.cp.traffic import TrafficCounter
 
@@ -59,3 +64,7 @@ class CPContext:
     def halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "halo") -> torch.Tensor:
         """The previous rank's last ``rows`` rows along ``dim`` (zeros on rank 0), differentiable."""
         return halo_exchange(tensor, rows, dim, self.group, traffic=self.traffic, kind=kind)
+
+    def gather_preceding(self, tensor: torch.Tensor, starts: list[int], dim: int = 1, kind: str = "gather_preceding"):
+        """Rows ``[starts[rank], (rank+1)*n)`` of the global sequence, received from their owners (differentiable)."""
+        return gather_preceding(tensor, starts, dim, self.group, traffic=self.traffic, kind=kind)

@@ -80,7 +80,8 @@ def pool_windows(
         kv, gate: projections ``[B, P*r, c*D]`` of the block's complete windows (``c = 2`` if ``overlap``).
         ape: ``[r, c*D]`` added to the gate by in-window position.
         win_seq: ``[B, P]`` window ids (0 = invalid window).
-        prev_kv, prev_gate: ``[B, r, 2D]`` projections of the window before the block (overlap only) or None.
+        prev_kv, prev_gate: ``[B, r, 2D]`` (or just their first halves ``[B, r, D]``) projections of the window
+            before the block (overlap only) or None.
         prev_seq: ``[B]`` id of that window (0 / None = no predecessor).
     """
     b, p = win_seq.shape
@@ -97,8 +98,9 @@ def pool_windows(
             prev_gate = kv.new_zeros(b, 1, r, cd)
             prev_seq = torch.zeros(b, dtype=win_seq.dtype, device=win_seq.device)
         else:
-            prev_kv = prev_kv.float().reshape(b, 1, r, cd)
-            prev_gate = prev_gate.float().reshape(b, 1, r, cd) + ape.float()
+            # only the first feature half of the previous window is pooled: accept width D or 2D
+            prev_kv = prev_kv.float().reshape(b, 1, r, -1)[..., :d]
+            prev_gate = prev_gate.float().reshape(b, 1, r, -1)[..., :d] + ape.float()[:, :d]
             prev_seq = torch.zeros(b, dtype=win_seq.dtype, device=win_seq.device) if prev_seq is None else prev_seq
         # Window p's predecessor: the block's previous window for p = 0, else window p - 1.
         before_kv = torch.cat((prev_kv[..., :d], kv[:, : p - 1, :, :d]), dim=1) if p > 0 else kv[..., :d]
@@ -135,7 +137,22 @@ class Compressor(nn.Module):
         xf = x.float()
         return F.linear(xf, self.wkv.weight.float()), F.linear(xf, self.wgate.weight.float())
 
-    def forward(self, x: Tensor, windows: WindowMetadata, prev_x: Tensor | None = None) -> Tensor:
+    def boundary_features(self, x: Tensor) -> Tensor:
+        """What the next block's first window needs from this block (overlap mode): ``[B, ratio, 2 * head_dim]``.
+
+        The first feature halves of the kv and gate projections (fp32, ape not added) of the last ``ratio`` rows.
+        Under context parallelism this is the compressor's halo: the next rank receives it instead of raw rows.
+        """
+        kv, gate = self._project(x[:, x.shape[1] - self.ratio :])
+        return torch.cat((kv[..., : self.head_dim], gate[..., : self.head_dim]), dim=-1)
+
+    def forward(
+        self,
+        x: Tensor,
+        windows: WindowMetadata,
+        prev_x: Tensor | None = None,
+        prev_features: Tensor | None = None,
+    ) -> Tensor:
         """Pool the complete windows of the block ``x``.
 
         Args:
@@ -143,6 +160,7 @@ class Compressor(nn.Module):
             windows: this block's window metadata for ``self.ratio`` (``seq_ids``/``positions``/``rope`` of the
                 ``L // ratio`` complete windows, ``prev_seq_ids`` of the window before the block).
             prev_x: ``[B, ratio, d_m]`` rows immediately before the block (overlap mode only), or None.
+            prev_features: alternatively, :meth:`boundary_features` of the block before (``[B, ratio, 2D]``).
         Returns:
             ``[B, P, head_dim]`` in ``x.dtype``: normalised, RoPE'd compressed K=V rows.
         """
@@ -152,7 +170,13 @@ class Compressor(nn.Module):
             raise ValueError(f"Compressor: window metadata {tuple(windows.seq_ids.shape)} != ({b}, {p})")
         kv, gate = self._project(x[:, : p * self.ratio])
         prev_kv = prev_gate = None
-        if self.overlap and prev_x is not None:
+        if self.overlap and prev_features is not None:
+            if prev_features.shape[1:] != (self.ratio, 2 * self.head_dim):
+                raise ValueError(
+                    f"Compressor: prev_features {tuple(prev_features.shape)} != [B, {self.ratio}, {2 * self.head_dim}]"
+                )
+            prev_kv, prev_gate = prev_features[..., : self.head_dim], prev_features[..., self.head_dim :]
+        elif self.overlap and prev_x is not None:
             if prev_x.shape[1] != self.ratio:
                 raise ValueError(f"Compressor: prev_x has {prev_x.shape[1]} rows, expected ratio={self.ratio}")
             prev_kv, prev_gate = self._project(prev_x)

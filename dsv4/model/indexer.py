@@ -46,10 +46,12 @@ class Indexer(nn.Module):
             for param in self.parameters():
                 param.requires_grad_(False)
 
-    def keys(self, x: Tensor, windows: WindowMetadata, prev_x: Tensor | None = None) -> Tensor:
+    def keys(
+        self, x: Tensor, windows: WindowMetadata, prev_x: Tensor | None = None, prev_features: Tensor | None = None
+    ) -> Tensor:
         """Index keys ``[B, P, index_head_dim]`` of the block's complete windows (see ``Compressor.forward``)."""
         with torch.set_grad_enabled(self.train_indexer and torch.is_grad_enabled()):
-            return self.compressor(x, windows, prev_x)
+            return self.compressor(x, windows, prev_x, prev_features)
 
     def forward(
         self,

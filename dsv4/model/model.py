@@ -133,7 +133,24 @@ class DSV4ForCausalLM(nn.Module):
         padding_mask: torch.Tensor | None = None,
         cp=None,
         labels: torch.Tensor | None = None,
+        **batch_metadata,
     ) -> DSV4Output:
+        """Forward this rank's tokens; ``model(**sharded_batch)`` works for a batch from the CP sharder.
+
+        ``batch_metadata`` may hold the sharded batch's other keys: ``_dsv4_cp_group`` (turned into a
+        ``CPContext`` when ``cp`` is None; a group whose size differs from ``cp``'s raises), and the global
+        ``seq_lens`` / ``seq_lens_padded`` / ``qkv_format``, which the model does not need, and ``loss_mask``
+        (0 = do not train on this token; applied to ``labels``). Unknown keys raise.
+        """
+        cp = _resolve_cp(cp, batch_metadata)
+        loss_mask = batch_metadata.get("loss_mask")
+        if loss_mask is not None:
+            if labels is None or loss_mask.shape != labels.shape:
+                raise ValueError(
+                    f"loss_mask {tuple(loss_mask.shape)} needs labels of the same shape, got "
+                    f"{None if labels is None else tuple(labels.shape)}"
+                )
+            labels = labels.masked_fill(loss_mask == 0, -100)
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
         if position_ids is None:
@@ -171,6 +188,29 @@ class DSV4ForCausalLM(nn.Module):
         """Total parameters, or the parameters active per token (see :func:`parameter_counts`)."""
         counts = parameter_counts(self)
         return counts["active"] if active_only else counts["total"]
+
+
+_IGNORED_BATCH_KEYS = frozenset({"seq_lens", "seq_lens_padded", "qkv_format", "cp_partition_mode"})
+
+
+def _resolve_cp(cp, batch_metadata: dict):
+    """The CP context of a forward: ``cp``, or one built from the batch's ``_dsv4_cp_group``."""
+    unknown = set(batch_metadata) - _IGNORED_BATCH_KEYS - {"_dsv4_cp_group", "loss_mask"}
+    if unknown:
+        raise TypeError(f"DSV4ForCausalLM.forward got unexpected keyword arguments {sorted(unknown)}")
+    if "_dsv4_cp_group" not in batch_metadata:
+        return cp
+    from dsv4.cp.context import CPContext  # the model touches CP only through CPContext
+
+    from_batch = CPContext(batch_metadata["_dsv4_cp_group"])
+    if cp is None:
+        return from_batch if from_batch.size > 1 else None
+    if cp.size != from_batch.size:
+        raise ValueError(
+            f"the batch was sharded for a CP group of {from_batch.size} ranks but the forward got a CPContext of "
+            f"{cp.size} ranks; build the CPContext from the same group as the sharder's mesh"
+        )
+    return cp
 
 
 def token_ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

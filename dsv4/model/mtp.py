@@ -36,12 +36,18 @@ class DocumentShift:
     it with a local tensor ``[B, L]`` gathers it over CP (identity without CP) and returns ``[B, L]``.
     """
 
-    def __init__(self, packed_seq_ids: torch.Tensor, padding_mask: torch.Tensor | None, cp=None) -> None:
+    def __init__(self, packed_seq_ids: torch.Tensor, padding_mask: torch.Tensor | None, cp=None,
+                 attn_metadata=None) -> None:
         self.cp = cp if cp is not None and getattr(cp, "enabled", False) else None
         self.local_len = packed_seq_ids.shape[1]
         self.start = self.cp.rank * self.local_len if self.cp is not None else 0
-        self.seq_ids = self._gather(packed_seq_ids)
-        self.pad = None if padding_mask is None else self._gather(padding_mask)
+        full_seq = getattr(attn_metadata, "full_seq_ids", None)
+        if full_seq is not None:  # the attention metadata already gathered the whole row's ids and padding
+            self.seq_ids = full_seq
+            self.pad = None if padding_mask is None else attn_metadata.full_padding
+        else:
+            self.seq_ids = self._gather(packed_seq_ids)
+            self.pad = None if padding_mask is None else self._gather(padding_mask)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.cp is None else self.cp.all_gather_metadata(t, dim=1, kind="mtp_metadata")
@@ -122,7 +128,7 @@ class MultiTokenPrediction(nn.Module):
         mtp_labels: list[torch.Tensor] | None = None if labels is None else []
         if not len(self.layers):
             return hiddens, mtp_labels
-        shift = DocumentShift(packed_seq_ids, padding_mask, cp)
+        shift = DocumentShift(packed_seq_ids, padding_mask, cp, attn_metadata)
         for d, layer in enumerate(self.layers):
             ids = shift(input_ids, d + 1, fill=0)
             x, hidden = layer(

@@ -56,7 +56,26 @@ def _collectives_body(rank, world_size):
     meta = torch.tensor([[rank, rank + 10]], dtype=torch.long)
     out["meta"] = dsv4_cp_all_gather_metadata(meta, dim=1, cp_group=group)
     out["meta_bool"] = dsv4_cp_all_gather_metadata(torch.tensor([[rank % 2 == 0]]), dim=1, cp_group=group)
+
+    # causal gather: rank r asks for global rows [starts[r], r*n); loss_r = sum(received * u_r)
+    starts = _preceding_starts(world_size, length)
+    x4 = xs[rank].clone().requires_grad_(True)
+    got = ctx.gather_preceding(x4, starts, dim=1, kind="preceding")
+    (got * _preceding_weights(world_size, length, rank, got.shape[1])).sum().backward()
+    out["preceding"] = got.detach()
+    out["preceding_grad"] = x4.grad.clone()
+    out["traffic_after"] = ctx.traffic.as_dict()
     return out
+
+
+def _preceding_starts(world_size, length):
+    # rank 0: nothing; rank 1: its predecessor's last 2 rows; rank 2: from global row 3; rank 3: nothing earlier
+    return [0, length - 2, 3, 3 * length][:world_size]
+
+
+def _preceding_weights(world_size, length, rank, rows):
+    g = torch.Generator().manual_seed(99 + rank)
+    return torch.randn(2, rows, 4, generator=g, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -90,6 +109,19 @@ def test_all_gather_and_halo_match_single_process_oracle(world_size):
         assert res["meta"].tolist() == [sum(([r, r + 10] for r in range(world_size)), [])]
         assert res["meta_bool"].dtype == torch.bool
         assert res["meta_bool"].tolist() == [[r % 2 == 0 for r in range(world_size)]]
+        # causal gather values: exactly the requested global rows, own rows last
+        starts = _preceding_starts(world_size, length)
+        torch.testing.assert_close(res["preceding"], full[:, starts[rank] : (rank + 1) * length], rtol=0, atol=0)
+        # gradient: every rank whose request covers my rows sends its weights back
+        expected = torch.zeros(2, length, 4, dtype=torch.float64)
+        for j in range(rank, world_size):
+            u = _preceding_weights(world_size, length, j, (j + 1) * length - starts[j])
+            lo = max(starts[j], rank * length)
+            if lo < (rank + 1) * length:
+                expected[:, lo - rank * length :] += u[:, lo - starts[j] : (rank + 1) * length - starts[j]]
+        torch.testing.assert_close(res["preceding_grad"], expected)
+        received = (rank * length - starts[rank]) * 2 * 4 * 8
+        assert res["traffic_after"]["preceding"]["bytes_received"] == received
 
 
 def _packed_batch(world_size):

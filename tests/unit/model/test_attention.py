@@ -129,15 +129,24 @@ def test_prebuilt_metadata_and_cp_hook():
         a = layer(x, pos, seq, None)
         b = layer(x, pos, seq, None, metadata=meta)
 
-    class FakeCP:
-        def __init__(self, size):
-            self.size, self.rank = size, 0
+    class FakeCP:  # no collective may run: every check below must fire before one
+        def __init__(self, size, halo=None):
+            self.size, self.rank, self.halo = size, 0, halo
+
+        def __getattr__(self, name):
+            raise AssertionError(f"collective {name} called")
 
     with torch.no_grad():
         c = layer(x, pos, seq, None, cp=FakeCP(1))
     assert torch.equal(a, b) and torch.equal(a, c)
-    with pytest.raises(NotImplementedError, match="CP size 2"):
+    # CP bad combinations raise before any collective, with the numbers
+    with pytest.raises(ValueError, match=r"L=64 \(global 128 over 2 ranks\) is not a multiple of the shard multiple 128"):
         layer(x, pos, seq, None, cp=FakeCP(2))
+    x128, pos128, seq128 = torch.randn(1, 128, CONFIG.hidden_size), arange_pos(128), torch.ones(1, 128, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"CPContext.halo=3 is smaller than the 15 rows"):
+        layer(x128, pos128, seq128, None, cp=FakeCP(2, halo=3))
+    with pytest.raises(ValueError, match=r"L=128 tokens but each rank needs a halo of 200 rows"):
+        layer(x128, pos128, seq128, None, cp=FakeCP(2, halo=200))
 
 
 def test_pack_padding_queries_are_finite():

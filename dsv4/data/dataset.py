@@ -1,0 +1,220 @@
+"""Packed rows as a map-style dataset, a resumable data-parallel sampler, and the THD collate function.
+
+* :class:`PackedDataset`: item ``i`` is row ``i`` of :class:`~dsv4.data.packer.PackedRows` as a dict of 1-D int64
+  tensors ``input_ids/labels/position_ids [S]`` and ``seq_lens/seq_lens_padded [D_i]`` (this row's documents).
+* :class:`DistributedPackedSampler`: shards row indices by the **data-parallel** rank only; every rank of a CP group
+  passes the same ``dp_rank`` and so sees the same rows. Every dp rank gets exactly ``len(sampler)`` indices
+  (``ceil(n / dp_size)`` with ``drop_last=False``, repeating the epoch's first indices to even out;
+  ``n // dp_size`` with ``drop_last=True``), hence the same number of batches. The epoch order is
+  ``torch.randperm(n)`` seeded with ``seed + epoch`` (or ``0..n-1`` without shuffling); rank ``r`` takes positions
+  ``r, r + dp_size, ...``. ``state_dict()`` holds the epoch and the number of indices already handed out this epoch,
+  so a sampler restored with ``load_state_dict`` continues with exactly the next index (the next batch).
+* :func:`collate_packed`: stacks rows into ``input_ids/labels/position_ids [B, S]``, right-pads ``seq_lens`` /
+  ``seq_lens_padded`` across rows with -1000 to ``[B, D_max]`` and sets ``qkv_format="thd"`` -- the packed batch
+  the CP sharder (``reference/cp-contract.md`` 1.2) expects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from dsv4.data.packer import SEQ_LENS_PAD, PackedRows, PackStats, pack_documents
+from dsv4.data.sources import Document
+
+__all__ = ["PackedDataset", "DistributedPackedSampler", "collate_packed", "build_packed_dataset", "TOKEN_KEYS"]
+
+TOKEN_KEYS = ("input_ids", "labels", "position_ids")
+LENGTH_KEYS = ("seq_lens", "seq_lens_padded")
+
+
+class PackedDataset(Dataset):
+    """Map-style dataset over packed rows; ``dataset[i]`` is ``rows.row(i)``."""
+
+    def __init__(self, rows: PackedRows) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        n = len(self.rows)
+        if not -n <= index < n:
+            raise IndexError(f"PackedDataset: row {index} is out of range for {n} rows")
+        return self.rows.row(index % n)
+
+    @property
+    def seq_len(self) -> int:
+        return self.rows.seq_len
+
+    @property
+    def stats(self) -> PackStats:
+        return self.rows.stats
+
+
+class DistributedPackedSampler(Sampler[int]):
+    """Row indices for one data-parallel rank; resumable (see the module docstring).
+
+    ``__iter__`` yields the rest of the current epoch from the saved position and advances it as indices are
+    handed out; exhausting the epoch resets the position to 0 (call :meth:`set_epoch` for a new order, as
+    Lightning does). With ``DataLoader(num_workers=0)`` the position equals the rows consumed; with workers the
+    loader prefetches, so pass the consumed count to :meth:`state_dict` explicitly.
+    """
+
+    def __init__(
+        self,
+        dataset_len: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ) -> None:
+        if dataset_len <= 0:
+            raise ValueError(f"DistributedPackedSampler: dataset_len must be positive, got {dataset_len}")
+        if dp_size <= 0 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"DistributedPackedSampler: dp_rank {dp_rank} is outside [0, dp_size={dp_size})")
+        if drop_last and dataset_len < dp_size:
+            raise ValueError(
+                f"DistributedPackedSampler: {dataset_len} rows cannot feed {dp_size} dp ranks with drop_last=True "
+                "(every rank would get 0 rows); use more data or drop_last=False"
+            )
+        self.dataset_len = int(dataset_len)
+        self.dp_rank = int(dp_rank)
+        self.dp_size = int(dp_size)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        if self.drop_last:
+            self.num_samples = self.dataset_len // self.dp_size
+        else:
+            self.num_samples = -(-self.dataset_len // self.dp_size)
+        self.epoch = 0
+        self.position = 0
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def epoch_indices(self, epoch: int | None = None) -> list[int]:
+        """This rank's full index list for ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        n, total = self.dataset_len, self.num_samples * self.dp_size
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(n, generator=generator).tolist()
+        else:
+            order = list(range(n))
+        while len(order) < total:
+            order.extend(order[: total - len(order)])
+        return order[self.dp_rank:total:self.dp_size]
+
+    def __iter__(self) -> Iterator[int]:
+        indices = self.epoch_indices()
+        while self.position < len(indices):
+            index = indices[self.position]
+            self.position += 1
+            yield index
+        self.position = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the order of ``epoch``; a different epoch restarts at position 0, the same one keeps it."""
+        if int(epoch) != self.epoch:
+            self.position = 0
+        self.epoch = int(epoch)
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """``epoch`` and ``position`` (indices handed out this epoch, or ``consumed`` when given) plus the settings
+        a restore must match."""
+        position = self.position if consumed is None else int(consumed)
+        if not 0 <= position <= self.num_samples:
+            raise ValueError(f"DistributedPackedSampler: position {position} is outside [0, {self.num_samples}]")
+        return {
+            "epoch": self.epoch,
+            "position": position,
+            "seed": self.seed,
+            "dataset_len": self.dataset_len,
+            "dp_size": self.dp_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore epoch and position; KeyError / ValueError if ``state`` is incomplete or from another setup."""
+        missing = [k for k in ("epoch", "position", "seed", "dataset_len", "dp_size") if k not in state]
+        if missing:
+            raise KeyError(f"DistributedPackedSampler.load_state_dict: missing keys {missing}")
+        for key in ("seed", "dataset_len", "dp_size", "shuffle", "drop_last"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"DistributedPackedSampler.load_state_dict: saved {key}={state[key]!r} but this run has "
+                    f"{key}={getattr(self, key)!r}; the data order would not continue where it stopped"
+                )
+        position = int(state["position"])
+        if not 0 <= position <= self.num_samples:
+            raise ValueError(
+                f"DistributedPackedSampler.load_state_dict: position {position} is outside [0, {self.num_samples}]"
+            )
+        self.epoch = int(state["epoch"])
+        self.position = position
+
+
+def collate_packed(rows: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
+    """Stack packed rows into one THD batch (see the module docstring); ValueError/KeyError on ragged input."""
+    if not rows:
+        raise ValueError("collate_packed: got no rows")
+    for i, row in enumerate(rows):
+        for key in TOKEN_KEYS + LENGTH_KEYS:
+            if key not in row:
+                raise KeyError(f"collate_packed: row {i} has no `{key}` (keys: {sorted(row)})")
+    width = rows[0]["input_ids"].shape[-1]
+    for i, row in enumerate(rows):
+        for key in TOKEN_KEYS:
+            if row[key].dim() != 1 or row[key].shape[0] != width:
+                raise ValueError(
+                    f"collate_packed: row {i} `{key}` has shape {tuple(row[key].shape)}, expected ({width},) "
+                    "like row 0's input_ids"
+                )
+        if row["seq_lens"].shape != row["seq_lens_padded"].shape:
+            raise ValueError(
+                f"collate_packed: row {i} has {tuple(row['seq_lens'].shape)} seq_lens but "
+                f"{tuple(row['seq_lens_padded'].shape)} seq_lens_padded"
+            )
+    batch: dict[str, Any] = {key: torch.stack([row[key].long() for row in rows]) for key in TOKEN_KEYS}
+    d_max = max(int(row["seq_lens"].shape[0]) for row in rows)
+    for key in LENGTH_KEYS:
+        table = torch.full((len(rows), d_max), SEQ_LENS_PAD, dtype=torch.long)
+        for i, row in enumerate(rows):
+            table[i, : row[key].shape[0]] = row[key]
+        batch[key] = table
+    batch["qkv_format"] = "thd"
+    return batch
+
+
+def build_packed_dataset(
+    documents: Sequence[Document | Sequence[int]],
+    seq_len: int,
+    alignment: int = 1,
+    *,
+    pad_id: int = 0,
+    split_long: bool = True,
+    cp_size: int = 1,
+) -> PackedDataset:
+    """Pack ``documents`` and wrap them; with ``cp_size > 1`` also check that the rows keep their width under CP.
+
+    Under CP the sharder pads documents to ``max(pad_multiple, 2)`` and rows to ``cp_size`` times that, so this
+    requires ``alignment >= 2`` and ``seq_len % (cp_size * alignment) == 0`` (ValueError naming the numbers).
+    """
+    if cp_size > 1:
+        if alignment < 2:
+            raise ValueError(
+                f"cp_size {cp_size} with alignment {alignment}: the CP sharder pads every document to a multiple "
+                "of at least 2; pack with alignment = the CP pad multiple (dsv4_cp_local_seq_multiple, >= 2)"
+            )
+        if seq_len % (cp_size * alignment):
+            raise ValueError(
+                f"seq_len {seq_len} is not a multiple of cp_size * alignment = {cp_size} * {alignment} = "
+                f"{cp_size * alignment}; CP-sharded rows would grow past seq_len"
+            )
+    return PackedDataset(pack_documents(documents, seq_len, alignment, split_long=split_long, pad_id=pad_id))

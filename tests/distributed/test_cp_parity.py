@@ -1,0 +1,139 @@
+"""Context parallelism inside the model: CP=2 and CP=4 on gloo equal CP=1 (logits, loss, every gradient).
+
+Tiny preset (ratio 0, 4 and 128 layers, hash layers, hc_mult 4, MTP), fp32. Packed rows of several documents —
+one spans a rank boundary, one is shorter than the sliding window, one rank holds only pack padding — and
+unpacked rows with right padding. Each rank shards the same caller batch with the DSV4 sharder, runs
+``model(**local_batch)``, reduces the token-weighted loss over the CP group and backpropagates; the parent
+compares against a single-process run of the same (repadded) rows.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed.harness import run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+# documents per row; after the repad to the multiple 128 they occupy [256, 128, 128, 512, 128] / [768, 128, 256]
+PACKED_DOCS = [[200, 37, 5, 400, 60], [700, 3, 250]]
+WIDTH = 1000
+
+
+def _packed_batch():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 256, (2, WIDTH), generator=g)
+    labels = torch.full((2, WIDTH), -100)
+    seq_lens = torch.full((2, 5), -1000)
+    for b, docs in enumerate(PACKED_DOCS):
+        off = 0
+        for k, n in enumerate(docs):
+            labels[b, off : off + n - 1] = ids[b, off + 1 : off + n]  # shifted inside the document
+            seq_lens[b, k] = n
+            off += n
+    return {"input_ids": ids, "labels": labels, "seq_lens": seq_lens, "seq_lens_padded": seq_lens.clone()}
+
+
+def _unpacked_batch():
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, 256, (2, 640), generator=g)
+    real = torch.tensor([640, 450])  # row 1 is right-padded
+    attention_mask = (torch.arange(640)[None] < real[:, None]).long()
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    labels[attention_mask == 0] = -100
+    labels[1, 449] = -100
+    return {"input_ids": ids, "labels": labels, "attention_mask": attention_mask}
+
+
+def _model():
+    from dsv4.config import DSV4Config
+    from dsv4.model import DSV4ForCausalLM
+
+    torch.manual_seed(0)
+    config = DSV4Config.preset("tiny")
+    assert {0, 4, 128} <= set(config.compress_ratios) and config.num_hash_layers >= 1
+    assert config.hc_mult == 4 and config.num_nextn_predict_layers >= 1
+    return DSV4ForCausalLM(config)
+
+
+def _cp_body(rank, world_size, kind):
+    from dsv4.cp import CPContext, dsv4_cp_sharder
+    from dsv4.training.loss import reduce_token_loss
+
+    group = dist.new_group(list(range(world_size)))
+    model = _model()
+    batch = _packed_batch() if kind == "packed" else _unpacked_batch()
+    sharder = dsv4_cp_sharder(model.config, group)
+    _, local = sharder.shard(batch)
+    cp = CPContext(group)
+    out = model(**local, cp=cp)  # the batch also carries its group: the sizes must agree
+    loss = reduce_token_loss(out.loss_sum, out.label_count, group)
+    loss.loss.backward()
+    logits = sharder.gather_token_tensor(out.logits.detach(), trim=True, fill=0.0)
+    mtp = sharder.gather_token_tensor(out.mtp_logits[0].detach(), trim=True, fill=0.0)
+    return {
+        "logits": logits,
+        "mtp": mtp,
+        "loss": loss.value,
+        "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+        "traffic": cp.traffic.as_dict(),
+    }
+
+
+def _reference(kind):
+    """Single process: the same rows (repadded like the sharder does for packed batches), cp=None."""
+    from dsv4.cp import _repad_dsv4_packed_batch
+
+    torch.set_num_threads(1)
+    model = _model()
+    batch = _packed_batch() if kind == "packed" else _unpacked_batch()
+    if kind == "packed":
+        rows, _, positions = _repad_dsv4_packed_batch(
+            copy.deepcopy(batch), cp_size=1, pad_multiple=model.config.cp_shard_multiple, padding_token_id=0
+        )
+        out = model(rows["input_ids"], position_ids=rows["position_ids"], packed_seq_ids=rows["packed_seq_ids"],
+                     padding_mask=rows["padding_mask"], labels=rows["labels"])
+
+        def restore(t):
+            gathered = t.gather(1, positions.clamp_min(0).unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+            return torch.where((positions >= 0).unsqueeze(-1), gathered, torch.zeros_like(gathered))
+
+        covered = positions >= 0
+    else:
+        out = model(batch["input_ids"], padding_mask=batch["attention_mask"] == 0, labels=batch["labels"])
+
+        def restore(t):
+            return t
+
+        covered = batch["attention_mask"] == 1
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return restore(out.logits.detach()), restore(out.mtp_logits[0].detach()), out.loss.detach(), grads, covered
+
+
+@pytest.mark.parametrize("kind", ["packed", "unpacked"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cp_matches_single_rank(world_size, kind):
+    results = run_on_ranks(_cp_body, world_size, args=(kind,))
+    ref_logits, ref_mtp, ref_loss, ref_grads, covered = _reference(kind)
+    for res in results:
+        torch.testing.assert_close(res["logits"][covered], ref_logits[covered], atol=1e-5, rtol=0)
+        torch.testing.assert_close(res["mtp"][covered], ref_mtp[covered], atol=1e-5, rtol=0)
+        torch.testing.assert_close(res["loss"], ref_loss.to(res["loss"].dtype), atol=1e-6, rtol=0)
+    # only the designed exchanges ran; rank 0 receives nothing from a predecessor
+    kinds = {"metadata", "halo", "compressor_halo", "index_compressor_halo", "compressed_gather",
+             "index_key_gather", "mtp_metadata"}
+    for res in results:
+        assert {k.removesuffix(".backward") for k in res["traffic"]} <= kinds, sorted(res["traffic"])
+    first = results[0]["traffic"]
+    assert first["halo"]["bytes_received"] == 0 and first["compressed_gather"]["bytes_received"] == 0
+    assert results[1]["traffic"]["halo"]["bytes_received"] > 0
+    names = set().union(*(r["grads"] for r in results))
+    assert names == set(ref_grads), sorted(names ^ set(ref_grads))
+    for name, ref in ref_grads.items():
+        total = sum(r["grads"][name] for r in results if name in r["grads"])
+        err = ((total - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+        assert err < 1e-4 or (total - ref).abs().max() < 1e-9, f"{name}: relative gradient error {err:.2e}"
