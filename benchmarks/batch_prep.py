@@ -11,12 +11,12 @@ played by a :class:`~dsv4.cp.SimulatedMesh`; every rank does the same work), as 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
+from common import emit
 from dsv4.cp import SimulatedMesh, make_dsv4_contiguous_shard_cp_batch_and_ctx
 
 
@@ -54,10 +54,8 @@ def main() -> None:
     shape = {"rows": args.rows, "seq_len": args.seq_len, "docs_per_row": args.docs,
              "pad_multiple": args.pad_multiple, "cp": args.cp, "padded_len": layout.padded_seq_len,
              "threads": torch.get_num_threads()}
-    print(json.dumps({"name": "batch_prep.repad_shard.throughput", "shape": shape,
-                      "value": round(args.rows * args.seq_len / seconds, 1), "unit": "tokens/s"}))
-    print(json.dumps({"name": "batch_prep.repad_shard.latency", "shape": shape,
-                      "value": round(seconds * 1e3, 3), "unit": "ms"}))
+    emit("batch_prep.repad_shard.throughput", shape, round(args.rows * args.seq_len / seconds, 1), "tokens/s")
+    emit("batch_prep.repad_shard.latency", shape, round(seconds * 1e3, 3), "ms")
 
 
 if __name__ == "__main__":

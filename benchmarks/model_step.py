@@ -27,9 +27,6 @@ outside the module's backward window are attributed to no scope, so this is a lo
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -45,13 +42,10 @@ try:
 except ImportError:  # run as a plain script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import current_rss_kib, emit, peak_rss_kib  # noqa: E402  (benchmarks/common.py)
 from dsv4.config import DSV4Config  # noqa: E402
 from dsv4.model import DSV4ForCausalLM, parameter_counts  # noqa: E402
 from dsv4.model.attention import DSV4Attention  # noqa: E402
-
-
-def emit(name: str, shape: dict, value: float, unit: str) -> None:
-    print(json.dumps({"name": name, "shape": shape, "value": value, "unit": unit}), flush=True)
 
 
 def _batch(cfg: DSV4Config, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,12 +53,6 @@ def _batch(cfg: DSV4Config, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     labels = torch.roll(ids, -1, dims=1)
     labels[:, -1] = -100
     return ids, labels
-
-
-def _current_rss_kib() -> int:
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
 def _step(model: DSV4ForCausalLM, ids: torch.Tensor, labels: torch.Tensor) -> None:
@@ -80,9 +68,9 @@ def child(seq_len: int, repeats: int) -> None:
     ids, labels = _batch(cfg, seq_len)
     shape = {"preset": "tiny", "batch": 1, "seq_len": seq_len, "threads": torch.get_num_threads()}
 
-    base = _current_rss_kib()
+    base = current_rss_kib()
     _step(model, ids, labels)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    peak = peak_rss_kib()  # KiB on Linux
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

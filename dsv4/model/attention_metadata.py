@@ -151,8 +151,9 @@ def build_attention_metadata(
     cp_size = cp.size if cp is not None else 1
     if cp_size > 1:
         halo = check_cp_layout(config, length, cp)
-        stacked = torch.stack((seq_ids, position_ids, padding.long()), dim=1)  # [B, 3, L]
-        full = cp.all_gather_metadata(stacked, dim=2, kind="metadata")  # [B, 3, S]
+        # one gather of int32 (ids and positions fit; 12 bytes per token) instead of three int64 gathers
+        stacked = torch.stack((seq_ids, position_ids, padding.long()), dim=1).to(torch.int32)  # [B, 3, L]
+        full = cp.all_gather_metadata(stacked, dim=2, kind="metadata").long()  # [B, 3, S]
         full_seq, full_pos, full_pad = full[:, 0], full[:, 1], full[:, 2].bool()
         start = cp.rank * length
     else:

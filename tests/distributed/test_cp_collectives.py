@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.harness import run_on_ranks
+from dsv4.launch import run_on_ranks
 
 pytestmark = pytest.mark.distributed
 

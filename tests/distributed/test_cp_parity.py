@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.harness import run_on_ranks
+from dsv4.launch import run_on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -68,8 +68,13 @@ def _cp_body(rank, world_size, kind):
     batch = _packed_batch() if kind == "packed" else _unpacked_batch()
     sharder = dsv4_cp_sharder(model.config, group)
     _, local = sharder.shard(batch)
+    try:  # a context whose size differs from the group the batch was sharded for is refused up front
+        model(**local, cp=CPContext(None))
+        raise AssertionError("a CP size mismatch was not detected")
+    except ValueError as err:
+        assert f"sharded for a CP group of {world_size} ranks but the forward got a CPContext of 1" in str(err)
     cp = CPContext(group)
-    out = model(**local, cp=cp)  # the batch also carries its group: the sizes must agree
+    out = model(**local, cp=cp)  # the batch also carries its group: the sizes agree
     loss = reduce_token_loss(out.loss_sum, out.label_count, group)
     loss.loss.backward()
     logits = sharder.gather_token_tensor(out.logits.detach(), trim=True, fill=0.0)

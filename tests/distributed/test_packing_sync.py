@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsv4.packing import aligned_packed_layout
-from tests.distributed.harness import run_on_ranks
+from dsv4.launch import run_on_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -1,8 +1,8 @@
-"""Run a function on N gloo ranks on loopback and collect each rank's return value.
+"""Run a function on N local gloo ranks (loopback) and collect each rank's return value.
 
-Usage in a test::
+For tests, benchmarks and CPU experiments; training runs use the Lightning strategy instead. Usage::
 
-    from tests.distributed.harness import run_on_ranks
+    from dsv4.launch import run_on_ranks
 
     def _body(rank: int, world_size: int, arg) -> dict:   # module-level, so it pickles
         ...
