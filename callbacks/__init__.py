@@ -1,0 +1,18 @@
+"""Lightning callbacks of the dsv4 recipes. Each reads ``pl_module.last_step_stats``
+(:class:`dsv4.training.stats.StepStats`) and/or the device, and logs through ``pl_module.log``.
+
+* :class:`ThroughputCallback` -- ``perf/tokens_per_s`` (progress bar), ``perf/tokens_per_s_per_device``,
+  ``perf/label_tokens_per_s``, ``perf/step_time_s``, ``perf/tflops_per_device``, ``perf/mfu`` (GPU with a known peak).
+* :class:`PaddingCallback` -- ``data/padding_fraction``, ``data/pack_padding_fraction``,
+  ``data/alignment_padding_fraction`` (+ ``_cumulative``), ``data/tokens_per_step``, ``data/label_tokens_per_step``.
+* :class:`CPTrafficCallback` -- ``cp/bytes_received_per_step``, ``cp/bytes_sent_per_step``, ``cp/<kind>_bytes``.
+* :class:`MemoryCallback` -- CUDA: ``mem/max_allocated_gib``, ``mem/max_reserved_gib``, ``mem/num_alloc_retries``;
+  CPU: ``mem/rss_gib``, ``mem/peak_rss_gib``.
+"""
+
+from callbacks.cp_traffic import CPTrafficCallback
+from callbacks.memory import MemoryCallback
+from callbacks.padding import PaddingCallback
+from callbacks.throughput import ThroughputCallback
+
+__all__ = ["CPTrafficCallback", "MemoryCallback", "PaddingCallback", "ThroughputCallback"]

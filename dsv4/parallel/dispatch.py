@@ -1,0 +1,408 @@
+"""Expert-parallel MoE token dispatchers, selected by ``dispatcher=``, and their start-up checks.
+
+Every dispatcher implements :class:`dsv4.model.dispatch.TokenDispatcher`::
+
+    y [N, d] = dispatcher.run(experts, x [N, d], topk_ids [N, k] int64, topk_weights [N, k] fp32)
+    y[n] = sum_j topk_weights[n, j] * expert_{topk_ids[n, j]}(x[n])      (fp32 accumulation, x.dtype out)
+
+for the ``N`` routed (non-padding) tokens of this rank, whatever rank holds the experts. The names:
+
+* ``local``: :class:`~dsv4.model.dispatch.LocalDispatcher`, every expert on every rank (no EP).
+* ``alltoall``: :class:`AllToAllDispatcher`. Each (token, expert) pair travels to the EP rank that owns the
+  expert (variable-size all-to-all; the counts go first in a plain all-to-all), the owner runs its experts on
+  the rows grouped by local expert, the results travel back (a second all-to-all) and the source rank weights
+  and sums them. Autograd runs the same two all-to-alls in reverse, so gradients reach the tokens (on the
+  source rank) and the expert weights (on the owner: summed over every EP rank's tokens). CPU (gloo) and GPU.
+* ``allgather``: :class:`AllGatherDispatcher`. Every rank all-gathers the tokens and routing of its EP group,
+  runs its local experts on the pairs that target them and reduce-scatters the fp32 partial sums back. Each
+  rank's block has the same capacity (the group's largest token count; shorter ranks are padded with rows that
+  route nowhere), so it wants uniform token counts per rank: :func:`dispatcher_needs_uniform_tokens` is True
+  and the recipe turns on ``sync_packed_length``. With ``strict_uniform=True`` unequal counts raise
+  ``ValueError`` naming them instead of being padded.
+* ``deepep`` / ``hybridep``: :class:`DeepEPDispatcher`, DeepEP's GPU dispatch/combine kernels (NVLink/RDMA).
+  They need CUDA and the ``deep_ep`` package; :func:`check_dispatcher_available` fails at start-up with what to
+  install. ``hybridep`` additionally declares uniform token counts (HybridEP buffers are sized by the maximum
+  tokens per rank).
+
+EP groups: an EP group of size ``ep`` is a set of consecutive global ranks (``[0, 1], [2, 3]`` for world 4,
+ep 2; the ``("edp", "ep")`` mesh of ``dsv4.parallel.mesh``) that together hold all ``E`` experts; EP rank
+``r`` holds global experts ``[r * E / ep, (r + 1) * E / ep)`` (see :func:`dsv4.parallel.expert_shard.
+shard_experts`). ``ep_group`` may be a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``None`` (the default group
+when ``torch.distributed`` is initialised, else a single rank). A size-1 group runs without collectives.
+
+Invariants: zero-token ranks (``N = 0``, e.g. an all-padding shard) and ranks that send nothing to some
+expert or EP rank work; every rank issues the same collectives in the same order, in forward and in backward
+(a rank whose experts received no rows still keeps its results in the autograd graph). The gate's expert-load
+statistics are counted on the source rank by ``MoEGate`` and are untouched here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from dsv4.model.dispatch import ExpertGroup, LocalDispatcher, TokenDispatcher, sort_by_expert
+
+DISPATCHERS: tuple[str, ...] = ("local", "alltoall", "allgather", "deepep", "hybridep")
+_UNIFORM_TOKENS = frozenset({"allgather", "hybridep"})
+_NEEDS_DEEP_EP = frozenset({"deepep", "hybridep"})
+
+DEEP_EP_INSTALL_HINT = (
+    "install the DeepEP library (import name `deep_ep`, github.com/deepseek-ai/DeepEP): build it on a CUDA machine "
+    "with `pip install .` in a DeepEP checkout (branch `hybrid_ep` for HybridEP) or install a prebuilt CUDA wheel "
+    "such as `pip install sgl-deep-ep`; dispatcher=alltoall needs no extra library"
+)
+
+EPGroup = dist.ProcessGroup | DeviceMesh | None
+
+
+# --------------------------------------------------------------------------------------------------- registry
+
+
+def _check_name(name: str) -> str:
+    if name not in DISPATCHERS:
+        raise ValueError(f"unknown MoE dispatcher {name!r}; expected one of {', '.join(DISPATCHERS)}")
+    return name
+
+
+def dispatcher_needs_uniform_tokens(name: str) -> bool:
+    """True when ``name`` wants the same token count on every rank (the recipe turns on ``sync_packed_length``)."""
+    return _check_name(name) in _UNIFORM_TOKENS
+
+
+def check_dispatcher_available(name: str, device_type: str) -> None:
+    """Fail at start-up (before any model is built) if dispatcher ``name`` cannot run on ``device_type``.
+
+    ``local``, ``alltoall`` and ``allgather`` run everywhere. ``deepep``/``hybridep`` need CUDA devices and the
+    ``deep_ep`` package: ``RuntimeError`` naming every missing piece and what to install. Unknown names:
+    ``ValueError`` listing the valid ones.
+    """
+    _check_name(name)
+    if name not in _NEEDS_DEEP_EP:
+        return
+    problems = []
+    if device_type != "cuda":
+        problems.append(f"it runs on CUDA GPUs only (this run uses device_type={device_type!r})")
+    elif not torch.cuda.is_available():
+        problems.append("torch.cuda.is_available() is False")
+    if importlib.util.find_spec("deep_ep") is None:
+        problems.append("the `deep_ep` package is not installed")
+    if problems:
+        raise RuntimeError(
+            f"dispatcher={name!r} is not available: {'; '.join(problems)}. To use it, {DEEP_EP_INSTALL_HINT}."
+        )
+
+
+def build_dispatcher(name: str, ep_group: EPGroup = None) -> TokenDispatcher:
+    """The dispatcher called ``name`` over ``ep_group`` (see the module docstring for ``ep_group``)."""
+    _check_name(name)
+    if name == "local":
+        if ep_group is not None and _group_size(_resolve_group(ep_group)) > 1:
+            raise ValueError(
+                "dispatcher='local' keeps every expert on every rank and cannot run expert parallelism "
+                f"(ep group of size {_group_size(_resolve_group(ep_group))}); use alltoall or allgather"
+            )
+        return LocalDispatcher()
+    if name == "alltoall":
+        return AllToAllDispatcher(ep_group)
+    if name == "allgather":
+        return AllGatherDispatcher(ep_group)
+    return DeepEPDispatcher(ep_group, name=name)
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _resolve_group(ep_group: EPGroup) -> dist.ProcessGroup | None:
+    if isinstance(ep_group, DeviceMesh):
+        if ep_group.ndim != 1:
+            raise ValueError(f"the EP device mesh must be 1-D (e.g. meshes.ep), got dims {ep_group.mesh_dim_names}")
+        return ep_group.get_group()
+    if ep_group is None:
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return ep_group
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _group_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _check_expert_slice(experts: ExpertGroup, size: int, rank: int, who: str) -> None:
+    """The experts must be EP rank ``rank``'s contiguous slice of ``num_experts / size``."""
+    total, local = experts.num_experts, experts.num_local_experts
+    if total % size or local != total // size or experts.expert_offset != rank * local:
+        raise ValueError(
+            f"{who}: EP rank {rank} of {size} must hold experts [{rank * (total // max(size, 1))}, "
+            f"{(rank + 1) * (total // max(size, 1))}) of {total}, but holds [{experts.expert_offset}, "
+            f"{experts.expert_offset + local}); call dsv4.parallel.expert_shard.shard_experts(model, ep_group) "
+            f"(n_routed_experts={total} must be divisible by ep={size})"
+        )
+
+
+def _stay_in_graph(y: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """Keep ``y`` in the autograd graph of ``source``.
+
+    A rank whose experts received no rows gets a constant from ``GroupedExperts``; without this its backward
+    would skip the return all-to-all that the other ranks run, and the collectives would not match.
+    """
+    if torch.is_grad_enabled() and source.requires_grad and not y.requires_grad:
+        return y + source * 0
+    return y
+
+
+# ------------------------------------------------------------------------------------------------- all-to-all
+
+
+class AllToAllDispatcher:
+    """Expert parallelism with variable-size all-to-all (see the module docstring).
+
+    Per call on EP rank ``r`` of ``P`` (``E_l = E / P`` local experts, ``N`` tokens, top-``k``):
+
+    1. sort the ``N*k`` pairs by global expert: this groups them by owner rank too;
+    2. exchange ``counts [P, E_l]`` (pairs per destination expert) with a plain ``all_to_all_single``;
+    3. send the token rows ``x[token_of_pair]`` (``[N*k, d]``) with the differentiable all-to-all; the owner
+       receives them grouped by source rank, regroups them by local expert and runs ``experts``;
+    4. send the results back the same way and ``index_add`` them, times the routing weights, in fp32.
+    """
+
+    def __init__(self, ep_group: EPGroup = None) -> None:
+        self.group = _resolve_group(ep_group)
+
+    @property
+    def size(self) -> int:
+        return _group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return _group_rank(self.group)
+
+    def run(
+        self, experts: ExpertGroup, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        size, rank = self.size, self.rank
+        _check_expert_slice(experts, size, rank, "dispatcher='alltoall'")
+        n_local = experts.num_local_experts
+        order, token_idx, per_expert = sort_by_expert(topk_ids, experts.num_experts)
+        send_x = x.index_select(0, token_idx)  # [N*k, d], grouped by destination rank then expert
+        if size == 1:
+            recv_counts = per_expert.view(1, n_local)
+            recv_x = send_x
+        else:
+            recv_counts = torch.empty_like(per_expert)
+            dist.all_to_all_single(recv_counts, per_expert, group=self.group)  # [P * E_l], equal splits
+            recv_counts = recv_counts.view(size, n_local)  # [source rank, local expert]
+            send_splits = per_expert.view(size, n_local).sum(1).tolist()
+            recv_splits = recv_counts.sum(1).tolist()
+            recv_x = funcol.all_to_all_single_autograd(send_x, recv_splits, send_splits, self.group)
+        # Received rows are grouped by source rank, then local expert: regroup them by local expert.
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(n_local, device=recv_counts.device).repeat(size), recv_counts.reshape(-1)
+        )
+        perm = torch.argsort(expert_of_row, stable=True)
+        x_sorted = recv_x.index_select(0, perm)
+        y_sorted = _stay_in_graph(experts(x_sorted, recv_counts.sum(0)), x_sorted)
+        y_recv = y_sorted.index_select(0, torch.argsort(perm))  # back to the arrival order
+        if size == 1:
+            y_pairs = y_recv
+        else:
+            y_pairs = funcol.all_to_all_single_autograd(y_recv, send_splits, recv_splits, self.group)
+        weights = topk_weights.reshape(-1).index_select(0, order).float()
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        out.index_add_(0, token_idx, y_pairs.float() * weights.unsqueeze(-1))
+        return out.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------- all-gather
+
+
+class AllGatherDispatcher:
+    """Expert parallelism by all-gather + reduce-scatter with a uniform per-rank capacity.
+
+    Per call on EP rank ``r`` of ``P``: gather the group's token counts ``[P]``; capacity ``C = max``; pad this
+    rank's ``x``/``topk_ids``/``topk_weights`` to ``C`` rows (padded pairs route to expert ``-1``, i.e.
+    nowhere); all-gather them to ``[P*C, ...]`` (``x`` and the weights differentiably); run the local experts on
+    the pairs that target ``[offset, offset + E_l)``; ``index_add`` the weighted outputs into an fp32
+    ``[P*C, d]`` partial; reduce-scatter (sum) it back to ``[C, d]`` and keep the first ``N`` rows.
+
+    ``strict_uniform=True`` raises ``ValueError`` naming the per-rank counts when they differ (every rank
+    raises, since every rank sees the same counts).
+    """
+
+    def __init__(self, ep_group: EPGroup = None, strict_uniform: bool = False) -> None:
+        self.group = _resolve_group(ep_group)
+        self.strict_uniform = strict_uniform
+
+    @property
+    def size(self) -> int:
+        return _group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return _group_rank(self.group)
+
+    def _token_counts(self, n_tokens: int, device: torch.device) -> list[int]:
+        if self.size == 1:
+            return [n_tokens]
+        mine = torch.tensor([n_tokens], dtype=torch.int64, device=device)
+        counts = torch.empty(self.size, dtype=torch.int64, device=device)
+        dist.all_gather_single(counts, mine, group=self.group)
+        return counts.tolist()
+
+    def run(
+        self, experts: ExpertGroup, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        size, rank = self.size, self.rank
+        _check_expert_slice(experts, size, rank, "dispatcher='allgather'")
+        n_tokens, k = topk_ids.shape
+        counts = self._token_counts(n_tokens, x.device)
+        if self.strict_uniform and len(set(counts)) > 1:
+            raise ValueError(
+                f"dispatcher='allgather' needs the same number of routed tokens on every rank of the EP group, "
+                f"got {counts} (EP ranks 0..{size - 1}); turn on sync_packed_length or use dispatcher=alltoall"
+            )
+        capacity = max(counts)
+        pad = capacity - n_tokens
+        x_p = F.pad(x, (0, 0, 0, pad)).contiguous()
+        ids_p = F.pad(topk_ids, (0, 0, 0, pad), value=-1).contiguous()
+        w_p = F.pad(topk_weights, (0, 0, 0, pad)).contiguous()
+        if size == 1:
+            x_all, ids_all, w_all = x_p, ids_p, w_p
+        else:
+            x_all = funcol.all_gather_single_autograd(x_p, 0, self.group)  # [P*C, d]
+            w_all = funcol.all_gather_single_autograd(w_p, 0, self.group)  # [P*C, k]
+            ids_all = torch.empty(size * capacity, k, dtype=ids_p.dtype, device=ids_p.device)
+            dist.all_gather_single(ids_all, ids_p, group=self.group)
+        lo, n_local = experts.expert_offset, experts.num_local_experts
+        flat = ids_all.reshape(-1)
+        pairs = ((flat >= lo) & (flat < lo + n_local)).nonzero().squeeze(-1)
+        local_expert = flat.index_select(0, pairs) - lo
+        by_expert = torch.argsort(local_expert, stable=True)
+        pairs = pairs.index_select(0, by_expert)
+        token_idx = pairs // k
+        x_sorted = x_all.index_select(0, token_idx)
+        y = _stay_in_graph(experts(x_sorted, torch.bincount(local_expert, minlength=n_local)), x_sorted)
+        weights = w_all.reshape(-1).index_select(0, pairs).float()
+        partial = torch.zeros(size * capacity, x.shape[-1], dtype=torch.float32, device=x.device)
+        partial.index_add_(0, token_idx, y.float() * weights.unsqueeze(-1))
+        out = partial if size == 1 else funcol.reduce_scatter_single_autograd(partial, "sum", 0, self.group)
+        return out[:n_tokens].to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------- DeepEP
+
+
+class _DeepEPDispatch(torch.autograd.Function):
+    """DeepEP dispatch; its backward is a combine of the gradients (the handle carries the layout)."""
+
+    @staticmethod
+    def forward(ctx: Any, x, topk_weights, topk_ids, buffer, num_experts: int, state: dict):  # type: ignore[override]
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_ids, num_experts)
+        recv_x, recv_ids, recv_weights, _, handle, _ = buffer.dispatch(
+            x,
+            topk_idx=topk_ids,
+            topk_weights=topk_weights,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+        )
+        ctx.buffer, ctx.handle = buffer, handle
+        state["handle"] = handle
+        ctx.mark_non_differentiable(recv_ids)
+        return recv_x, recv_weights, recv_ids
+
+    @staticmethod
+    def backward(ctx: Any, grad_x, grad_weights, _grad_ids):  # type: ignore[override]
+        grad_x, grad_weights, _ = ctx.buffer.combine(
+            grad_x.contiguous(), ctx.handle, topk_weights=None if grad_weights is None else grad_weights.contiguous()
+        )
+        return grad_x, grad_weights, None, None, None, None
+
+
+class _DeepEPCombine(torch.autograd.Function):
+    """DeepEP combine (sum over the ranks that hold a token's experts); its backward is a dispatch."""
+
+    @staticmethod
+    def forward(ctx: Any, y, buffer, handle):  # type: ignore[override]
+        ctx.buffer, ctx.handle = buffer, handle
+        combined, _, _ = buffer.combine(y, handle)
+        return combined
+
+    @staticmethod
+    def backward(ctx: Any, grad):  # type: ignore[override]
+        grad_y = ctx.buffer.dispatch(grad.contiguous(), handle=ctx.handle)[0]
+        return grad_y, None, None
+
+
+class DeepEPDispatcher:
+    """``deepep``/``hybridep``: DeepEP's normal (high-throughput) dispatch/combine kernels on CUDA.
+
+    DeepEP sends each token once to every rank that owns one of its experts, with its routing row
+    (``recv_topk_ids`` local expert ids, ``-1`` where the expert lives elsewhere). The owner runs its experts on
+    the valid (row, slot) pairs grouped by local expert, weights and sums them per received row in fp32, and
+    DeepEP's combine sums the rows back on the source rank. Autograd: dispatch <-> combine (the handle keeps
+    the layout). DeepEP moves bf16 activations, so ``x`` must be bf16.
+
+    This path needs a GPU and the ``deep_ep`` package; it is exercised only where both exist (the CPU test
+    suite checks the start-up errors). ``hybridep`` shares it and differs in declaring uniform token counts.
+    """
+
+    def __init__(self, ep_group: EPGroup = None, name: str = "deepep") -> None:
+        if name not in _NEEDS_DEEP_EP:
+            raise ValueError(f"DeepEPDispatcher serves {sorted(_NEEDS_DEEP_EP)}, got {name!r}")
+        check_dispatcher_available(name, "cuda")
+        self.name = name
+        self.group = _resolve_group(ep_group)
+        if self.group is None:
+            raise RuntimeError(f"dispatcher={name!r} needs torch.distributed (NCCL) to be initialised")
+        self._buffer = None
+
+    def _get_buffer(self, hidden_bytes: int):
+        import deep_ep  # noqa: PLC0415 - optional GPU dependency, checked at start-up
+
+        buffer_cls = deep_ep.Buffer
+        size = dist.get_world_size(self.group)
+        nvl_bytes = rdma_bytes = 0
+        for config in (buffer_cls.get_dispatch_config(size), buffer_cls.get_combine_config(size)):
+            nvl_bytes = max(nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, size))
+            rdma_bytes = max(rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, size))
+        buf = self._buffer
+        if buf is None or buf.num_nvl_bytes < nvl_bytes or buf.num_rdma_bytes < rdma_bytes:
+            self._buffer = buffer_cls(self.group, nvl_bytes, rdma_bytes)
+        return self._buffer
+
+    def run(
+        self, experts: ExpertGroup, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        _check_expert_slice(experts, size, rank, f"dispatcher={self.name!r}")
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"dispatcher={self.name!r} moves bf16 activations, got {x.dtype}; use bf16 or alltoall")
+        buffer = self._get_buffer(x.shape[-1] * max(x.element_size(), 2))
+        state: dict = {}
+        recv_x, recv_weights, recv_ids = _DeepEPDispatch.apply(
+            x.contiguous(), topk_weights.float().contiguous(), topk_ids.contiguous(), buffer,
+            experts.num_experts, state,
+        )
+        rows, slots = (recv_ids >= 0).nonzero(as_tuple=True)
+        local_expert = recv_ids[rows, slots].long()
+        by_expert = torch.argsort(local_expert, stable=True)
+        rows, slots, local_expert = rows[by_expert], slots[by_expert], local_expert[by_expert]
+        x_sorted = recv_x.index_select(0, rows)
+        y = _stay_in_graph(
+            experts(x_sorted, torch.bincount(local_expert, minlength=experts.num_local_experts)), x_sorted
+        )
+        weights = recv_weights[rows, slots].float()
+        y_rows = torch.zeros(recv_x.shape, dtype=torch.float32, device=x.device)
+        y_rows.index_add_(0, rows, y.float() * weights.unsqueeze(-1))
+        return _DeepEPCombine.apply(y_rows.to(x.dtype), buffer, state["handle"])

@@ -1,0 +1,95 @@
+"""Parallel layout: data parallel (dp) x context parallel (cp), with expert parallelism (ep) borrowing ranks.
+
+World ranks are laid out row-major over ``(dp, cp)``: the ranks of one CP group are consecutive, e.g. dp=2, cp=2
+gives CP groups [0, 1], [2, 3] and DP groups [0, 2], [1, 3]. Expert parallelism does not multiply the world: the
+``dp * cp`` ranks are re-grouped as ``(edp, ep)`` with ``ep`` innermost (consecutive ranks form an EP group that
+holds all experts between them; ``edp = world / ep`` replicas of each expert slice).
+
+``ParallelDims.validate`` raises ``ValueError`` naming the sizes before any process group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the parallel dimensions; ``dp = -1`` means ``world_size // cp``."""
+
+    world_size: int
+    cp: int = 1
+    dp: int = -1
+    ep: int = 1
+
+    def resolved(self) -> "ParallelDims":
+        """Validate and return the dims with ``dp`` filled in."""
+        self.validate()
+        dp = self.world_size // self.cp if self.dp in (-1, 0, None) else self.dp
+        return ParallelDims(world_size=self.world_size, cp=self.cp, dp=dp, ep=self.ep)
+
+    def validate(self, n_routed_experts: int | None = None) -> None:
+        for name in ("world_size", "cp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+        if self.world_size % self.cp:
+            raise ValueError(
+                f"`cp`={self.cp} does not divide the world size {self.world_size} (devices x nodes); "
+                f"use a cp that divides it or set trainer.devices to a multiple of {self.cp}"
+            )
+        dp = self.world_size // self.cp if self.dp in (-1, 0, None) else self.dp
+        if dp * self.cp != self.world_size:
+            raise ValueError(
+                f"`dp`={self.dp} x `cp`={self.cp} = {dp * self.cp} does not match the world size {self.world_size}; "
+                f"set dp={self.world_size // self.cp} or dp=-1 (derived)"
+            )
+        if self.world_size % self.ep:
+            raise ValueError(
+                f"`ep`={self.ep} must divide dp x cp = {self.world_size} (expert parallelism borrows those ranks)"
+            )
+        if n_routed_experts is not None and n_routed_experts % self.ep:
+            raise ValueError(f"`ep`={self.ep} must divide model.n_routed_experts={n_routed_experts}")
+
+    @property
+    def dp_size(self) -> int:
+        return self.resolved().dp
+
+
+@dataclass
+class Meshes:
+    """The device meshes of a run: ``world`` ("dp", "cp"), ``dp_cp`` (flattened, for FSDP and the loss) and
+    ``experts`` ("edp", "ep")."""
+
+    world: DeviceMesh
+    dp_cp: DeviceMesh
+    experts: DeviceMesh
+
+    @property
+    def dp(self) -> DeviceMesh:
+        return self.world["dp"]
+
+    @property
+    def cp(self) -> DeviceMesh:
+        return self.world["cp"]
+
+    @property
+    def ep(self) -> DeviceMesh:
+        return self.experts["ep"]
+
+    @property
+    def edp(self) -> DeviceMesh:
+        return self.experts["edp"]
+
+
+def build_meshes(dims: ParallelDims, device: torch.device | str) -> Meshes:
+    """Create the meshes (``torch.distributed`` must be initialised with ``dims.world_size`` ranks)."""
+    dims = dims.resolved()
+    device_type = torch.device(device).type
+    world = init_device_mesh(device_type, (dims.dp, dims.cp), mesh_dim_names=("dp", "cp"))
+    dp_cp = world["dp", "cp"]._flatten("dp_cp")
+    experts = init_device_mesh(device_type, (dims.world_size // dims.ep, dims.ep), mesh_dim_names=("edp", "ep"))
+    return Meshes(world=world, dp_cp=dp_cp, experts=experts)

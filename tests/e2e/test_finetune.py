@@ -1,0 +1,87 @@
+"""End-to-end: `recipes/finetune.py` in subprocesses on gloo CPU ranks (tiny model, bundled corpus)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.e2e.helpers import FAST, REPO, losses, run_recipe
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Runs shared by several tests: cp=2 (local dispatcher) and cp=1 on the same data, 4 steps each."""
+    base = tmp_path_factory.mktemp("runs")
+    out = {}
+    for name, extra in (("cp2", ["cp=2"]), ("cp1", ["cp=1"])):
+        run_recipe([*FAST, *extra, "trainer.max_steps=4", "checkpoint.every_n_steps=2"], base / name)
+        out[name] = base / name
+    return out
+
+
+def test_cp2_trains_and_writes_its_outputs(runs):
+    run = runs["cp2"]
+    trajectory = losses(run)
+    assert sorted(trajectory) == [0, 1, 2, 3]
+    assert all(math.isfinite(v) for v in trajectory.values())
+    assert (run / "checkpoints" / "last.ckpt" / "meta.pt").exists()
+    assert (run / "checkpoints" / "step2.ckpt" / ".metadata").exists()  # a distributed checkpoint
+    assert (run / "resolved_config.yaml").read_text().count("cp: 2") == 1
+    assert (run / ".hydra" / "config.yaml").exists()
+
+
+def test_cp1_and_cp2_follow_the_same_loss_trajectory(runs):
+    one, two = losses(runs["cp1"]), losses(runs["cp2"])
+    assert one.keys() == two.keys()
+    for step in one:
+        assert abs(one[step] - two[step]) <= 1e-5, (step, one[step], two[step])
+
+
+def test_alltoall_expert_parallel_matches_local(runs, tmp_path):
+    run_recipe([*FAST, "cp=2", "ep=2", "dispatcher=alltoall", "trainer.max_steps=4", "checkpoint.every_n_steps=0"],
+               tmp_path)
+    ep, local = losses(tmp_path), losses(runs["cp2"])
+    assert ep.keys() == local.keys()
+    for step in ep:
+        assert abs(ep[step] - local[step]) <= 1e-5, (step, ep[step], local[step])
+
+
+def test_kill_and_resume_continues_the_same_trajectory(runs, tmp_path):
+    """SIGKILL the job after its step-2 checkpoint, rerun the same command: steps 3-4 match the uninterrupted run."""
+    cmd = [sys.executable, str(REPO / "recipes/finetune.py"), *FAST, "cp=2", "trainer.max_steps=4",
+           "checkpoint.every_n_steps=2", f"hydra.run.dir={tmp_path}"]
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    marker = tmp_path / "checkpoints" / "step2.ckpt" / "meta.pt"
+    deadline = time.time() + 400
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists(), "the job never wrote its step-2 checkpoint"
+    run_recipe([*FAST, "cp=2", "trainer.max_steps=4", "checkpoint.every_n_steps=2"], tmp_path)
+    resumed, reference = losses(tmp_path), losses(runs["cp2"])
+    for step in (2, 3):
+        assert abs(resumed[step] - reference[step]) <= 1e-5, (step, resumed[step], reference[step])
+
+
+def test_two_job_sweep_writes_two_complete_runs(tmp_path):
+    run_recipe(["-m", *FAST, "cp=1,2", "trainer.max_steps=2", "checkpoint.every_n_steps=0",
+                f"hydra.sweep.dir={tmp_path}"])
+    for job in ("0", "1"):
+        run = tmp_path / job
+        assert sorted(losses(run)) == [0, 1], job
+        assert (run / "checkpoints" / "last.ckpt" / "meta.pt").exists(), job
+        assert (run / "resolved_config.yaml").exists(), job
+    assert "cp: 2" in (tmp_path / "1" / "resolved_config.yaml").read_text()
+    # exactly the two jobs: no child rank re-ran the sweep into a directory of its own
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "multirun.yaml"]
