@@ -14,32 +14,14 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from common import current_rss_kib, emit, peak_rss_kib
+from common import cp_training_step, current_rss_kib, emit, peak_rss_kib
 from dsv4.launch import run_on_ranks
 
 
 def _rank_body(rank: int, world_size: int, seq_len: int) -> float:
-    import torch.distributed as dist
-
     from dsv4.config import DSV4Config
-    from dsv4.cp import CPContext, dsv4_cp_sharder
-    from dsv4.model import DSV4ForCausalLM
-    from dsv4.training.loss import reduce_token_loss
 
-    torch.manual_seed(0)
-    config = DSV4Config.preset("tiny")
-    model = DSV4ForCausalLM(config)
-    ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(1))
-    labels = torch.roll(ids, -1, dims=1)
-    labels[:, -1] = -100
-    group = dist.new_group(list(range(world_size)))
-    _, local = dsv4_cp_sharder(config, group).shard({"input_ids": ids, "labels": labels})
-    cp = CPContext(group) if world_size > 1 else None
-    base = current_rss_kib()
-    out = model(**local, cp=cp)
-    reduce_token_loss(out.loss_sum, out.label_count, group).loss.backward()
+    _, base = cp_training_step(DSV4Config.preset("tiny"), seq_len, world_size, before_step=current_rss_kib)
     return max(peak_rss_kib() - base, 0) / 1024
 
 

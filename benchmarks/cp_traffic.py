@@ -25,7 +25,7 @@ import argparse
 
 import torch
 
-from common import emit
+from common import cp_training_step, emit
 from dsv4.config import DSV4Config
 from dsv4.launch import run_on_ranks
 
@@ -39,23 +39,7 @@ def layer_config(ratio: int) -> DSV4Config:
 
 
 def _rank_body(rank: int, world_size: int, ratio: int, seq_len: int) -> dict:
-    import torch.distributed as dist
-
-    from dsv4.cp import CPContext, dsv4_cp_sharder
-    from dsv4.model import DSV4ForCausalLM
-    from dsv4.training.loss import reduce_token_loss
-
-    torch.manual_seed(0)
-    config = layer_config(ratio)
-    model = DSV4ForCausalLM(config)
-    ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(1))
-    labels = torch.roll(ids, -1, dims=1)
-    labels[:, -1] = -100
-    group = dist.new_group(list(range(world_size)))
-    _, local = dsv4_cp_sharder(config, group).shard({"input_ids": ids, "labels": labels})
-    cp = CPContext(group)
-    out = model(**local, cp=cp)
-    reduce_token_loss(out.loss_sum, out.label_count, group).loss.backward()
+    cp, _ = cp_training_step(layer_config(ratio), seq_len, world_size)
     return cp.traffic.as_dict()
 
 

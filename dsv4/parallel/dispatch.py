@@ -163,17 +163,8 @@ def _stay_in_graph(y: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------- all-to-all
 
 
-class AllToAllDispatcher:
-    """Expert parallelism with variable-size all-to-all (see the module docstring).
-
-    Per call on EP rank ``r`` of ``P`` (``E_l = E / P`` local experts, ``N`` tokens, top-``k``):
-
-    1. sort the ``N*k`` pairs by global expert: this groups them by owner rank too;
-    2. exchange ``counts [P, E_l]`` (pairs per destination expert) with a plain ``all_to_all_single``;
-    3. send the token rows ``x[token_of_pair]`` (``[N*k, d]``) with the differentiable all-to-all; the owner
-       receives them grouped by source rank, regroups them by local expert and runs ``experts``;
-    4. send the results back the same way and ``index_add`` them, times the routing weights, in fp32.
-    """
+class _GroupDispatcher:
+    """Base of the expert-parallel dispatchers: the EP process group and this rank's place in it."""
 
     def __init__(self, ep_group: EPGroup = None) -> None:
         self.group = _resolve_group(ep_group)
@@ -185,6 +176,19 @@ class AllToAllDispatcher:
     @property
     def rank(self) -> int:
         return _group_rank(self.group)
+
+
+class AllToAllDispatcher(_GroupDispatcher):
+    """Expert parallelism with variable-size all-to-all (see the module docstring).
+
+    Per call on EP rank ``r`` of ``P`` (``E_l = E / P`` local experts, ``N`` tokens, top-``k``):
+
+    1. sort the ``N*k`` pairs by global expert: this groups them by owner rank too;
+    2. exchange ``counts [P, E_l]`` (pairs per destination expert) with a plain ``all_to_all_single``;
+    3. send the token rows ``x[token_of_pair]`` (``[N*k, d]``) with the differentiable all-to-all; the owner
+       receives them grouped by source rank, regroups them by local expert and runs ``experts``;
+    4. send the results back the same way and ``index_add`` them, times the routing weights, in fp32.
+    """
 
     def run(
         self, experts: ExpertGroup, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -225,7 +229,7 @@ class AllToAllDispatcher:
 # ------------------------------------------------------------------------------------------------- all-gather
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(_GroupDispatcher):
     """Expert parallelism by all-gather + reduce-scatter with a uniform per-rank capacity.
 
     Per call on EP rank ``r`` of ``P``: gather the group's token counts ``[P]``; capacity ``C = max``; pad this
@@ -239,16 +243,9 @@ class AllGatherDispatcher:
     """
 
     def __init__(self, ep_group: EPGroup = None, strict_uniform: bool = False) -> None:
-        self.group = _resolve_group(ep_group)
+        super().__init__(ep_group)
         self.strict_uniform = strict_uniform
 
-    @property
-    def size(self) -> int:
-        return _group_size(self.group)
-
-    @property
-    def rank(self) -> int:
-        return _group_rank(self.group)
 
     def _token_counts(self, n_tokens: int, device: torch.device) -> list[int]:
         if self.size == 1:

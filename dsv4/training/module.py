@@ -35,6 +35,13 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def _sum_over_ranks(loads: torch.Tensor) -> torch.Tensor:
+    """Expert loads of every rank (all routers see different tokens; every rank applies the same bias update)."""
+    loads = loads.clone()
+    dist.all_reduce(loads)
+    return loads
+
+
 class DSV4LightningModule(L.LightningModule):
     def __init__(
         self,
@@ -101,13 +108,8 @@ class DSV4LightningModule(L.LightningModule):
 
     def _after_optimizer_step(self) -> None:
         strategy = self.trainer.strategy
-        reduce = None
-        if dist.is_available() and dist.is_initialized():
-            def reduce(loads: torch.Tensor) -> torch.Tensor:
-                loads = loads.clone()
-                dist.all_reduce(loads)
-                return loads
-        update_load_balancing_bias(self.model, self.bias_update_rate, reduce=reduce)
+        distributed = dist.is_available() and dist.is_initialized()
+        update_load_balancing_bias(self.model, self.bias_update_rate, reduce=_sum_over_ranks if distributed else None)
         stats, _ = self._pending_stats
         dp_group = getattr(strategy, "dp_group", None)
         if dp_group is not None:

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 

@@ -3,14 +3,12 @@
 import copy
 import functools
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4.cp import (
     ContextParallelSharder,
-    PrePackedBatchError,
     _repad_dsv4_packed_batch,
     build_packed_seq_ids,
     contiguous_local_indices,

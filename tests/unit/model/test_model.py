@@ -15,15 +15,6 @@ DOC_LENGTHS = [100, 128 + 40, 37, 1]
 TAIL = 128  # row tail (pack padding, seq id 0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on the shared 2-core box, OpenMP spinning makes 2 threads ~10x slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _tiny() -> DSV4Config:
     cfg = DSV4Config.preset("tiny")
     assert cfg.compress_ratios == [0, 4, 128, 4] and cfg.num_hash_layers >= 1

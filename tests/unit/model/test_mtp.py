@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from dsv4.config import DSV4Config
 from dsv4.model import DSV4ForCausalLM
 from dsv4.model.mtp import DocumentShift
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 SEQ = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 0]])

@@ -13,7 +13,6 @@ score matrix ``[S, S/4]`` (4.2M) would exceed C * S * (W + k) = 1.57M.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -23,15 +22,6 @@ from dsv4.model import DSV4ForCausalLM
 
 C = 16
 S = 4096
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on the shared 2-core box, OpenMP spinning makes 2 threads ~10x slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 class NumelRecorder(TorchDispatchMode):
