@@ -49,6 +49,9 @@ class DSV4LightningModule(L.LightningModule):
         optim: dict[str, Any] | None = None,
         max_steps: int = 100,
         bias_update_rate: float = 1e-3,
+        hf_checkpoint: str | None = None,
+        export_hf_dir: str | None = None,
+        export_dtype: str = "bfloat16",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -57,6 +60,9 @@ class DSV4LightningModule(L.LightningModule):
                       "min_lr_ratio": 0.1, "grad_clip": 1.0, **(optim or {})}
         self.max_steps = max_steps
         self.bias_update_rate = bias_update_rate
+        self.hf_checkpoint = hf_checkpoint
+        self.export_hf_dir = export_hf_dir
+        self.export_dtype = export_dtype
         self.model: DSV4ForCausalLM | None = None
         self.last_step_stats: StepStats | None = None
         self._step_start = 0.0
@@ -67,9 +73,30 @@ class DSV4LightningModule(L.LightningModule):
         if self.model is not None:
             return
         self.model = DSV4ForCausalLM(self.config)
-        parallelize = getattr(self.trainer.strategy, "parallelize", None) if self._trainer is not None else None
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        if self.hf_checkpoint:
+            # Order: full model -> load (non-expert keys + only this EP rank's expert keys) -> EP shard -> FSDP2.
+            # Loading before parallelize keeps plain tensors (no DTensor copies); the expert rows of other EP ranks
+            # are never read and are dropped by shard_experts.
+            from dsv4.checkpoint import load_hf_checkpoint
+
+            ep_size = int(getattr(strategy, "ep_size", 1) or 1)
+            ep_rank = None
+            if ep_size > 1:
+                ep_rank = strategy.meshes.ep.get_local_rank()
+            load_hf_checkpoint(self.model, self.hf_checkpoint, ep_rank=ep_rank, ep_size=ep_size if ep_rank is not None else None)
+        parallelize = getattr(strategy, "parallelize", None)
         if parallelize is not None:
             parallelize(self.model)
+
+    def on_train_end(self) -> None:
+        """``export.hf_dir``: write the trained model in the HF layout (every rank gathers, global rank 0 writes)."""
+        if not self.export_hf_dir:
+            return
+        from dsv4.checkpoint import export_hf_checkpoint
+
+        export_hf_checkpoint(self.model, self.export_hf_dir, dtype=self.export_dtype,
+                             write=self.trainer.global_rank == 0)
 
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]

@@ -32,8 +32,10 @@ def world_size_of(trainer_cfg: dict, cp: int, dp: int) -> int | None:
 
 def validate(cfg: DictConfig) -> tuple[DSV4Config, int | None]:
     """Semantic checks that need no process group; raises ValueError naming the key and the value."""
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    checkpoint = model_cfg.pop("checkpoint", None)
     try:
-        config = DSV4Config.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+        config = DSV4Config.from_dict(model_cfg)
     except ValueError as err:
         raise ValueError(f"model: {err}") from None
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
@@ -59,6 +61,16 @@ def validate(cfg: DictConfig) -> tuple[DSV4Config, int | None]:
         raise ValueError(f"`logger.kind`={cfg.logger.kind!r} must be one of wandb, csv, none")
     if cfg.checkpoint.every_n_steps < 0:
         raise ValueError(f"`checkpoint.every_n_steps` must be >= 0, got {cfg.checkpoint.every_n_steps}")
+    if checkpoint and not os.path.isdir(checkpoint):
+        raise ValueError(f"`model.checkpoint`={checkpoint!r} is not a directory")
+    export = cfg.get("export")
+    if export is not None and export.hf_dir:
+        from dsv4.checkpoint import EXPORT_DTYPES
+
+        if export.dtype not in EXPORT_DTYPES:
+            raise ValueError(f"`export.dtype`={export.dtype!r} must be one of {EXPORT_DTYPES}")
+        if cfg.ep > 1:
+            raise ValueError("`export.hf_dir` with ep > 1 is not supported yet (experts would need unsharding)")
     return config, world
 
 
@@ -157,7 +169,10 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     max_steps = int(trainer_cfg.get("max_steps", 100))
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     module = DSV4LightningModule(model=config.to_dict(), optim=optim, max_steps=max_steps,
-                                 bias_update_rate=optim.pop("bias_update_rate", 1e-3))
+                                 bias_update_rate=optim.pop("bias_update_rate", 1e-3),
+                                 hf_checkpoint=cfg.model.checkpoint,
+                                 export_hf_dir=cfg.export.hf_dir if "export" in cfg else None,
+                                 export_dtype=cfg.export.dtype if "export" in cfg else "bfloat16")
     strategy = DSV4Strategy(
         cp=cfg.cp, dp=cfg.dp, ep=cfg.ep, dispatcher=cfg.dispatcher.name, pad_multiple=multiple,
         sync_packed_length=dispatcher_needs_uniform_tokens(cfg.dispatcher.name),

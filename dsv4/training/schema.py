@@ -2,7 +2,7 @@
 
 Typos and wrong types fail while Hydra composes the config, before any process starts:
 ``cp=three`` -> "Value 'three' ... could not be converted to Integer / full_key: cp"; ``cpp=4`` -> "Key 'cpp' not
-in 'FinetuneConfig'"; ``model.bogus=1`` -> "Key 'bogus' not in 'DSV4Config'". Semantic checks (cp dividing the
+in 'FinetuneConfig'"; ``model.bogus=1`` -> "Key 'bogus' not in 'ModelConfig'". Semantic checks (cp dividing the
 world, compress_ratios length, seq_len multiple of cp x LCM, dispatcher availability, the data itself) run in
 :func:`dsv4.training.run.validate` before the Trainer launches its processes.
 """
@@ -62,6 +62,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class ExportConfig:
+    """``hf_dir``: write the trained model there at the end of training in the HF layout (``dsv4.checkpoint``);
+    ``dtype``: bfloat16 | float32 | quantized (release FP8/FP4 formats)."""
+
+    hf_dir: Optional[str] = None
+    dtype: str = "bfloat16"
+
+
+@dataclass
 class LoggerConfig:
     """``kind``: wandb | csv | none. wandb runs offline when no credentials are configured."""
 
@@ -69,6 +78,14 @@ class LoggerConfig:
     project: str = "dsv4"
     name: Optional[str] = None
     offline: Optional[bool] = None
+
+
+@dataclass
+class ModelConfig(DSV4Config):
+    """The model group: every :class:`DSV4Config` field, plus ``checkpoint``: a Hugging Face-format DSV4
+    checkpoint directory (safetensors + index + config.json) whose weights are loaded before training."""
+
+    checkpoint: Optional[str] = None
 
 
 @dataclass
@@ -80,13 +97,14 @@ class FinetuneConfig:
     seed: int = 1234
     micro_batch_size: int = 1
     dry_run: bool = False
-    model: DSV4Config = field(default_factory=DSV4Config)
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
     trainer: Any = field(default_factory=dict)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
 
 def register_schema() -> None:

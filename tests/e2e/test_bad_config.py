@@ -14,7 +14,7 @@ pytestmark = pytest.mark.e2e
     [
         (["cpp=4"], "Key 'cpp' not in 'FinetuneConfig'"),
         (["cp=three"], "Value 'three' of type 'str' could not be converted to Integer"),
-        (["model.bogus=1"], "Key 'bogus' not in 'DSV4Config'"),
+        (["model.bogus=1"], "Key 'bogus' not in 'ModelConfig'"),
         (["cp=3", "trainer.devices=4"], "`cp`=3 does not divide the world size 4"),
         (["model.compress_ratios=[0,4]"], "compress_ratios"),
         (["seq_len=1000", "cp=2"], "`seq_len`=1000 must be a positive multiple of cp x shard multiple = 2 x 128 = 256"),

@@ -1,0 +1,94 @@
+"""``python -m dsv4.checkpoint inspect DIR [--json]``: what a checkpoint directory holds, from the headers only.
+
+Prints the ``config.json`` summary (and whether ``DSV4Config`` accepts it), the tensor count, a per-dtype census
+(tensors and bytes), the shard count and the total size. No tensor data is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+
+from dsv4.checkpoint.hf_config import config_from_hf, read_hf_config_dict
+from dsv4.checkpoint.safetensors_io import CheckpointDir
+
+
+def inspect(path: str) -> dict:
+    ckpt = CheckpointDir.open(path)
+    count: Counter = Counter()
+    size: Counter = Counter()
+    for info in ckpt.tensors.values():
+        count[info.dtype] += 1
+        size[info.dtype] += info.nbytes
+    out: dict = {
+        "path": path,
+        "num_tensors": len(ckpt.tensors),
+        "num_shards": len(ckpt.files),
+        "has_index": ckpt.has_index,
+        "total_bytes": sum(size.values()),
+        "dtypes": {k: {"tensors": count[k], "bytes": size[k]} for k in sorted(count)},
+    }
+    try:
+        raw = read_hf_config_dict(path)
+    except FileNotFoundError as e:
+        out["config"] = None
+        out["config_error"] = str(e)
+        return out
+    out["config"] = raw
+    try:
+        config_from_hf(raw)
+        out["config_valid"] = True
+    except (ValueError, TypeError) as e:
+        out["config_valid"] = False
+        out["config_error"] = str(e)
+    return out
+
+
+_SUMMARY_FIELDS = (
+    "hidden_size", "num_hidden_layers", "num_nextn_predict_layers", "vocab_size", "num_attention_heads", "head_dim",
+    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "num_hash_layers", "compress_ratios",
+    "torch_dtype", "quantization_config",
+)
+
+
+def _print_text(info: dict) -> None:
+    print(f"checkpoint: {info['path']}")
+    cfg = info.get("config")
+    if cfg is None:
+        print(f"config: missing ({info.get('config_error')})")
+    else:
+        print("config:")
+        for k in _SUMMARY_FIELDS:
+            if k in cfg:
+                print(f"  {k}: {json.dumps(cfg[k])}")
+        print(f"  valid DSV4Config: {info['config_valid']}" + ("" if info["config_valid"] else f" ({info['config_error']})"))
+    print(f"tensors: {info['num_tensors']} in {info['num_shards']} shard(s) (index file: {info['has_index']})")
+    print("dtypes:")
+    for k, v in info["dtypes"].items():
+        print(f"  {k:8s} {v['tensors']:8d} tensors {v['bytes'] / 1e9:12.6f} GB")
+    print(f"total size: {info['total_bytes']} bytes ({info['total_bytes'] / 1e9:.6f} GB)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dsv4.checkpoint")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="config, tensor count, dtypes and size, without loading weights")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = parser.parse_args(argv)
+    try:
+        info = inspect(args.dir)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(info))
+    else:
+        _print_text(info)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Load an HF-format DSV4 checkpoint directory into a ``DSV4ForCausalLM`` (or any module with its state dict).
+
+    report = load_hf_checkpoint(model, "/ckpt")                       # every key the model holds
+    report = load_hf_checkpoint(model, "/ckpt", ep_rank=r, ep_size=n)  # full model, but read only rank r's experts
+
+Order of work (nothing is read before every check passed):
+
+1. Plan from the shard headers only (:class:`~dsv4.checkpoint.safetensors_io.CheckpointDir`): map every on-disk
+   key through :mod:`dsv4.checkpoint.keys`; check that every key the model needs is there (``KeyError`` naming
+   the missing keys), that no key is unknown to the model (``KeyError``: unexpected key), and each tensor's dtype
+   tag and shape against the model (``ValueError`` naming the key, expected and actual shape/dtype). MTP keys of
+   depths the config does not build (``num_nextn_predict_layers``) are skipped, as are scales of skipped keys.
+2. Stream shard by shard (files in name order, keys in file order): read one weight (and its ``.scale``, which
+   may live in another shard), dequantise (FP8 block / FP4 packed, :mod:`dsv4.checkpoint.quant`) or cast to the
+   target's dtype, copy into the parameter or buffer, drop it. Peak extra memory is about one tensor.
+
+Routed experts: a ``GroupedExperts`` holding experts ``[offset, offset + local)`` (after ``shard_experts``) reads
+only those experts' keys. With ``ep_rank``/``ep_size`` on a model that still holds all experts, only the rank's
+range ``[r*E/n, (r+1)*E/n)`` is read (the other rows are left as they are; ``shard_experts`` drops them next).
+That is the order the recipe uses: build the full model, load this rank's keys, then EP-shard and FSDP-wrap.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dsv4.checkpoint import keys as K
+from dsv4.checkpoint.quant import dequantize_fp4_packed, dequantize_fp8_block, fp4_scale_shape, fp8_scale_shape
+from dsv4.checkpoint.safetensors_io import DTYPES, CheckpointDir, TensorInfo, TensorReader
+
+_FLOAT_TAGS = ("F64", "F32", "F16", "BF16")
+_INT_TAGS = ("I64", "I32")
+_SCALE_TAGS = ("F8_E8M0", "U8", "F32")
+
+
+@dataclass
+class LoadReport:
+    """What a load did: the on-disk keys it read (weights and scales), bytes, shards visited, keys skipped
+    (other ranks' experts, MTP depths the config does not build), the model keys filled, seconds."""
+
+    keys_read: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    shards: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    loaded: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / 1e9 / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Item:
+    hf_key: str
+    target: str  # our state-dict name
+    expert_row: int | None  # row of a stacked expert tensor
+    fmt: str  # "fp8" | "fp4" | "plain"
+    scale_key: str | None
+
+
+def _expert_ranges(model: nn.Module, targets: dict[str, torch.Tensor], ep_rank, ep_size) -> dict[str, tuple[int, int, int]]:
+    """``name -> (first global expert, count, offset of row 0)`` for every stacked expert tensor."""
+    if (ep_rank is None) != (ep_size is None):
+        raise ValueError("give both ep_rank and ep_size, or neither")
+    out = {}
+    for name in targets:
+        if not K.is_stacked_expert(name):
+            continue
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        offset, local, total = module.expert_offset, module.num_local_experts, module.num_experts
+        first, count = offset, local
+        if ep_size is not None and ep_size > 1 and local == total:
+            if total % ep_size:
+                raise ValueError(f"n_routed_experts={total} is not divisible by ep_size={ep_size}")
+            count = total // ep_size
+            first = ep_rank * count
+        out[name] = (first, count, offset)
+    return out
+
+
+def _check_and_plan(
+    ckpt: CheckpointDir, targets: dict[str, torch.Tensor], ranges: dict[str, tuple[int, int, int]], mtp_depths: int
+) -> tuple[list[_Item], list[str]]:
+    items: list[_Item] = []
+    skipped: list[str] = []
+    seen_targets: set[tuple[str, int | None]] = set()
+    unexpected: list[str] = []
+    scales = {k for k in ckpt.tensors if K.is_scale_key(k)}
+    for key, info in ckpt.tensors.items():
+        if key in scales:
+            continue
+        depth = K.mtp_depth(key)
+        if depth is not None and depth >= mtp_depths:
+            skipped.append(key)
+            continue
+        mapped = K.hf_to_ours(key)
+        if mapped is None or mapped.name not in targets:
+            unexpected.append(key)
+            continue
+        target = targets[mapped.name]
+        row = None
+        if mapped.expert is not None:
+            first, count, offset = ranges[mapped.name]
+            if not first <= mapped.expert < first + count:
+                skipped.append(key)
+                continue
+            row = mapped.expert - offset
+            expected_shape = tuple(target.shape[1:])
+        elif mapped.name in ranges:
+            unexpected.append(key)
+            continue
+        else:
+            expected_shape = tuple(target.shape)
+        scale_key = K.scale_key_of_weight(key)
+        has_scale = scale_key in scales
+        fmt = _validate(info, ckpt.tensors.get(scale_key) if has_scale else None, expected_shape, target.dtype)
+        items.append(_Item(key, mapped.name, row, fmt, scale_key if has_scale else None))
+        seen_targets.add((mapped.name, mapped.expert))
+    for s in sorted(scales):
+        w = K.weight_key_of_scale(s)
+        if w not in ckpt.tensors:
+            unexpected.append(s)
+    if unexpected:
+        raise KeyError(
+            f"unexpected key(s) in {ckpt.path} that the model does not hold: {sorted(unexpected)[:10]}"
+            + (f" (+{len(unexpected) - 10} more)" if len(unexpected) > 10 else "")
+        )
+    missing = []
+    for name in targets:
+        if name in ranges:
+            first, count, _ = ranges[name]
+            missing += [K.ours_to_hf(name, e) for e in range(first, first + count) if (name, e) not in seen_targets]
+        elif (name, None) not in seen_targets:
+            missing.append(K.ours_to_hf(name) or name)
+    if missing:
+        raise KeyError(
+            f"missing key(s) in {ckpt.path}: {missing[:10]}" + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")
+        )
+    return items, skipped
+
+
+def _validate(info: TensorInfo, scale: TensorInfo | None, expected: tuple[int, ...], target_dtype: torch.dtype) -> str:
+    """Check dtype tag and shape from the header; returns the item format."""
+    if info.dtype not in DTYPES:
+        raise ValueError(f"{info.key}: unknown dtype {info.dtype!r} (known safetensors dtypes: {sorted(DTYPES)})")
+    if scale is not None:
+        if scale.dtype not in _SCALE_TAGS:
+            raise ValueError(f"{scale.key}: scale dtype {scale.dtype} is not one of {_SCALE_TAGS}")
+        if len(expected) != 2:
+            raise ValueError(f"{info.key}: has a scale but the model tensor has shape {expected} (expected 2-D)")
+        if info.dtype == "F8_E4M3":
+            fmt, logical, want_scale = "fp8", info.shape, fp8_scale_shape(expected)
+        elif info.dtype in ("I8", "U8"):
+            logical = (info.shape[0], info.shape[1] * 2) if len(info.shape) == 2 else info.shape
+            fmt, want_scale = "fp4", fp4_scale_shape(expected)
+        else:
+            raise ValueError(
+                f"{info.key}: a weight with a .scale must be F8_E4M3 (FP8 block) or I8 (packed FP4), got {info.dtype}"
+            )
+        if tuple(logical) != expected:
+            raise ValueError(
+                f"{info.key}: shape {list(info.shape)} ({fmt}, logical {list(logical)}) does not match the model's "
+                f"{list(expected)} (check config.json against the model config)"
+            )
+        if tuple(scale.shape) != tuple(want_scale):
+            raise ValueError(f"{scale.key}: scale shape {list(scale.shape)}, expected {list(want_scale)} for {fmt}")
+        return fmt
+    if target_dtype.is_floating_point:
+        if info.dtype not in _FLOAT_TAGS:
+            raise ValueError(
+                f"{info.key}: dtype {info.dtype} cannot load into a {target_dtype} tensor without a .scale "
+                f"(expected one of {_FLOAT_TAGS})"
+            )
+    elif info.dtype not in _INT_TAGS:
+        raise ValueError(f"{info.key}: dtype {info.dtype} cannot load into a {target_dtype} tensor (expected {_INT_TAGS})")
+    if tuple(info.shape) != expected:
+        raise ValueError(
+            f"{info.key}: shape {list(info.shape)} does not match the model's {list(expected)} "
+            f"(check config.json against the model config)"
+        )
+    return "plain"
+
+
+@torch.no_grad()
+def load_hf_checkpoint(
+    model: nn.Module,
+    path: str,
+    *,
+    ep_rank: int | None = None,
+    ep_size: int | None = None,
+    mtp_depths: int | None = None,
+) -> LoadReport:
+    """Fill ``model``'s parameters and persistent buffers from the checkpoint directory ``path``; returns a
+    :class:`LoadReport`. See the module docstring for the checks, the EP behaviour and the streaming order."""
+    start = time.perf_counter()
+    ckpt = CheckpointDir.open(path)
+    targets = model.state_dict(keep_vars=True)
+    if mtp_depths is None:
+        mtp = getattr(model, "mtp", None)
+        mtp_depths = len(mtp.layers) if mtp is not None and hasattr(mtp, "layers") else 0
+    ranges = _expert_ranges(model, targets, ep_rank, ep_size)
+    items, skipped = _check_and_plan(ckpt, targets, ranges, mtp_depths)
+
+    by_file: dict[str, list[_Item]] = {}
+    for it in items:
+        by_file.setdefault(ckpt.tensors[it.hf_key].file, []).append(it)
+    reader = TensorReader(ckpt)
+    report = LoadReport(skipped=skipped)
+    try:
+        for name in sorted(by_file):
+            report.shards.append(name)
+            group = sorted(by_file[name], key=lambda it: ckpt.tensors[it.hf_key].begin)
+            for it in group:
+                _load_item(reader, it, targets)
+                report.loaded.append(it.target if it.expert_row is None else f"{it.target}[{it.expert_row}]")
+    finally:
+        reader.close()
+    report.keys_read = reader.keys_read
+    report.bytes_read = reader.bytes_read
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _load_item(reader: TensorReader, it: _Item, targets: dict[str, torch.Tensor]) -> None:
+    target = targets[it.target]
+    dest = target if it.expert_row is None else target[it.expert_row]
+    weight = reader.read(it.hf_key)
+    if it.fmt == "plain":
+        value = weight
+    else:
+        # the scale may sit in another shard: read it, then come back to this shard's file
+        scale = reader.read(it.scale_key)
+        if it.fmt == "fp8":
+            value = dequantize_fp8_block(weight, scale, dtype=torch.float32)
+        else:
+            value = dequantize_fp4_packed(weight, scale, dtype=torch.float32)
+    dest.copy_(value.to(device=dest.device, dtype=dest.dtype))
+
+
+def load_model_from_hf(path: str, *, device: str | torch.device = "cpu", **overrides):
+    """Build ``DSV4ForCausalLM`` from ``path/config.json`` (``overrides`` replace config fields) and load it."""
+    from dsv4.checkpoint.hf_config import config_from_hf
+    from dsv4.model import DSV4ForCausalLM
+
+    config = config_from_hf(path, **overrides)
+    model = DSV4ForCausalLM(config).to(device)
+    load_hf_checkpoint(model, path)
+    return model

@@ -1,0 +1,168 @@
+"""FP8 / FP4 weight formats of the released DSV4 checkpoints: dequantisation and re-quantisation.
+
+Formats (``reference/dsv4-checkpoint.md`` section 2):
+
+* **E8M0 scale** (``float8_e8m0fnu``, one unsigned exponent byte): value = 2^(byte - 127). Decoded from the
+  *bits* (the byte placed in an fp32 exponent field), never by a numeric cast; byte 0 decodes to 0.0 and 0xFF to
+  NaN. ``float32`` scales are accepted as they are.
+* **FP8 block**: weight ``float8_e4m3fn [out, in]`` (logical shape), scale ``[ceil(out/128), ceil(in/128)]``;
+  ``W[r, c] = q[r, c] * s[r // 128, c // 128]``. Ragged edge tiles cover what is left (the weight is never
+  padded).
+* **FP4 packed**: weight ``int8 [out, in/2]``, two e2m1 codes per byte along the input axis, **low nibble =
+  column 2j, high nibble = column 2j+1** (the byte read as unsigned); scale ``[out, ceil(in/32)]``:
+  ``W[r, c] = E2M1[code(r, c)] * s[r, c // 32]``. Codes 0..7 are 0, .5, 1, 1.5, 2, 3, 4, 6; codes 8..15 are
+  their negatives (code 8, -0, decodes to 0).
+
+Dequantising into bf16/fp32 is exact (power-of-two scales, short mantissas). Re-quantisation picks per tile /
+group the smallest power of two ``2^k >= amax / 448`` (FP8) or ``>= amax / 6`` (FP4) ("ue8m0"), divides,
+clamps and rounds to nearest, ties to even; an all-zero tile gets scale 1 (byte 127).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_BLOCK = 128
+FP4_GROUP = 32
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+
+E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32
+)
+_E2M1_MAGNITUDES = E2M1_VALUES[:8]
+_E2M1_MIDPOINTS = (_E2M1_MAGNITUDES[1:] + _E2M1_MAGNITUDES[:-1]) / 2  # 7 decision boundaries
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------------- E8M0 scales
+def decode_e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (``float8_e8m0fnu`` or ``uint8``) -> fp32 ``2^(b-127)`` by bit placement; fp32 passes through."""
+    if scale.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        return scale.float()
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise ValueError(f"decode_e8m0: expected float8_e8m0fnu, uint8 or a float scale, got {scale.dtype}")
+    b = scale.contiguous().view(torch.uint8).to(torch.int32)
+    out = (b << 23).view(torch.float32).clone()
+    out[b == 255] = float("nan")
+    return out
+
+
+def encode_e8m0(exponent: torch.Tensor) -> torch.Tensor:
+    """Integer exponents ``k`` (clamped to [-127, 127]) -> ``float8_e8m0fnu`` bytes ``k + 127``."""
+    return (exponent.to(torch.int32).clamp(-127, 127) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _pow2_exponent_at_least(x: torch.Tensor) -> torch.Tensor:
+    """Smallest integer ``k`` with ``2^k >= x`` (exact, via frexp); 0 where ``x == 0``."""
+    mantissa, exp = torch.frexp(x.float())  # x = m * 2^e, m in [0.5, 1)
+    k = torch.where(mantissa == 0.5, exp - 1, exp)
+    return torch.where(x > 0, k, torch.zeros_like(k))
+
+
+# ---------------------------------------------------------------------------------------------- FP8 block
+def fp8_scale_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, int]:
+    out, inp = shape
+    return _ceil_div(out, FP8_BLOCK), _ceil_div(inp, FP8_BLOCK)
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``float8_e4m3fn [out, in]`` and a ``[ceil(out/128), ceil(in/128)]`` scale -> ``dtype [out, in]``."""
+    if weight.dim() != 2:
+        raise ValueError(f"dequantize_fp8_block: weight must be 2-D, got shape {tuple(weight.shape)}")
+    if tuple(scale.shape) != fp8_scale_shape(weight.shape):
+        raise ValueError(
+            f"dequantize_fp8_block: scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
+            f"(expected {fp8_scale_shape(weight.shape)} for {FP8_BLOCK}x{FP8_BLOCK} tiles)"
+        )
+    out, inp = weight.shape
+    s = decode_e8m0(scale)
+    s = s.repeat_interleave(FP8_BLOCK, dim=0)[:out].repeat_interleave(FP8_BLOCK, dim=1)[:, :inp]
+    return (weight.float() * s).to(dtype)
+
+
+def quantize_fp8_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[out, in]`` float -> (``float8_e4m3fn [out, in]``, ``float8_e8m0fnu [ceil(out/128), ceil(in/128)]``)."""
+    if weight.dim() != 2:
+        raise ValueError(f"quantize_fp8_block: weight must be 2-D, got shape {tuple(weight.shape)}")
+    w = weight.detach().float()
+    out, inp = w.shape
+    ro, ri = fp8_scale_shape(w.shape)
+    padded = w.new_zeros(ro * FP8_BLOCK, ri * FP8_BLOCK)
+    padded[:out, :inp] = w
+    amax = padded.abs().reshape(ro, FP8_BLOCK, ri, FP8_BLOCK).amax(dim=(1, 3))
+    k = _pow2_exponent_at_least(amax / FP8_MAX).clamp(-127, 127)
+    s = torch.ldexp(torch.ones_like(amax), k)
+    s_full = s.repeat_interleave(FP8_BLOCK, dim=0)[:out].repeat_interleave(FP8_BLOCK, dim=1)[:, :inp]
+    q = (w / s_full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, encode_e8m0(k)
+
+
+# ---------------------------------------------------------------------------------------------- FP4 packed
+def fp4_scale_shape(logical_shape: tuple[int, ...] | torch.Size) -> tuple[int, int]:
+    out, inp = logical_shape
+    return out, _ceil_div(inp, FP4_GROUP)
+
+
+def unpack_fp4_codes(packed: torch.Tensor) -> torch.Tensor:
+    """``int8/uint8 [out, n]`` -> ``uint8 codes [out, 2n]``: low nibble -> column 2j, high nibble -> 2j+1."""
+    if packed.dtype not in (torch.int8, torch.uint8):
+        raise ValueError(f"unpack_fp4_codes: packed FP4 must be int8 or uint8, got {packed.dtype}")
+    u = packed.contiguous().view(torch.uint8)
+    lo = u & 0x0F
+    hi = u >> 4
+    return torch.stack((lo, hi), dim=-1).reshape(*u.shape[:-1], u.shape[-1] * 2)
+
+
+def pack_fp4_codes(codes: torch.Tensor) -> torch.Tensor:
+    """``uint8 codes [out, 2n]`` (values 0..15) -> ``int8 [out, n]``, column 2j in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_fp4_codes: the last dimension must be even, got shape {tuple(codes.shape)}")
+    c = codes.to(torch.uint8)
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).view(torch.int8)
+
+
+def dequantize_fp4_packed(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``int8 [out, in/2]`` and a ``[out, ceil(in/32)]`` scale -> ``dtype [out, in]``."""
+    if packed.dim() != 2:
+        raise ValueError(f"dequantize_fp4_packed: weight must be 2-D, got shape {tuple(packed.shape)}")
+    out, half = packed.shape
+    inp = 2 * half
+    if tuple(scale.shape) != fp4_scale_shape((out, inp)):
+        raise ValueError(
+            f"dequantize_fp4_packed: scale shape {tuple(scale.shape)} does not match packed weight "
+            f"{tuple(packed.shape)} (logical [{out}, {inp}], expected {fp4_scale_shape((out, inp))}: one scale "
+            f"per {FP4_GROUP} columns)"
+        )
+    values = E2M1_VALUES[unpack_fp4_codes(packed).long()]
+    s = decode_e8m0(scale).repeat_interleave(FP4_GROUP, dim=1)[:, :inp]
+    return (values * s).to(dtype)
+
+
+def _round_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 (already clamped to [-6, 6]) -> e2m1 codes, nearest value with ties to the even code."""
+    mag = x.abs()
+    idx = torch.bucketize(mag, _E2M1_MIDPOINTS, right=False)  # a tie goes to the lower code
+    tie = (idx < 7) & (mag == _E2M1_MIDPOINTS[idx.clamp(max=6)]) & (idx % 2 == 1)
+    idx = idx + tie.long()
+    sign = (x < 0) & (idx > 0)
+    return (idx + 8 * sign.long()).to(torch.uint8)
+
+
+def quantize_fp4_packed(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[out, in]`` float (``in`` even) -> (``int8 [out, in/2]``, ``float8_e8m0fnu [out, ceil(in/32)]``)."""
+    if weight.dim() != 2 or weight.shape[1] % 2:
+        raise ValueError(f"quantize_fp4_packed: weight must be 2-D with an even input dim, got {tuple(weight.shape)}")
+    w = weight.detach().float()
+    out, inp = w.shape
+    groups = _ceil_div(inp, FP4_GROUP)
+    padded = w.new_zeros(out, groups * FP4_GROUP)
+    padded[:, :inp] = w
+    amax = padded.abs().reshape(out, groups, FP4_GROUP).amax(dim=2)
+    k = _pow2_exponent_at_least(amax / FP4_MAX).clamp(-127, 127)
+    s = torch.ldexp(torch.ones_like(amax), k).repeat_interleave(FP4_GROUP, dim=1)[:, :inp]
+    codes = _round_to_e2m1_codes((w / s).clamp(-FP4_MAX, FP4_MAX))
+    return pack_fp4_codes(codes), encode_e8m0(k)
