@@ -228,7 +228,8 @@ class DSV4Config:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "DSV4Config":
-        """A named configuration: ``"tiny"`` (CPU tests), ``"flash"`` (V4 Flash) or ``"pro"`` (V4 Pro)."""
+        """A named configuration: ``"tiny"`` (CPU tests), ``"flash"`` (V4 Flash), ``"pro"`` (V4 Pro) or
+        ``"v41_tiny"`` (CPU tests with V4.1-style compress ratios 2 and 1: packing alignment 2)."""
         if name not in PRESETS:
             raise ValueError(f"DSV4Config.preset: unknown preset {name!r}, expected one of {sorted(PRESETS)}")
         values = dict(PRESETS[name])
@@ -284,6 +285,42 @@ PRESETS: dict[str, dict[str, Any]] = {
         "compress_ratios": [0, 4, 128, 4],
         "sliding_window": 16,
         "num_hash_layers": 1,
+        "hc_mult": 4,
+        "index_head_dim": 32,
+        "index_n_heads": 2,
+        "index_topk": 8,
+        "num_nextn_predict_layers": 1,
+        "torch_dtype": "float32",
+        "attention_chunk_size": 64,
+    },
+    # V4.1-style compression on the tiny shapes: ratio 2 and ratio 1 layers (non-overlapping compressors, no
+    # CSA indexer), so the document alignment / CP shard multiple is lcm(2, 1) = 2 instead of 128. Only the
+    # compress ratios follow V4.1 (Engram, CSA2 KV/index sources and DSpark stages are not modelled).
+    "v41_tiny": {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "q_lora_rank": 32,
+        "o_lora_rank": 32,
+        "o_groups": 2,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "max_position_embeddings": 1024,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+        "compress_ratios": [0, 2, 2, 1],
+        "sliding_window": 16,
+        "num_hash_layers": 0,
         "hc_mult": 4,
         "index_head_dim": 32,
         "index_n_heads": 2,

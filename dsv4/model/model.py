@@ -10,6 +10,16 @@ Public contract (DESIGN.md section 4)::
     out.loss_sum      CE_sum + mtp_loss_weight * mean_d(MTP_CE_sum_d)   (one scalar: reduce it over ranks)
     out.label_count   number of labels != -100 (main head)
 
+Packed rows (single rank): ``model(input_ids [B, S], seq_lens=[B, D], seq_lens_padded=None)`` without
+``packed_seq_ids`` builds a :class:`dsv4.packing.PackedSequenceLayout` with ``aligned_packed_layout`` (alignment =
+``config.cp_shard_multiple``, see :func:`packing_alignment`), runs the backbone on the aligned rows with the
+layout's document ids, document-local positions and ``padding_mask = sequence_ids == 0``, and restores the
+hidden states to caller coordinates before the head (caller padding columns give zero hidden, hence zero
+logits). ``packed_layout=`` passes a prebuilt layout instead (e.g. one synchronised over ranks). When the batch
+already carries ``packed_seq_ids`` (a CP-sharded batch) ``seq_lens`` / ``seq_lens_padded`` are global metadata
+and are ignored, as before. ``logits_to_keep``: 0 = project every position, ``k > 0`` = the last ``k`` caller
+positions, a 1-D index tensor = those positions (MTP logits follow the same selection); loss needs 0.
+
 Defaults: ``position_ids = rank * L + arange(L)`` (rank 0 without CP), ``packed_seq_ids`` all 1 (one
 document), ``padding_mask`` None (no pad keys). Labels are pre-shifted (``labels[i]`` is the target of
 ``logits[i]``; -100 = ignored). The MTP term is normalised by the *main* label count so that a distributed
@@ -142,7 +152,14 @@ class DSV4ForCausalLM(nn.Module):
         ``seq_lens`` / ``seq_lens_padded`` / ``qkv_format``, which the model does not need, and ``loss_mask``
         (0 = do not train on this token; applied to ``labels``). Unknown keys raise.
         """
+        logits_to_keep = batch_metadata.pop("logits_to_keep", 0)
+        layout = batch_metadata.pop("packed_layout", None)
         cp = _resolve_cp(cp, batch_metadata)
+        seq_lens = batch_metadata.get("seq_lens")
+        if packed_seq_ids is None and (seq_lens is not None or layout is not None):
+            return self._packed_forward(input_ids, seq_lens, batch_metadata.get("seq_lens_padded"), layout,
+                                        position_ids, padding_mask, cp, labels, batch_metadata.get("loss_mask"),
+                                        logits_to_keep)
         loss_mask = batch_metadata.get("loss_mask")
         if loss_mask is not None:
             if labels is None or loss_mask.shape != labels.shape:
@@ -163,11 +180,21 @@ class DSV4ForCausalLM(nn.Module):
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(input_ids.shape)} (input_ids)")
 
         backbone = self.model(input_ids, position_ids, packed_seq_ids, padding_mask, cp)
-        logits = self.logits_from_hidden(backbone.hidden)
         mtp_hiddens, mtp_labels = self.mtp(
             backbone.streams, self.model.embed_tokens, input_ids, position_ids, packed_seq_ids, padding_mask,
             labels=labels, cp=cp, attn_metadata=backbone.attn_metadata,
         )
+        return self._head_and_loss(backbone.hidden, mtp_hiddens, labels, mtp_labels, logits_to_keep)
+
+    def _head_and_loss(self, hidden, mtp_hiddens, labels, mtp_labels, logits_to_keep) -> DSV4Output:
+        keep = _keep_positions(logits_to_keep, hidden.shape[1])
+        if keep is not None and labels is not None:
+            raise ValueError(f"logits_to_keep={logits_to_keep!r} drops logits the loss needs; pass "
+                             "logits_to_keep=0 with labels")
+        if keep is not None:
+            hidden = hidden.index_select(1, keep.to(hidden.device))
+            mtp_hiddens = [h.index_select(1, keep.to(h.device)) for h in mtp_hiddens]
+        logits = self.logits_from_hidden(hidden)
         out = DSV4Output(logits=logits, mtp_logits=[self.logits_from_hidden(h) for h in mtp_hiddens])
         if labels is None:
             return out
@@ -184,10 +211,84 @@ class DSV4ForCausalLM(nn.Module):
         out.loss = loss_sum / out.label_count.clamp_min(1)
         return out
 
+    def _packed_forward(self, input_ids, seq_lens, seq_lens_padded, layout, position_ids, padding_mask, cp,
+                        labels, loss_mask, logits_to_keep) -> DSV4Output:
+        """``seq_lens`` path (see the module docstring): pack -> backbone (+ MTP) on aligned rows -> restore."""
+        from dsv4.packing import aligned_packed_layout
+
+        if cp is not None and cp.size > 1:
+            raise ValueError("seq_lens without packed_seq_ids is the single-rank packed path; under context "
+                             "parallelism shard the batch with the CP sharder (it adds packed_seq_ids)")
+        if position_ids is not None or padding_mask is not None:
+            raise ValueError("with seq_lens (and no packed_seq_ids) the model builds position_ids and padding_mask "
+                             "from the aligned packed layout; do not pass them")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+        if layout is None:
+            layout = aligned_packed_layout(seq_lens, input_ids.shape, packing_alignment(self.config),
+                                           seq_lens_padded=seq_lens_padded)
+        elif (layout.batch_size, layout.input_length) != tuple(input_ids.shape):
+            raise ValueError(f"packed_layout maps caller rows {(layout.batch_size, layout.input_length)}, "
+                             f"input_ids has shape {tuple(input_ids.shape)}")
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {tuple(input_ids.shape)}")
+            if loss_mask is not None:
+                labels = labels.masked_fill(loss_mask == 0, -100)
+            labels = layout.pack(labels, fill=-100)
+        elif loss_mask is not None:
+            raise ValueError("loss_mask needs labels")
+        ids = layout.pack(input_ids, fill=0)
+        seq_ids = layout.sequence_ids.to(ids.device)
+        positions = layout.position_ids.to(ids.device)
+        pad = seq_ids == 0
+        backbone = self.model(ids, positions, seq_ids, pad, None)
+        mtp_hiddens, mtp_labels = self.mtp(
+            backbone.streams, self.model.embed_tokens, ids, positions, seq_ids, pad,
+            labels=labels, cp=None, attn_metadata=backbone.attn_metadata,
+        )
+        if labels is not None:  # the loss is a sum over labelled tokens: compute it in aligned coordinates
+            out = self._head_and_loss(backbone.hidden, mtp_hiddens, labels, mtp_labels, logits_to_keep)
+            out.logits = layout.restore(out.logits)
+            out.mtp_logits = [layout.restore(t) for t in out.mtp_logits]
+            return out
+        hidden = layout.restore(backbone.hidden)
+        return self._head_and_loss(hidden, [layout.restore(h) for h in mtp_hiddens], None, None, logits_to_keep)
+
     def num_parameters(self, active_only: bool = False) -> int:
         """Total parameters, or the parameters active per token (see :func:`parameter_counts`)."""
         counts = parameter_counts(self)
         return counts["active"] if active_only else counts["total"]
+
+
+def packing_alignment(config) -> int:
+    """Where packed documents must start: ``config.cp_shard_multiple``.
+
+    For compressors without overlap (V4.1 ratios 2 and 1) this is the lcm of the active compress ratios
+    (V4.1: 2). A ratio-4 (overlapping) compressor pools the previous window too, so the multiple counts it
+    as 8; the tiny V4 preset (ratios 4 and 128) therefore aligns documents to lcm(8, 128) = 128, the same
+    multiple the CP repad uses. Alignment slots get document id 0 and ``padding_mask`` True: a compressor
+    window holding one is invalid, exactly like the incomplete trailing window of a document run alone.
+    """
+    return int(config.cp_shard_multiple)
+
+
+def _keep_positions(logits_to_keep, length: int) -> torch.Tensor | None:
+    """``None`` (keep all) or the 1-D index of the positions whose logits are projected."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        if logits_to_keep.dim() == 0 and not logits_to_keep.is_floating_point():
+            logits_to_keep = int(logits_to_keep)
+        else:
+            if logits_to_keep.dim() != 1 or logits_to_keep.is_floating_point():
+                raise ValueError(f"logits_to_keep as a tensor must be a 1-D integer index, got "
+                                 f"{logits_to_keep.dtype} {tuple(logits_to_keep.shape)}")
+            return logits_to_keep.long() % max(length, 1)
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep must be 0 (all), a positive int (last k) or an index tensor, got "
+                         f"{logits_to_keep!r}")
+    if logits_to_keep == 0:
+        return None
+    return torch.arange(max(length - logits_to_keep, 0), length)
 
 
 _IGNORED_BATCH_KEYS = frozenset({"seq_lens", "seq_lens_padded", "qkv_format", "cp_partition_mode"})

@@ -16,7 +16,7 @@ from dsv4.training.step import ParallelConfig, check_partition_mode, get_batch
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
-@pytest.mark.parametrize("name", ["tiny", "flash", "pro"])
+@pytest.mark.parametrize("name", ["tiny", "flash", "pro", "v41_tiny"])
 def test_model_yaml_equals_preset(name):
     assert yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text()) == DSV4Config.preset(name).to_dict()
 
@@ -33,7 +33,9 @@ def test_default_config_composes_and_resolves():
     assert cfg.cp == 4 and cfg.dp == -1 and cfg.dispatcher.name == "local" and cfg.data.kind == "stdlib"
     assert cfg.trainer.devices == 4  # dp derived: world = cp on one machine
     assert _compose(["cp=2", "dp=2"]).trainer.devices == 4
-    DSV4Config.from_dict(OmegaConf.to_container(cfg.model))  # the tiny model validates
+    model = OmegaConf.to_container(cfg.model)
+    assert model.pop("checkpoint") is None  # the model group also names the weights to load
+    DSV4Config.from_dict(model)  # the tiny model validates
     assert cfg.seq_len % (cfg.cp * DSV4Config.preset("tiny").cp_shard_multiple) == 0
 
 

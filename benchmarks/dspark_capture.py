@@ -1,0 +1,86 @@
+"""DSpark feature capture throughput: packed rows versus one document per row, on the same documents.
+
+Prints JSON objects (one per measurement): documents/s and tokens/s of a frozen capture
+(:func:`dsv4.speculative.capture_dspark_features`) when the documents are packed ``docs_per_row`` to a row
+(aligned to the model's document alignment) versus one document per row (rows padded to the longest document),
+and the alignment padding fraction of the packed layout (alignment slots / aligned slots). Random token ids,
+random document lengths, median of ``--repeats`` runs, one process.
+
+    python benchmarks/dspark_capture.py                          # tiny (alignment 128) and v41_tiny (2)
+    python benchmarks/dspark_capture.py --presets v41_tiny --docs 32 --max-len 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from common import emit
+from dsv4.config import DSV4Config
+from dsv4.model import DSV4ForCausalLM
+from dsv4.speculative import capture_dspark_features
+
+
+def _rows(lengths: list[int], per_row: int, vocab: int, g: torch.Generator):
+    groups = [lengths[i : i + per_row] for i in range(0, len(lengths), per_row)]
+    width = max(sum(grp) for grp in groups)
+    ids = torch.randint(1, vocab, (len(groups), width), generator=g)
+    seq_lens = torch.full((len(groups), per_row), -1000, dtype=torch.long)
+    for b, grp in enumerate(groups):
+        seq_lens[b, : len(grp)] = torch.tensor(grp)
+    return ids, seq_lens
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--presets", nargs="+", default=["tiny", "v41_tiny"])
+    p.add_argument("--docs", type=int, default=16)
+    p.add_argument("--min-len", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--docs-per-row", type=int, default=8)
+    p.add_argument("--layer-ids", type=int, nargs="+", default=[1, 3])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(args.min_len, args.max_len + 1, (args.docs,), generator=g).tolist()
+    tokens = sum(lengths)
+    for preset in args.presets:
+        torch.manual_seed(0)
+        config = DSV4Config.preset(preset)
+        model = DSV4ForCausalLM(config).eval()
+        shape = {"preset": preset, "docs": args.docs, "tokens": tokens, "docs_per_row": args.docs_per_row,
+                 "alignment": config.cp_shard_multiple, "layer_ids": args.layer_ids}
+        results = {}
+        for mode, per_row in (("packed", args.docs_per_row), ("one_per_row", 1)):
+            ids, seq_lens = _rows(lengths, per_row, config.vocab_size, g)
+            seconds = _time(lambda: capture_dspark_features(model, ids, seq_lens, args.layer_ids), args.repeats)
+            results[mode] = seconds
+            emit("dspark_capture_documents_per_s", {**shape, "mode": mode}, args.docs / seconds, "documents/s")
+            emit("dspark_capture_tokens_per_s", {**shape, "mode": mode}, tokens / seconds, "tokens/s")
+            if mode == "packed":
+                layout = capture_dspark_features(model, ids, seq_lens, args.layer_ids).layout
+                pad_to = -(-torch.tensor(lengths) // config.cp_shard_multiple) * config.cp_shard_multiple
+                alignment_slots = int(pad_to.sum()) - tokens
+                total = layout.batch_size * layout.aligned_length
+                emit("dspark_capture_alignment_padding_fraction", shape, alignment_slots / total, "fraction")
+                emit("dspark_capture_padding_fraction", shape, 1 - tokens / total, "fraction")
+        emit("dspark_capture_packed_speedup", shape, results["one_per_row"] / results["packed"], "x")
+
+
+if __name__ == "__main__":
+    main()

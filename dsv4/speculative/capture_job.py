@@ -1,0 +1,219 @@
+"""The capture job behind ``recipes/capture_dspark.py``: frozen target -> per-document DSpark features on disk.
+
+Output folder (``output_dir``)::
+
+    shard_00000.safetensors   per document d: "<d>.hidden_states" [len, len(layer_ids) * hidden]
+                              and "<d>.last_hidden_state" [len, hidden] (d = global document id)
+    shard_00000.json          the shard's index: documents (document_id, length, source), layer_ids, dtype
+    index.json                written when every shard exists: the shard indexes merged + totals
+
+Documents are numbered in corpus order and cut into shards of ``docs_per_shard``; shard ``k`` belongs to dp rank
+``k % world``. A shard is finished when its ``.json`` exists (written after its ``.safetensors``, both by an
+atomic rename), so a killed job re-run with the same config skips finished shards and rewrites nothing.
+Inside a shard, documents are packed first-fit in order into caller rows of ``seq_len`` tokens (a longer
+document gets a row of its own), ``micro_batch_size`` rows per frozen forward
+(:func:`dsv4.speculative.capture_dspark_features`: aligned packing, last-position logits only).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("dsv4")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def shard_name(k: int) -> str:
+    return f"shard_{k:05d}"
+
+
+def pack_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into rows of at most ``seq_len`` tokens, in order (long documents alone)."""
+    rows: list[list[int]] = []
+    used = seq_len + 1
+    for i, n in enumerate(lengths):
+        if rows and used + n <= seq_len:
+            rows[-1].append(i)
+            used += n
+        else:
+            rows.append([i])
+            used = n
+    return rows
+
+
+def _build_model(job: dict):
+    from dsv4.config import DSV4Config
+    from dsv4.model import DSV4ForCausalLM
+
+    config = DSV4Config.from_dict(job["model"])
+    torch.manual_seed(job["seed"])
+    model = DSV4ForCausalLM(config)
+    if job.get("weights"):
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(job["weights"]), strict=True)
+    return model.eval().requires_grad_(False)
+
+
+def _documents(job: dict):
+    from dsv4.data import build_documents
+
+    docs = build_documents(**job["data"])
+    if job.get("max_documents") is not None:
+        docs = docs[: job["max_documents"]]
+    cap = job.get("max_document_tokens")
+    if cap is not None:  # keep each document's first tokens (the bundled corpus holds whole source files)
+        from dsv4.data import Document
+
+        docs = [d if len(d) <= cap else Document(list(d.ids[:cap]), None if d.loss_mask is None
+                                                 else list(d.loss_mask[:cap]), d.source) for d in docs]
+    return docs
+
+
+def _write_shard(out: Path, k: int, tensors: dict, entries: list[dict], job: dict) -> None:
+    from safetensors.torch import save_file
+
+    name = shard_name(k)
+    tmp = out / f"{name}.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"layer_ids": json.dumps(job["layer_ids"]), "dtype": job["dtype"]})
+    os.replace(tmp, out / f"{name}.safetensors")
+    index = {"shard": f"{name}.safetensors", "layer_ids": job["layer_ids"], "dtype": job["dtype"],
+             "hidden_size": job["model"]["hidden_size"], "documents": entries}
+    tmp = out / f"{name}.json.tmp"
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, out / f"{name}.json")  # last: the shard counts as finished from here on
+
+
+def capture_rank(rank: int, world: int, job: dict) -> dict:
+    """Capture this rank's unfinished shards; returns ``{"shards", "tokens", "seconds"}`` written by it."""
+    from tqdm import tqdm
+
+    from dsv4.speculative.dspark import capture_dspark_features
+
+    torch.set_num_threads(max(1, int(job.get("threads") or 1)))
+    out = Path(job["output_dir"])
+    docs = _documents(job)
+    n_shards = -(-len(docs) // job["docs_per_shard"])
+    mine = [k for k in range(rank, n_shards, world) if not (out / f"{shard_name(k)}.json").exists()]
+    if job.get("max_shards_this_run") is not None:
+        mine = mine[: job["max_shards_this_run"]]
+    if not mine:
+        return {"shards": [], "tokens": 0, "seconds": 0.0}
+    model = _build_model(job)
+    dtype = _DTYPES[job["dtype"]]
+    tokens, start = 0, time.perf_counter()
+    bar = tqdm(mine, desc=f"capture rank {rank}", position=rank, file=sys.stderr, unit="shard",
+               disable=job.get("progress") is False)
+    for k in bar:
+        first = k * job["docs_per_shard"]
+        shard_docs = list(range(first, min(first + job["docs_per_shard"], len(docs))))
+        rows = [[shard_docs[i] for i in row] for row in pack_rows([len(docs[d]) for d in shard_docs], job["seq_len"])]
+        tensors: dict[str, torch.Tensor] = {}
+        entries: list[dict] = []
+        for b0 in range(0, len(rows), job["micro_batch_size"]):
+            batch = rows[b0 : b0 + job["micro_batch_size"]]
+            width = max(sum(len(docs[d]) for d in row) for row in batch)
+            ncols = max(len(row) for row in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            seq_lens = torch.full((len(batch), ncols), -1000, dtype=torch.long)
+            for b, row in enumerate(batch):
+                flat = [t for d in row for t in docs[d].ids]
+                ids[b, : len(flat)] = torch.tensor(flat, dtype=torch.long)
+                seq_lens[b, : len(row)] = torch.tensor([len(docs[d]) for d in row])
+            feats = capture_dspark_features(model, ids, seq_lens, job["layer_ids"], sync_across_ranks=False)
+            for doc in feats.documents(seq_lens):
+                d = batch[doc["row"]][doc["column"]]
+                tensors[f"{d}.hidden_states"] = doc["hidden_states"].to(dtype).contiguous()
+                tensors[f"{d}.last_hidden_state"] = doc["last_hidden_state"].to(dtype).contiguous()
+                entries.append({"document_id": d, "length": len(docs[d]), "source": docs[d].source})
+                tokens += len(docs[d])
+        entries.sort(key=lambda e: e["document_id"])
+        _write_shard(out, k, tensors, entries, job)
+        bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}")
+    seconds = time.perf_counter() - start
+    log.info("rank %d: %d shards, %d tokens in %.1fs (%.0f tokens/s)", rank, len(mine), tokens, seconds,
+             tokens / max(seconds, 1e-9))
+    return {"shards": mine, "tokens": tokens, "seconds": seconds}
+
+
+def write_index(out: Path, n_shards: int, job: dict) -> dict | None:
+    """Merge the shard indexes into ``index.json`` when every shard is finished; None otherwise."""
+    shard_files = [out / f"{shard_name(k)}.json" for k in range(n_shards)]
+    if not all(f.exists() for f in shard_files):
+        return None
+    shards = [json.loads(f.read_text()) for f in shard_files]
+    documents = [{**doc, "shard": s["shard"]} for s in shards for doc in s["documents"]]
+    index = {"layer_ids": job["layer_ids"], "dtype": job["dtype"], "hidden_size": job["model"]["hidden_size"],
+             "num_documents": len(documents), "num_tokens": sum(d["length"] for d in documents),
+             "shards": [s["shard"] for s in shards], "documents": documents, "model": job["model"],
+             "seed": job["seed"], "weights": job.get("weights")}
+    tmp = out / "index.json.tmp"
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, out / "index.json")
+    return index
+
+
+def run_capture(cfg: Any, output_dir: str | Path) -> dict:
+    """Validate the config, capture every unfinished shard on ``dp`` ranks, write the index; returns a summary."""
+    from omegaconf import OmegaConf
+
+    from dsv4.config import DSV4Config
+    from dsv4.speculative.capture import validate_layer_ids
+
+    c = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        config = DSV4Config.from_dict(c["model"])
+    except ValueError as err:
+        raise ValueError(f"model: {err}") from None
+    layer_ids = validate_layer_ids(c["layer_ids"], config.num_hidden_layers)
+    if c["cp"] != 1:
+        raise ValueError(f"`cp`={c['cp']}: context-parallel capture is not implemented yet; use cp=1 (dp ranks)")
+    if c["dispatcher"] != "local":
+        raise ValueError(f"`dispatcher`={c['dispatcher']!r}: the capture job runs full replicas per rank; use "
+                         "dispatcher=local (dspark_packed_forward itself supports uniform-token dispatchers)")
+    for key in ("dp", "seq_len", "micro_batch_size", "docs_per_shard"):
+        if int(c[key]) < 1:
+            raise ValueError(f"`{key}` must be >= 1, got {c[key]}")
+    if c["dtype"] not in _DTYPES:
+        raise ValueError(f"`dtype`={c['dtype']!r} must be one of {sorted(_DTYPES)}")
+    out = Path(c["output_dir"] or Path(output_dir) / "features")
+    out.mkdir(parents=True, exist_ok=True)
+    data = {k: v for k, v in c["data"].items() if v is not None}
+    job = {"model": config.to_dict(), "data": data, "layer_ids": layer_ids, "seed": int(c["seed"]),
+           "weights": c.get("weights"), "dtype": c["dtype"], "seq_len": int(c["seq_len"]),
+           "micro_batch_size": int(c["micro_batch_size"]), "docs_per_shard": int(c["docs_per_shard"]),
+           "max_documents": c.get("max_documents"),
+           "max_document_tokens": c.get("max_document_tokens"), "max_shards_this_run": c.get("max_shards_this_run"),
+           "output_dir": str(out), "progress": c.get("progress", True), "threads": c.get("threads", 1)}
+    docs = _documents(job)  # bad data fails here, before any rank starts
+    if not docs:
+        raise ValueError("data: no documents")
+    too_big = [i for i, d in enumerate(docs) if any(t >= config.vocab_size or t < 0 for t in d.ids)]
+    if too_big:
+        raise ValueError(f"data: document {too_big[0]} has token ids outside model.vocab_size={config.vocab_size}")
+    n_shards = -(-len(docs) // job["docs_per_shard"])
+    start = time.perf_counter()
+    if c["dp"] == 1:
+        results = [capture_rank(0, 1, job)]
+    else:
+        from dsv4.launch import run_on_ranks
+
+        results = run_on_ranks(capture_rank, world_size=int(c["dp"]), args=(job,), timeout=3600.0)
+    seconds = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
+    index = write_index(out, n_shards, job)
+    summary = {"output_dir": str(out), "shards_total": n_shards,
+               "shards_written": sorted(k for r in results for k in r["shards"]), "tokens": tokens,
+               "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9), "complete": index is not None}
+    log.info("capture: %s", json.dumps(summary))
+    print(json.dumps(summary), flush=True)
+    return summary

@@ -1,0 +1,133 @@
+"""Packed, frozen forward of a DSpark target: :func:`dspark_packed_forward` and :func:`capture_dspark_features`.
+
+A DSpark draft trains on hidden states of a frozen target (the residual stream entering a few layers and the
+final-norm output); it never uses the target's logits. So the target forward here
+
+* packs the caller rows with :func:`dsv4.packing.aligned_packed_layout` at the model's document alignment
+  (:func:`dsv4.model.model.packing_alignment` = ``config.cp_shard_multiple``: 2 for V4.1 ratios {2, 1}, 128
+  for ratios {4, 128} because the overlapping ratio-4 compressor counts as 8);
+* runs under ``torch.no_grad()`` in eval mode (the previous mode is restored afterwards);
+* projects only the last caller position through the output head (``logits_to_keep=1``): the head still
+  runs, so hooks and wrappers see the same call order, but no ``[B, S, vocab]`` logits are materialised;
+* with a MoE dispatcher that needs uniform token counts (``allgather``, ``hybridep``), every rank pads its
+  aligned rows to the longest aligned row of all ranks (one MAX all-reduce), so all ranks run the same width.
+
+The hidden states themselves are read by hooks (:class:`dsv4.speculative.capture.FeatureCapture`) on the
+aligned rows; the returned layout's ``restore`` maps them back to caller coordinates ``[B, S, ...]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from dsv4.model.model import packing_alignment
+from dsv4.packing import PackedSequenceLayout, aligned_packed_layout
+from dsv4.speculative.capture import FeatureCapture, split_documents
+
+__all__ = ["DSparkFeatures", "capture_dspark_features", "dspark_packed_forward", "model_needs_uniform_tokens"]
+
+
+def model_needs_uniform_tokens(model: nn.Module) -> bool:
+    """True when any MoE layer of ``model`` uses a dispatcher that wants the same token count on every rank."""
+    from dsv4.parallel.dispatch import AllGatherDispatcher, dispatcher_needs_uniform_tokens
+
+    for module in model.modules():
+        dispatcher = getattr(module, "dispatcher", None)
+        if dispatcher is None:
+            continue
+        declared = getattr(dispatcher, "needs_uniform_tokens", None)
+        if declared is not None:
+            if declared:
+                return True
+            continue
+        if isinstance(dispatcher, AllGatherDispatcher):
+            return True
+        name = getattr(dispatcher, "name", None)
+        try:
+            if isinstance(name, str) and dispatcher_needs_uniform_tokens(name):
+                return True
+        except ValueError:  # a dispatcher name outside the registry declares nothing
+            pass
+    return False
+
+
+def _config_of(model: nn.Module):
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"{type(model).__name__} has no .config; pass a DSV4ForCausalLM")
+    return config
+
+
+def dspark_packed_forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    seq_lens_padded: torch.Tensor | None = None,
+    sync_across_ranks: bool | None = None,
+    group: Any = None,
+) -> PackedSequenceLayout:
+    """Frozen packed forward of ``model`` on caller rows ``input_ids [B, S]`` holding documents ``seq_lens``.
+
+    Args:
+        model: a ``DSV4ForCausalLM`` (hooks registered on it record what they need).
+        input_ids: ``[B, S]`` caller rows, documents back to back (each optionally followed by the padding
+            described by ``seq_lens_padded``).
+        seq_lens: ``[B, D]`` (or ``[D]``) document lengths; 0 / -1000 = absent.
+        sync_across_ranks: pad to the longest aligned row of all ranks of ``group``; None = decide from the
+            model's dispatchers (:func:`model_needs_uniform_tokens`). A collective when True and distributed.
+        group: process group of the MAX all-reduce (WORLD when None).
+    Returns:
+        The :class:`PackedSequenceLayout` the forward ran on: ``restore`` maps ``[B, S_al, ...]`` captures to
+        ``[B, S, ...]``.
+    """
+    if sync_across_ranks is None:
+        sync_across_ranks = model_needs_uniform_tokens(model)
+    layout = aligned_packed_layout(seq_lens, input_ids.shape, packing_alignment(_config_of(model)),
+                                   bool(sync_across_ranks), seq_lens_padded=seq_lens_padded, group=group)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(input_ids, packed_layout=layout, logits_to_keep=1)
+    finally:
+        model.train(was_training)
+    return layout
+
+
+@dataclass
+class DSparkFeatures:
+    """Captured target features in caller coordinates (caller padding columns are 0).
+
+    ``hidden_states [B, S, len(layer_ids) * d]`` (layer streams, hc-averaged, concatenated in ``layer_ids``
+    order), ``last_hidden_state [B, S, d]`` (final-norm output), ``layout`` (the packed layout used)."""
+
+    hidden_states: torch.Tensor
+    last_hidden_state: torch.Tensor
+    layer_ids: list[int]
+    layout: PackedSequenceLayout
+
+    def documents(self, seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor | None = None) -> list[dict]:
+        """One dict per present document: ``row``, ``column``, ``hidden_states [len, n*d]``,
+        ``last_hidden_state [len, d]``."""
+        hs = split_documents(self.hidden_states, seq_lens, seq_lens_padded)
+        last = split_documents(self.last_hidden_state, seq_lens, seq_lens_padded)
+        return [{"row": b, "column": d, "hidden_states": h, "last_hidden_state": l}
+                for (b, d, h), (_, _, l) in zip(hs, last)]
+
+
+def capture_dspark_features(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layer_ids: Sequence[int],
+    **forward_kwargs: Any,
+) -> DSparkFeatures:
+    """:func:`dspark_packed_forward` with a :class:`FeatureCapture` on ``layer_ids``; features restored."""
+    with FeatureCapture(model, layer_ids) as cap:
+        layout = dspark_packed_forward(model, input_ids, seq_lens, **forward_kwargs)
+    return DSparkFeatures(cap.hidden_states(layout), cap.last_hidden_state(layout), list(cap.layer_ids), layout)

@@ -1,0 +1,126 @@
+"""Packed DSpark capture equals per-document capture; only the last position reaches the output head."""
+
+import pytest
+import torch
+
+from dsv4.config import DSV4Config
+from dsv4.model import DSV4ForCausalLM
+from dsv4.model.model import packing_alignment
+from dsv4.speculative import (
+    FeatureCapture,
+    capture_dspark_features,
+    dspark_packed_forward,
+    model_needs_uniform_tokens,
+    split_documents,
+)
+
+
+def _model(name):
+    torch.manual_seed(0)
+    return DSV4ForCausalLM(DSV4Config.preset(name)).eval()
+
+
+def _alone(model, ids, layer_ids):
+    """Reference: one document run alone (no packing metadata at all)."""
+    with FeatureCapture(model, layer_ids) as cap, torch.no_grad():
+        model(ids.unsqueeze(0))
+    return cap.hidden_states()[0], cap.last_hidden_state()[0]
+
+
+@pytest.mark.parametrize("name, alignment", [("tiny", 128), ("v41_tiny", 2)])
+def test_packed_capture_equals_per_document(name, alignment):
+    model = _model(name)
+    cfg = model.config
+    assert packing_alignment(cfg) == alignment
+    layer_ids = [0, 2, 3]
+    # lengths 1, exactly the alignment, alignment + 1 (and a 3 for the small alignment); two rows, caller padding
+    lens = torch.tensor([[1, alignment, alignment + 1, -1000], [3, 0, 1, alignment + 1]])
+    width = int(lens.clamp_min(0).sum(1).max()) + 2
+    ids = torch.randint(1, cfg.vocab_size, (2, width), generator=torch.Generator().manual_seed(1))
+    feats = capture_dspark_features(model, ids, lens, layer_ids)
+    d = cfg.hidden_size
+    assert feats.hidden_states.shape == (2, width, len(layer_ids) * d)
+    assert feats.last_hidden_state.shape == (2, width, d)
+    assert feats.layout.aligned_length % alignment == 0
+    docs = feats.documents(lens)
+    assert [(x["row"], x["column"]) for x in docs] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 2), (1, 3)]
+    for doc, (b, start, n) in zip(docs, [(0, 0, 1), (0, 1, alignment), (0, 1 + alignment, alignment + 1),
+                                          (1, 0, 3), (1, 3, 1), (1, 4, alignment + 1)]):
+        ref_hidden, ref_last = _alone(model, ids[b, start:start + n], layer_ids)
+        torch.testing.assert_close(doc["hidden_states"], ref_hidden, atol=1e-5, rtol=0)
+        torch.testing.assert_close(doc["last_hidden_state"], ref_last, atol=1e-5, rtol=0)
+    # caller padding columns come back as zeros
+    assert feats.hidden_states[0, 2 + 2 * alignment:].abs().max() == 0
+
+
+def test_frozen_forward_projects_only_the_last_position():
+    model = _model("v41_tiny").train()
+    rows = []
+    original = model.logits_from_hidden
+
+    def counting(hidden):
+        rows.append(hidden.shape[0] * hidden.shape[1])
+        return original(hidden)
+
+    model.logits_from_hidden = counting
+    ids = torch.randint(1, 256, (3, 20))
+    lens = torch.tensor([[5, 7, 8], [20, 0, 0], [1, 2, 3]])
+    layout = dspark_packed_forward(model, ids, lens)
+    # main head + one MTP depth, each [B, 1] rows: 3 rows per head instead of 3 * 20
+    assert rows == [3] * (1 + model.config.num_nextn_predict_layers)
+    assert model.training  # mode restored
+    assert all(p.grad is None for p in model.parameters())
+    assert layout.restore(layout.pack(ids)).equal(torch.where(layout.input_positions >= 0, ids, 0))
+
+
+def test_model_seq_lens_path_and_logits_to_keep():
+    model = _model("tiny")
+    ids = torch.randint(1, 256, (1, 12))
+    lens = torch.tensor([[4, 8]])
+    with torch.no_grad():
+        full = model(ids, seq_lens=lens)
+        last2 = model(ids, seq_lens=lens, logits_to_keep=2)
+        picked = model(ids, seq_lens=lens, logits_to_keep=torch.tensor([0, 5]))
+        alone = model(ids[:, 4:])
+        # a CP-sharded batch carries global seq_lens with packed_seq_ids: ignored as before
+        plain = model(ids, packed_seq_ids=torch.ones_like(ids), seq_lens=lens)
+    assert full.logits.shape == (1, 12, 256)
+    torch.testing.assert_close(full.logits[:, 4:], alone.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(last2.logits, full.logits[:, -2:])
+    torch.testing.assert_close(picked.logits, full.logits[:, [0, 5]])
+    torch.testing.assert_close(plain.logits, model(ids).logits)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids, seq_lens=lens, labels=ids, logits_to_keep=1)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids, logits_to_keep=-1)
+
+
+def test_packed_loss_equals_sum_of_documents():
+    model = _model("v41_tiny")
+    ids = torch.randint(1, 256, (1, 9))
+    labels = torch.roll(ids, -1, 1)
+    labels[0, [2, 8]] = -100  # last token of each document
+    with torch.no_grad():
+        packed = model(ids, seq_lens=torch.tensor([[3, 6]]), labels=labels)
+        a = model(ids[:, :3], labels=labels[:, :3])
+        b = model(ids[:, 3:], labels=labels[:, 3:])
+    torch.testing.assert_close(packed.ce_loss_sum, a.ce_loss_sum + b.ce_loss_sum, atol=1e-4, rtol=1e-5)
+    assert packed.label_count == a.label_count + b.label_count
+
+
+def test_capture_validation_and_helpers():
+    model = _model("v41_tiny")
+    for bad in ([], [1, 1], [2, 1], [-1], [4]):
+        with pytest.raises(ValueError, match="layer ids"):
+            FeatureCapture(model, bad)
+    with pytest.raises(RuntimeError, match="nothing recorded"):
+        with FeatureCapture(model, [1]) as cap:
+            pass
+        cap.hidden_states()
+    assert not model_needs_uniform_tokens(model)
+    vals = torch.arange(10).reshape(1, 10)
+    parts = split_documents(vals, torch.tensor([[2, 0, 3]]), torch.tensor([[4, 0, 3]]))
+    assert [(b, d, t.tolist()) for b, d, t in parts] == [(0, 0, [0, 1]), (0, 2, [4, 5, 6])]
+    with FeatureCapture(model, [1]):
+        pass
+    assert not model.model.layers[1]._forward_pre_hooks  # hooks removed
