@@ -57,10 +57,15 @@ def _build_model(job: dict):
     config = DSV4Config.from_dict(job["model"])
     torch.manual_seed(job["seed"])
     model = DSV4ForCausalLM(config)
-    if job.get("weights"):
+    weights = job.get("weights")
+    if weights and Path(weights).is_dir():  # a Hugging Face-format DSV4 checkpoint (FP8/FP4 or exported)
+        from dsv4.checkpoint import load_hf_checkpoint
+
+        load_hf_checkpoint(model, weights)
+    elif weights:  # a safetensors file holding the dsv4 state dict
         from safetensors.torch import load_file
 
-        model.load_state_dict(load_file(job["weights"]), strict=True)
+        model.load_state_dict(load_file(weights), strict=True)
     return model.eval().requires_grad_(False)
 
 

@@ -20,6 +20,9 @@ def test_capture_writes_reloadable_shards_and_resumes(tmp_path):
     run_recipe(args + ["max_shards_this_run=1"], tmp_path / "run1", script=SCRIPT)  # a job cut short
     assert sorted(p.name for p in out.iterdir()) == ["shard_00000.json", "shard_00000.safetensors"]
     first = (out / "shard_00000.safetensors").stat()
+    # what a SIGKILL in the middle of shard 1 leaves behind: a half-written temp file and a shard without its .json
+    (out / "shard_00001.safetensors.tmp").write_bytes(b"\x00" * 17)
+    (out / "shard_00001.safetensors").write_bytes(b"truncated")
     run_recipe(args, tmp_path / "run2", script=SCRIPT)  # resume
     again = (out / "shard_00000.safetensors").stat()
     assert (again.st_mtime_ns, again.st_ino) == (first.st_mtime_ns, first.st_ino)  # not rewritten
@@ -27,6 +30,7 @@ def test_capture_writes_reloadable_shards_and_resumes(tmp_path):
     assert index["layer_ids"] == [0, 3] and index["dtype"] == "float32"
     assert index["shards"] == [f"shard_{k:05d}.safetensors" for k in range(3)]
     assert [d["document_id"] for d in index["documents"]] == list(range(5))
+    assert len(load_file(str(out / "shard_00001.safetensors"))) == 4  # the unfinished shard was redone (2 docs x 2)
 
     # the stored features equal a direct per-document forward of the same seeded model
     from dsv4.config import DSV4Config

@@ -1,4 +1,4 @@
-"""Model tests run with one intra-op thread: on a shared 2-core box OpenMP spinning makes 2 threads ~10x slower."""
+"""Unit tests run with one intra-op thread: on a shared 2-core box OpenMP spinning makes 2 threads ~10x slower."""
 
 import pytest
 import torch
