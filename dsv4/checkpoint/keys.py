@@ -26,32 +26,39 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_BLOCK_RULES_HF_TO_OURS: list[tuple[re.Pattern, str]] = [
-    (re.compile(r"^attn_norm\.weight$"), "input_layernorm.weight"),
-    (re.compile(r"^ffn_norm\.weight$"), "post_attention_layernorm.weight"),
-    (re.compile(r"^hc_attn_(fn|base|scale)$"), r"attn_hc.\1"),
-    (re.compile(r"^hc_ffn_(fn|base|scale)$"), r"ffn_hc.\1"),
-    (re.compile(r"^attn\.(.+)$"), r"self_attn.\1"),
-    (re.compile(r"^ffn\.gate\.bias$"), "mlp.gate.e_score_correction_bias"),
-    (re.compile(r"^ffn\.(.+)$"), r"mlp.\1"),
+# Renames inside a block, (on-disk, ours), most specific first. A trailing "." or "_" marks a prefix rename (the
+# rest of the name is kept); otherwise the whole name must match. Both directions use the same table.
+_BLOCK_RENAMES: list[tuple[str, str]] = [
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("hc_attn_", "attn_hc."),
+    ("hc_ffn_", "ffn_hc."),
+    ("attn.", "self_attn."),
+    ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
+    ("ffn.", "mlp."),
 ]
-_BLOCK_RULES_OURS_TO_HF: list[tuple[re.Pattern, str]] = [
-    (re.compile(r"^input_layernorm\.weight$"), "attn_norm.weight"),
-    (re.compile(r"^post_attention_layernorm\.weight$"), "ffn_norm.weight"),
-    (re.compile(r"^attn_hc\.(fn|base|scale)$"), r"hc_attn_\1"),
-    (re.compile(r"^ffn_hc\.(fn|base|scale)$"), r"hc_ffn_\1"),
-    (re.compile(r"^self_attn\.(.+)$"), r"attn.\1"),
-    (re.compile(r"^mlp\.gate\.e_score_correction_bias$"), "ffn.gate.bias"),
-    (re.compile(r"^mlp\.(.+)$"), r"ffn.\1"),
+_MTP_ONLY_RENAMES: list[tuple[str, str]] = [
+    ("e_proj.weight", "e_proj.weight"),
+    ("h_proj.weight", "h_proj.weight"),
+    ("enorm.weight", "enorm.weight"),
+    ("hnorm.weight", "hnorm.weight"),
+    ("norm.weight", "norm.weight"),
+    ("hc_head_", "hc_head.hc_"),
 ]
-_MTP_ONLY_HF_TO_OURS: list[tuple[re.Pattern, str]] = [
-    (re.compile(r"^(e_proj|h_proj|enorm|hnorm|norm)\.weight$"), r"\1.weight"),
-    (re.compile(r"^hc_head_(fn|base|scale)$"), r"hc_head.hc_\1"),
-]
-_MTP_ONLY_OURS_TO_HF: list[tuple[re.Pattern, str]] = [
-    (re.compile(r"^(e_proj|h_proj|enorm|hnorm|norm)\.weight$"), r"\1.weight"),
-    (re.compile(r"^hc_head\.hc_(fn|base|scale)$"), r"hc_head_\1"),
-]
+
+
+def _rename(renames: list[tuple[str, str]], key: str, to_ours: bool) -> str | None:
+    """Apply the first matching rename of ``renames`` (on-disk -> ours when ``to_ours``); None if none matches."""
+    for disk, ours in renames:
+        src, dst = (disk, ours) if to_ours else (ours, disk)
+        if src.endswith((".", "_")):
+            if key.startswith(src):
+                return dst + key[len(src):]
+        elif key == src:
+            return dst
+    return None
+
+
 _GLOBALS_HF_TO_OURS = {
     "embed.weight": "model.embed_tokens.weight",
     "head.weight": "lm_head.weight",
@@ -75,13 +82,6 @@ class OurKey:
 
     name: str
     expert: int | None = None
-
-
-def _apply(rules: list[tuple[re.Pattern, str]], key: str) -> str | None:
-    for pattern, repl in rules:
-        if pattern.match(key):
-            return pattern.sub(repl, key)
-    return None
 
 
 def is_scale_key(hf_key: str) -> bool:
@@ -110,10 +110,10 @@ def hf_to_ours(hf_key: str) -> OurKey | None:
     if em is not None:
         return OurKey(f"{prefix}mlp.experts.{em.group(2)}", int(em.group(1)))
     if kind == "mtp":
-        mapped = _apply(_MTP_ONLY_HF_TO_OURS, rest)
+        mapped = _rename(_MTP_ONLY_RENAMES, rest, to_ours=True)
         if mapped is not None:
             return OurKey(prefix + mapped)
-    mapped = _apply(_BLOCK_RULES_HF_TO_OURS, rest)
+    mapped = _rename(_BLOCK_RENAMES, rest, to_ours=True)
     return None if mapped is None else OurKey(prefix + mapped)
 
 
@@ -133,10 +133,10 @@ def ours_to_hf(name: str, expert: int | None = None) -> str | None:
             raise ValueError(f"ours_to_hf: {name!r} is a stacked expert tensor; give the global expert index")
         return f"{prefix}ffn.experts.{expert}.{em.group(1)}.weight"
     if kind == "mtp.layers":
-        mapped = _apply(_MTP_ONLY_OURS_TO_HF, rest)
+        mapped = _rename(_MTP_ONLY_RENAMES, rest, to_ours=False)
         if mapped is not None:
             return prefix + mapped
-    mapped = _apply(_BLOCK_RULES_OURS_TO_HF, rest)
+    mapped = _rename(_BLOCK_RENAMES, rest, to_ours=False)
     return None if mapped is None else prefix + mapped
 
 
