@@ -53,7 +53,8 @@ def _compact(lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Ten
 
 @dataclass
 class RepadPlan:
-    """Where every column of the rebuilt ``[B, T]`` rows comes from (all tensors on the batch's device).
+    """Where every column of the rebuilt ``[B, T]`` rows comes from (all tensors on the batch's device; ``T`` is
+    ``doc.shape[1]``).
 
     ``doc``: document index per output column (clamped); ``in_doc``: column belongs to a document (else pack
     padding); ``is_real``: column holds a real input token; ``source``: its input column (valid where
@@ -62,7 +63,6 @@ class RepadPlan:
     each row's ``count`` documents).
     """
 
-    total_len: int
     doc: torch.Tensor
     in_doc: torch.Tensor
     is_real: torch.Tensor
@@ -158,7 +158,7 @@ def plan_repad(
                 f"declared by `seq_lens` and would be dropped by the repad; first at row {b}, column {i} "
                 f"(label {int(labels[b, i])}); fix `seq_lens`/`seq_lens_padded` or set those labels to {IGNORE_INDEX}"
             )
-    return RepadPlan(total, doc, in_doc, is_real, source, position, input_positions, real, new_len, count)
+    return RepadPlan(doc, in_doc, is_real, source, position, input_positions, real, new_len, count)
 
 
 def apply_plan(plan: RepadPlan, values: torch.Tensor, fill) -> torch.Tensor:

@@ -54,10 +54,6 @@ class ParallelDims:
         if n_routed_experts is not None and n_routed_experts % self.ep:
             raise ValueError(f"`ep`={self.ep} must divide model.n_routed_experts={n_routed_experts}")
 
-    @property
-    def dp_size(self) -> int:
-        return self.resolved().dp
-
 
 @dataclass
 class Meshes:

@@ -124,7 +124,7 @@ class DSV4LightningModule(L.LightningModule):
         group = getattr(strategy, "loss_group", None)
         loss = reduce_token_loss(loss_sum, count, group if group is not None else False)
         self.log("train/loss", loss.value, prog_bar=True, on_step=True, rank_zero_only=True)
-        self._pending_stats = (stats, loss.global_count)
+        self._pending_stats = stats
         return loss.loss
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
@@ -137,7 +137,7 @@ class DSV4LightningModule(L.LightningModule):
         strategy = self.trainer.strategy
         distributed = dist.is_available() and dist.is_initialized()
         update_load_balancing_bias(self.model, self.bias_update_rate, reduce=_sum_over_ranks if distributed else None)
-        stats, _ = self._pending_stats
+        stats = self._pending_stats
         dp_group = getattr(strategy, "dp_group", None)
         if dp_group is not None:
             stats = stats.clone()

@@ -20,7 +20,7 @@ from dsv4.parallel.mesh import ParallelDims
 log = logging.getLogger("dsv4")
 
 
-def world_size_of(trainer_cfg: dict, cp: int, dp: int) -> int | None:
+def world_size_of(trainer_cfg: dict) -> int | None:
     """World size implied by the trainer config (``devices`` x ``num_nodes``); None when only known at launch."""
     devices = trainer_cfg.get("devices", 1)
     if isinstance(devices, (list, tuple)):
@@ -39,7 +39,7 @@ def validate(cfg: DictConfig) -> tuple[DSV4Config, int | None]:
     except ValueError as err:
         raise ValueError(f"model: {err}") from None
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
-    world = world_size_of(trainer_cfg, cfg.cp, cfg.dp)
+    world = world_size_of(trainer_cfg)
     if world is not None:
         ParallelDims(world_size=world, cp=cfg.cp, dp=cfg.dp, ep=cfg.ep).validate(config.n_routed_experts)
     elif cfg.cp < 1:
