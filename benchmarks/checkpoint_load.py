@@ -27,7 +27,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import current_rss_kib, emit, peak_rss_kib  # noqa: E402  (benchmarks/common.py)
+from common import current_rss_kib, emit, peak_rss_kib, reset_peak_rss  # noqa: E402  (benchmarks/common.py)
 
 
 def _config(args):
@@ -46,24 +46,6 @@ def _config(args):
     )
 
 
-def _reset_peak() -> bool:
-    """Reset the kernel's RSS high-water mark (Linux ``clear_refs`` 5); False if not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _vm_hwm_kib() -> int | None:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return None
-
-
 def _child(args) -> None:
     import gc
 
@@ -76,11 +58,11 @@ def _child(args) -> None:
     model = DSV4ForCausalLM(_config(args))
     gc.collect()
     base = current_rss_kib()
-    reset = _reset_peak()
+    reset_peak_rss()
     report = load_hf_checkpoint(model, args.dir)
-    peak = _vm_hwm_kib() if reset else peak_rss_kib()
+    peak = peak_rss_kib()
     print(json.dumps({"bytes": report.bytes_read, "seconds": report.seconds, "keys": len(report.keys_read),
-                      "peak_delta_kib": max(peak - base, 0), "peak_source": "VmHWM" if reset else "ru_maxrss"}))
+                      "peak_delta_kib": max(peak - base, 0)}))
 
 
 def main() -> None:
@@ -116,7 +98,7 @@ def main() -> None:
     shape = {"hidden": args.hidden, "experts": args.experts, "shards": len(report.files), "total_bytes": report.total_size,
              "largest_shard_bytes": largest, "tensors": report.num_tensors, "format": "fp8+fp4 (release)"}
     emit("checkpoint_load.throughput", shape, round(res["bytes"] / 1e9 / res["seconds"], 4), "GB/s")
-    emit("checkpoint_load.peak_rss_delta_over_largest_shard", {**shape, "peak_source": res["peak_source"]},
+    emit("checkpoint_load.peak_rss_delta_over_largest_shard", shape,
          round(res["peak_delta_kib"] * 1024 / largest, 4), "ratio")
 
 

@@ -64,7 +64,7 @@ def main() -> None:
         config = DSV4Config.preset(preset)
         model = DSV4ForCausalLM(config).eval()
         shape = {"preset": preset, "docs": args.docs, "tokens": tokens, "docs_per_row": args.docs_per_row,
-                 "alignment": config.cp_shard_multiple, "layer_ids": args.layer_ids}
+                 "alignment": config.shard_multiple, "layer_ids": args.layer_ids}
         results = {}
         for mode, per_row in (("packed", args.docs_per_row), ("one_per_row", 1)):
             ids, seq_lens = _rows(lengths, per_row, config.vocab_size, g)
@@ -74,7 +74,7 @@ def main() -> None:
             emit("dspark_capture_tokens_per_s", {**shape, "mode": mode}, tokens / seconds, "tokens/s")
             if mode == "packed":
                 layout = capture_dspark_features(model, ids, seq_lens, args.layer_ids).layout
-                pad_to = -(-torch.tensor(lengths) // config.cp_shard_multiple) * config.cp_shard_multiple
+                pad_to = -(-torch.tensor(lengths) // config.shard_multiple) * config.shard_multiple
                 alignment_slots = int(pad_to.sum()) - tokens
                 total = layout.batch_size * layout.aligned_length
                 emit("dspark_capture_alignment_padding_fraction", shape, alignment_slots / total, "fraction")

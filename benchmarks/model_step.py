@@ -42,7 +42,7 @@ try:
 except ImportError:  # run as a plain script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import current_rss_kib, emit, peak_rss_kib  # noqa: E402  (benchmarks/common.py)
+from common import current_rss_kib, emit, peak_rss_kib, reset_peak_rss  # noqa: E402  (benchmarks/common.py)
 from dsv4.config import DSV4Config  # noqa: E402
 from dsv4.model import DSV4ForCausalLM, parameter_counts  # noqa: E402
 from dsv4.model.attention import DSV4Attention  # noqa: E402
@@ -69,8 +69,9 @@ def child(seq_len: int, repeats: int) -> None:
     shape = {"preset": "tiny", "batch": 1, "seq_len": seq_len, "threads": torch.get_num_threads()}
 
     base = current_rss_kib()
+    reset_peak_rss()
     _step(model, ids, labels)
-    peak = peak_rss_kib()  # KiB on Linux
+    peak = peak_rss_kib()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

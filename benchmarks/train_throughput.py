@@ -1,8 +1,9 @@
 """Training throughput of the recipe at CP = 1, 2, 4 for the same global sequence, and the corpus padding.
 
 * ``train_throughput.tokens_per_s``: steady-state real tokens per second of ``recipes/finetune.py`` (tiny model,
-  bundled corpus, CSV logger) for each CP size at ``--seq-len``: the mean of the ``perf/tokens_per_s`` values the
-  throughput callback logged after ``--warmup`` steps (each the average of the last steps' step times).
+  bundled corpus, CSV logger) for each CP size at ``--seq-len``: the real tokens of every step after the first
+  ``--warmup`` steps divided by the sum of those steps' own times. The throughput callback runs with
+  ``warmup_steps=--warmup`` and ``window=1``, so it logs a step's own time and nothing of a warm-up step.
 * ``train_throughput.padding_fraction`` (+ ``pack_padding_fraction`` / ``alignment_padding_fraction``): of the
   bundled corpus packed at seq_len 4096 and 16384 with the tiny model's alignment (128).
 
@@ -26,20 +27,21 @@ from dsv4.data import build_documents, pack_documents
 REPO = Path(__file__).resolve().parents[1]
 
 
-def recipe_tokens_per_s(cp: int, seq_len: int, steps: int, warmup: int, max_bytes: int) -> float:
+def recipe_tokens_per_s(cp: int, seq_len: int, steps: int, warmup: int, max_bytes: int) -> tuple[float, int]:
+    """``(tokens/s over the measured steps, number of measured steps)`` of one recipe run."""
+    if steps <= warmup:
+        raise ValueError(f"--steps {steps} must exceed --warmup {warmup}")
     with tempfile.TemporaryDirectory() as run_dir:
         cmd = [sys.executable, str(REPO / "recipes/finetune.py"), f"cp={cp}", f"seq_len={seq_len}",
                f"trainer.max_steps={steps}", "logger=csv", "checkpoint.every_n_steps=0",
-               f"data.max_bytes={max_bytes}", f"hydra.run.dir={run_dir}"]
+               f"data.max_bytes={max_bytes}", f"callbacks.throughput.warmup_steps={warmup}",
+               "callbacks.throughput.window=1", f"hydra.run.dir={run_dir}"]
         subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        values = []
         with open(Path(run_dir) / "csv" / "metrics.csv") as f:
-            for row in csv.DictReader(f):
-                if row.get("perf/tokens_per_s") and int(row["step"]) >= warmup:
-                    values.append(float(row["perf/tokens_per_s"]))
-    if not values:
-        raise RuntimeError(f"no perf/tokens_per_s logged after step {warmup}; run more --steps")
-    return sum(values) / len(values)
+            measured = [row for row in csv.DictReader(f) if row.get("perf/step_time_s")]
+    tokens = sum(float(row["data/tokens_per_step"]) for row in measured)
+    seconds = sum(float(row["perf/step_time_s"]) for row in measured)
+    return tokens / seconds, len(measured)
 
 
 def main() -> None:
@@ -50,14 +52,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--max-bytes", type=int, default=3_000_000)
     parser.add_argument("--skip-training", action="store_true", help="only the padding measurements")
+    parser.add_argument("--padding-seq-lens", type=int, nargs="*", default=[4096, 16384])
     args = parser.parse_args()
 
-    alignment = DSV4Config.preset("tiny").cp_shard_multiple
+    multiple = DSV4Config.preset("tiny").shard_multiple
     documents = build_documents("stdlib", max_bytes=args.max_bytes)
-    for seq_len in (4096, 16384):
-        stats = pack_documents(documents, seq_len, alignment=alignment).stats
+    for seq_len in args.padding_seq_lens:
+        stats = pack_documents(documents, seq_len, multiple).stats
         shape = {"corpus": "stdlib", "max_bytes": args.max_bytes, "documents": len(documents), "seq_len": seq_len,
-                 "alignment": alignment, "rows": stats.num_rows}
+                 "shard_multiple": multiple, "rows": stats.num_rows}
         emit("train_throughput.padding_fraction", shape, round(stats.padding_fraction, 5), "fraction")
         emit("train_throughput.pack_padding_fraction", shape, round(stats.pack_padding / stats.total_slots, 5),
              "fraction")
@@ -66,9 +69,10 @@ def main() -> None:
     if args.skip_training:
         return
     for cp in args.cp:
-        value = recipe_tokens_per_s(cp, args.seq_len, args.steps, args.warmup, args.max_bytes)
+        value, measured = recipe_tokens_per_s(cp, args.seq_len, args.steps, args.warmup, args.max_bytes)
         emit("train_throughput.tokens_per_s", {"preset": "tiny", "seq_len": args.seq_len, "cp": cp,
-                                               "steps": args.steps, "warmup": args.warmup, "device": "cpu"},
+                                               "steps": args.steps, "warmup": args.warmup,
+                                               "steps_measured": measured, "device": "cpu"},
              round(value, 1), "tokens/s")
 
 

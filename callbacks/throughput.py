@@ -11,9 +11,9 @@ the first ``warmup_steps`` steps seen are skipped):
 * ``perf/tokens_per_s_per_device``: the same divided by ``world_size`` (= dp x cp; a CP group shares its tokens).
 * ``perf/label_tokens_per_s``: global tokens with a label (what the loss averages over) per second.
 * ``perf/step_time_s``: mean step wall time over the window.
-* ``perf/tflops_per_device``: model training FLOPs (``dsv4.flops.training_flops``, sparse attention, real tokens
-  only, documents assumed ``seq_len`` long) per second per device, / 1e12. Needs a ``DSV4Config``: the
-  ``config`` argument, else ``pl_module.config`` or ``pl_module.model.config``.
+* ``perf/tflops_per_device``: model training FLOPs per second per device, / 1e12: ``stats.model_flops``, the sum
+  over the step's documents of ``dsv4.flops.document_training_flops`` at each document's own length (sparse
+  attention, real tokens only), computed by the module from the batch.
 * ``perf/mfu``: ``tflops_per_device * 1e12 / peak``, only when the peak is known (``peak_flops`` argument, or looked
   up from the CUDA device name by ``dsv4.flops.peak_flops_per_device``: bf16 dense, no sparsity; None on CPU).
 
@@ -29,8 +29,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from dsv4.config import DSV4Config
-from dsv4.flops import peak_flops_per_device, training_flops_per_token
+from dsv4.flops import peak_flops_per_device
 
 
 @dataclass
@@ -42,22 +41,12 @@ class _Sample:
     world_size: int
 
 
-def find_config(pl_module: Any) -> DSV4Config | None:
-    """The module's ``DSV4Config``: ``pl_module.config`` or ``pl_module.model.config`` (None if neither is one)."""
-    for owner in (pl_module, getattr(pl_module, "model", None)):
-        config = getattr(owner, "config", None)
-        if isinstance(config, DSV4Config):
-            return config
-    return None
-
-
 class ThroughputCallback(Callback):
     """Logs ``perf/*`` throughput metrics from ``pl_module.last_step_stats`` (see the module docstring).
 
     Args:
         window: number of most recent steps averaged (>= 1).
         warmup_steps: steps skipped at the start (compilation, allocator warm-up).
-        config: the model config for the FLOP model (default: found on the module).
         peak_flops: peak FLOP/s per device for MFU; ``"auto"`` looks it up from the device, None disables MFU.
         prog_bar: show ``perf/tokens_per_s`` on the progress bar.
     """
@@ -66,7 +55,6 @@ class ThroughputCallback(Callback):
         self,
         window: int = 10,
         warmup_steps: int = 1,
-        config: DSV4Config | None = None,
         peak_flops: float | str | None = "auto",
         prog_bar: bool = True,
     ) -> None:
@@ -78,31 +66,17 @@ class ThroughputCallback(Callback):
             raise ValueError(f"ThroughputCallback: peak_flops must be a number, None or 'auto', got {peak_flops!r}")
         self.window = window
         self.warmup_steps = warmup_steps
-        self.config = config
         self.peak_flops = peak_flops
         self.prog_bar = prog_bar
         self._samples: deque[_Sample] = deque(maxlen=window)
         self._seen = 0
         self._last_step: int | None = None
-        self._flops_config: DSV4Config | None = None
-        self._flops_per_token: dict[int, float] = {}
 
     # ------------------------------------------------------------------ helpers
     def _peak(self, pl_module: Any) -> float | None:
         if self.peak_flops == "auto":
             self.peak_flops = peak_flops_per_device(getattr(pl_module, "device", "cpu"))
         return self.peak_flops  # type: ignore[return-value]
-
-    def _step_flops(self, pl_module: Any, stats) -> float | None:
-        config = self.config if self.config is not None else find_config(pl_module)
-        if config is None:
-            return None
-        if config is not self._flops_config:  # cache per (config, seq_len)
-            self._flops_config, self._flops_per_token = config, {}
-        per_token = self._flops_per_token.get(stats.seq_len)
-        if per_token is None:
-            per_token = self._flops_per_token[stats.seq_len] = training_flops_per_token(config, stats.seq_len)
-        return stats.real_tokens * per_token
 
     def metrics(self, pl_module: Any) -> dict[str, float]:
         """The current window's metric values (empty before the first step after warm-up)."""
@@ -141,8 +115,8 @@ class ThroughputCallback(Callback):
         if self._seen <= self.warmup_steps:
             return
         self._samples.append(
-            _Sample(stats.real_tokens, stats.label_tokens, float(stats.step_time_s),
-                    self._step_flops(pl_module, stats), max(int(stats.world_size), 1))
+            _Sample(stats.real_tokens, stats.label_tokens, float(stats.step_time_s), stats.model_flops,
+                    max(int(stats.world_size), 1))
         )
         for name, value in self.metrics(pl_module).items():
             pl_module.log(

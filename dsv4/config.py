@@ -1,7 +1,9 @@
 """`DSV4Config`: the one configuration dataclass of a DeepSeek-V4-family model.
 
-Field names and defaults follow ``reference/dsv4-architecture.md`` section 1.1; the defaults are the V4 Flash
-values as released (YaRN compress rope and the 43-entry ``compress_ratios`` of the Flash checkpoint).
+Field names follow the Hugging Face ``config.json`` of the released checkpoints; the defaults are the V4 Flash
+values as released (YaRN compress rope and the 43-entry ``compress_ratios`` of the Flash checkpoint). The named
+presets (:data:`PRESETS`, ``DSV4Config.preset(name)``) are defined here and only here: ``conf/model/*.yaml`` select
+one by name.
 
 Invariants enforced by ``__post_init__`` (a violation raises ``ValueError`` naming the field and the numbers):
 
@@ -19,16 +21,15 @@ Invariants enforced by ``__post_init__`` (a violation raises ``ValueError`` nami
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
-
-from dsv4.cp.multiple import dsv4_cp_local_seq_multiple
+from typing import Any, Iterable
 
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 TOPK_METHODS = ("noaux_tc", "greedy")
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 
-# Flash checkpoint values (benchmark YAML spelled out in dsv4-architecture.md 1.1).
+# Flash checkpoint values (its config.json).
 FLASH_ROPE_SCALING: dict[str, Any] = {
     "type": "yarn",
     "factor": 16.0,
@@ -37,6 +38,36 @@ FLASH_ROPE_SCALING: dict[str, Any] = {
     "beta_slow": 1.0,
 }
 FLASH_COMPRESS_RATIOS: list[int] = [0, 0] + [4, 128] * 20 + [4]
+
+
+def shard_multiple(compress_ratios: Iterable[int]) -> int:
+    """The shard multiple: lcm of the non-zero compress ratios, ratio 4 counted as 8 (1 when there are none).
+
+    Every packed document starts on a multiple of it and every CP shard is a multiple of it, so no compressor
+    window straddles a document or a rank boundary. Ratio-4 (CSA) layers pool the previous window too, hence 8.
+    V4 Flash (ratios 4 and 128): 128; V4.1-style ratios {2, 1}: 2.
+    """
+    multiple = 1
+    for ratio in compress_ratios:
+        r = int(ratio)
+        if r > 0:
+            multiple = math.lcm(multiple, 2 * r if r == 4 else r)
+    return multiple
+
+
+def check_cp_length(length: int, cp_size: int, multiple: int, what: str = "seq_len") -> None:
+    """The one length rule of context parallelism: ``length`` is a positive multiple of ``cp_size * multiple``.
+
+    Raises ``ValueError`` naming ``what``, the numbers and the nearest valid length.
+    """
+    step = cp_size * multiple
+    if length < 1 or length % step:
+        nearest = max(1, round(length / step)) * step
+        raise ValueError(
+            f"`{what}`={length} must be a positive multiple of cp x shard multiple = {cp_size} x {multiple} = "
+            f"{step} (the shard multiple is the lcm of model.compress_ratios, ratio 4 counted as 8); e.g. "
+            f"{what}={nearest}"
+        )
 
 
 def _flash_rope_scaling() -> dict[str, Any]:
@@ -90,7 +121,7 @@ class DSV4Config:
     tie_word_embeddings: bool = False
     torch_dtype: str = "bfloat16"
     # dsv4 additions (not in the reference config)
-    mtp_loss_weight: float = 0.1  # reference "loss scale default 0.1" (dsv4-architecture.md 5.3)
+    mtp_loss_weight: float = 0.1  # weight of the MTP loss (the DeepSeek-V3/V4 reports' default)
     train_indexer: bool = False
     attention_chunk_size: int = 256
 
@@ -204,9 +235,9 @@ class DSV4Config:
         return sorted({self.ratio_for_layer(i) for i in range(total)} - {0})
 
     @property
-    def cp_shard_multiple(self) -> int:
-        """lcm over active ratios with ratio 4 counted as 8 (``dsv4.cp.dsv4_cp_local_seq_multiple``)."""
-        return dsv4_cp_local_seq_multiple(self)
+    def shard_multiple(self) -> int:
+        """Where documents and CP shards start: :func:`shard_multiple` of ``compress_ratios``."""
+        return shard_multiple(self.compress_ratios)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -274,9 +305,8 @@ _TINY: dict[str, Any] = {
 
 PRESETS: dict[str, dict[str, Any]] = {
     "flash": {},
-    # Pro: the reference repo states only 384 routed / 1 shared / 6 per token; every other value below comes
-    # from third-party pages listed in dsv4-architecture.md 1.1 (not authoritative, not verified against a
-    # released config.json). "Layers 0-1 HCA then CSA/HCA interleaved" -> [128, 128] + [4, 128, 4, ...].
+    # Pro: the model card states only 384 routed / 1 shared / 6 per token; every other value below comes
+    # from third-party descriptions (not authoritative, not verified against a released config.json). "Layers 0-1 HCA then CSA/HCA interleaved" -> [128, 128] + [4, 128, 4, ...].
     "pro": {
         "num_hidden_layers": 61,
         "hidden_size": 7168,

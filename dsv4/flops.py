@@ -1,4 +1,4 @@
-"""FLOP model of one DSV4 training step, with the attention counted SPARSELY (dsv4-architecture.md 2, 5, 7.1).
+"""FLOP model of one DSV4 training step, with the attention counted SPARSELY.
 
 Conventions
 -----------
@@ -7,8 +7,8 @@ Conventions
   are not (they are < 1% of a Flash layer).
 * "Per token" means per REAL token (padding slots are wasted work, not model FLOPs). A token's attention cost
   depends on its position; the numbers below are the exact MEAN over the positions ``0 .. S-1`` of one causal
-  document of length ``S = seq_len``. For packed rows of shorter documents pass the document length (passing the
-  row length gives an upper bound).
+  document of length ``S = seq_len``. A packed row is the sum over its documents,
+  :func:`document_training_flops` of each document's own length (passing the row length overcounts).
 * These are MODEL FLOPs (what the math needs), not hardware FLOPs: activation recomputation (the sparse
   attention and hyper-connection checkpoints) and keys a kernel visits but masks out are not counted.
 
@@ -246,6 +246,12 @@ def training_flops_per_token(config: DSV4Config, seq_len: int) -> float:
 def training_flops(config: DSV4Config, seq_len: int, num_tokens: int) -> float:
     """Training FLOPs of a step over ``num_tokens`` real tokens in documents of length ``seq_len``."""
     return num_tokens * training_flops_per_token(config, seq_len)
+
+
+def document_training_flops(config: DSV4Config, length: int) -> float:
+    """Training FLOPs of one causal document of ``length`` tokens (its attention reach grows with its own
+    length, not the row's): ``length * training_flops_per_token(config, length)``; 0 for an empty one."""
+    return float(length) * training_flops_per_token(config, length) if length > 0 else 0.0
 
 
 # ---------------------------------------------------------------------------------------------- peak FLOP/s

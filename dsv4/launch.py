@@ -10,8 +10,9 @@ For tests, benchmarks and CPU experiments; training runs use the Lightning strat
 
     results = run_on_ranks(_body, world_size=2, args=(arg,))   # list indexed by rank
 
-The process group (gloo, WORLD) is initialised before ``fn`` runs and destroyed afterwards. Exceptions in a
-rank are re-raised in the parent with the rank's traceback. Tensors in the results travel through a
+The process group (gloo, WORLD) is initialised before ``fn`` runs and destroyed afterwards; the ranks meet through
+a file store in a fresh temporary directory (no TCP port is reserved, so concurrent runs on one machine cannot
+race for one). Exceptions in a rank are re-raised in the parent with the rank's traceback. Tensors in the results travel through a
 multiprocessing queue serialised with ``torch.save``, so they must be CPU tensors.
 """
 
@@ -19,8 +20,8 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import queue as queue_module
+import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -29,19 +30,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, queue) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         try:
             out = fn(rank, world_size, *args)
         finally:
@@ -57,9 +50,10 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), time
     """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)``; return results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    store_dir = tempfile.TemporaryDirectory(prefix="dsv4-ranks-")
+    store_path = os.path.join(store_dir.name, "store")
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, store_path, fn, args, queue), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -82,6 +76,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), time
         p.join(timeout=timeout if not errors else 5)
         if p.is_alive():
             p.kill()
+    store_dir.cleanup()
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]

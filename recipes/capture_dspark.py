@@ -2,7 +2,7 @@
 
     python recipes/capture_dspark.py                                  # tiny model, bundled corpus, 1 CPU rank
     python recipes/capture_dspark.py dp=2 model=v41_tiny layer_ids='[1,2,3]'
-    python recipes/capture_dspark.py output_dir=/data/feats weights=/ckpt/model.safetensors data=jsonl data.path=...
+    python recipes/capture_dspark.py output_dir=/data/feats model.checkpoint=/ckpt/DeepSeek-V4-Flash data=jsonl ...
 
 Re-running with the same config resumes: finished shards are skipped (see dsv4/speculative/capture_job.py).
 """
@@ -16,6 +16,10 @@ import hydra
 from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from dsv4.training.schema import register_schema  # noqa: E402
+
+register_schema()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="capture_dspark")

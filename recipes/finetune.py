@@ -16,11 +16,9 @@ from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from dsv4.training.conf import register_resolvers  # noqa: E402
 from dsv4.training.schema import register_schema  # noqa: E402
 
 register_schema()
-register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="finetune")

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from dsv4.cp.groups import SimulatedMesh
+from dsv4.cp import SimulatedMesh
 
 os.environ.setdefault("WANDB_MODE", "offline")
 

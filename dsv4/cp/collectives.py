@@ -1,7 +1,8 @@
-"""Context-parallel collectives: differentiable all-gather, metadata all-gather and the halo exchange.
+"""The CP runtime's collectives: differentiable all-gather, metadata all-gather, halo exchange, causal gather.
 
-All functions are identities (or cheap local equivalents) when the CP group is ``None`` or has one rank, so
-model code can call them unconditionally. Each accepts an optional :class:`~dsv4.cp.traffic.TrafficCounter`
+These are the exchanges the model makes through :class:`~dsv4.cp.context.CPContext`. All functions are identities
+(or cheap local equivalents) when the CP group is ``None`` or has one rank, so model code can call them
+unconditionally. Each accepts an optional :class:`~dsv4.cp.traffic.TrafficCounter`
 and a ``kind`` label; bytes are counted as the point-to-point volume this rank sends and receives (an all-gather
 of ``n`` bytes per rank over ``C`` ranks: ``n*(C-1)`` each way). Backward traffic is recorded under
 ``f"{kind}.backward"``.
@@ -12,11 +13,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dsv4.cp.groups import ProcessGroup, dsv4_cp_enabled, dsv4_cp_rank, dsv4_cp_size
 from dsv4.cp.traffic import TrafficCounter
+from dsv4.distributed import ProcessGroup, all_gather_into, group_rank, group_size, reduce_scatter_into
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _enabled(group: ProcessGroup | None) -> bool:
+    return group_size(group) > 1
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -25,13 +27,13 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _gather_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Plain all-gather of ``x`` along dim 0 in rank order (bools travel as uint8)."""
-    size = dist.get_world_size(group=group)
+    size = group_size(group)
     send = x.contiguous()
     is_bool = send.dtype == torch.bool
     if is_bool:
         send = send.to(torch.uint8)
     out = send.new_empty((size * send.shape[0],) + tuple(send.shape[1:]))
-    _all_gather_single(out, send, group=group)
+    all_gather_into(out, send, group)
     return out.bool() if is_bool else out
 
 
@@ -41,7 +43,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, traffic, kind):  # type: ignore[override]
         ctx.dim, ctx.group, ctx.traffic, ctx.kind = dim, group, traffic, kind
-        size = dist.get_world_size(group=group)
+        size = group_size(group)
         out = _gather_dim0(x.movedim(dim, 0), group).movedim(0, dim)
         if traffic is not None:
             n = _nbytes(x) * (size - 1)
@@ -51,17 +53,17 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         group, dim = ctx.group, ctx.dim
-        size = dist.get_world_size(group=group)
+        size = group_size(group)
         g = grad.movedim(dim, 0).contiguous()
         out = g.new_empty((g.shape[0] // size,) + tuple(g.shape[1:]))
-        _reduce_scatter_single(out, g, group=group)
+        reduce_scatter_into(out, g, group)
         if ctx.traffic is not None:
             n = _nbytes(out) * (size - 1)
             ctx.traffic.add(f"{ctx.kind}.backward", sent=n, received=n)
         return out.movedim(0, dim), None, None, None, None
 
 
-def dsv4_cp_all_gather(
+def all_gather(
     tensor: torch.Tensor,
     dim: int = 1,
     cp_group: ProcessGroup | None = None,
@@ -76,13 +78,13 @@ def dsv4_cp_all_gather(
     ``loss = (gathered * w).sum()`` the local gradient is ``C * w[own slice]``. All ranks must pass tensors of
     the same shape.
     """
-    if not dsv4_cp_enabled(cp_group):
+    if not _enabled(cp_group):
         return tensor
     dim = dim % tensor.dim()
     return _AllGather.apply(tensor, dim, cp_group, traffic, kind)
 
 
-def dsv4_cp_all_gather_metadata(
+def all_gather_metadata(
     tensor: torch.Tensor | None,
     dim: int = 1,
     cp_group: ProcessGroup | None = None,
@@ -91,13 +93,13 @@ def dsv4_cp_all_gather_metadata(
     kind: str = "metadata",
 ) -> torch.Tensor | None:
     """Non-differentiable all-gather of integer/bool metadata along ``dim`` (identity without CP or for None)."""
-    if tensor is None or not dsv4_cp_enabled(cp_group):
+    if tensor is None or not _enabled(cp_group):
         return tensor
     dim = dim % tensor.dim()
     with torch.no_grad():
         out = _gather_dim0(tensor.detach().movedim(dim, 0), cp_group).movedim(0, dim).contiguous()
     if traffic is not None:
-        n = _nbytes(tensor) * (dsv4_cp_size(cp_group) - 1)
+        n = _nbytes(tensor) * (group_size(cp_group) - 1)
         traffic.add(kind, sent=n, received=n)
     return out
 
@@ -119,7 +121,7 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, rows, dim, group, traffic, kind):  # type: ignore[override]
-        rank, size = dsv4_cp_rank(group), dsv4_cp_size(group)
+        rank, size = group_rank(group), group_size(group)
         ctx.rows, ctx.dim, ctx.group, ctx.traffic, ctx.kind = rows, dim, group, traffic, kind
         ctx.length = x.shape[dim]
         tail = x.narrow(dim, x.shape[dim] - rows, rows).contiguous()
@@ -138,7 +140,7 @@ class _HaloExchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_halo):  # type: ignore[override]
         group, rows, dim = ctx.group, ctx.rows, ctx.dim
-        rank, size = dsv4_cp_rank(group), dsv4_cp_size(group)
+        rank, size = group_rank(group), group_size(group)
         grad_halo = grad_halo.contiguous()
         grad_tail = torch.zeros_like(grad_halo)
         ops = []
@@ -181,18 +183,9 @@ def halo_exchange(
             f"halo_exchange: rows={rows} must be in [0, local length {length}] along dim {dim}; "
             "the local shard is shorter than the halo (use fewer CP ranks or a longer sequence)"
         )
-    if not dsv4_cp_enabled(cp_group) or rows == 0:
+    if not _enabled(cp_group) or rows == 0:
         return tensor.new_zeros(tensor.shape[:dim] + (rows,) + tensor.shape[dim + 1 :])
     return _HaloExchange.apply(tensor, rows, dim, cp_group, traffic, kind)
-
-
-def all_reduce_max(value: int, group: ProcessGroup | None = None, device: torch.device | str = "cpu") -> int:
-    """MAX all-reduce of a Python int over ``group`` (WORLD when None); identity without ``torch.distributed``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return int(value)
-    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
 
 
 class _GatherPreceding(torch.autograd.Function):
@@ -200,7 +193,7 @@ class _GatherPreceding(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, starts, dim, group, traffic, kind):  # type: ignore[override]
-        rank, size = dsv4_cp_rank(group), dsv4_cp_size(group)
+        rank, size = group_rank(group), group_size(group)
         n = x.shape[dim]
         ctx.dim, ctx.group, ctx.traffic, ctx.kind, ctx.starts, ctx.n = dim, group, traffic, kind, starts, n
         ops, received, sent_bytes = [], [], 0
@@ -226,7 +219,7 @@ class _GatherPreceding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         group, dim, n, starts = ctx.group, ctx.dim, ctx.n, ctx.starts
-        rank, size = dsv4_cp_rank(group), dsv4_cp_size(group)
+        rank, size = group_rank(group), group_size(group)
         ops, incoming, offset, sent_bytes = [], [], 0, 0
         for owner in range(rank):  # return the gradient of rows I received to their owners
             first = max(starts[rank] - owner * n, 0)
@@ -271,10 +264,10 @@ def gather_preceding(
     (``starts[r] == r*n``) receives nothing. The result is ``[received rows of ranks < r in order ; own rows]``.
     Backward returns the gradient of every received row to its owner, summed there.
     """
-    if not dsv4_cp_enabled(cp_group):
+    if not _enabled(cp_group):
         return tensor
     dim = dim % tensor.dim()
-    size, n = dsv4_cp_size(cp_group), tensor.shape[dim]
+    size, n = group_size(cp_group), tensor.shape[dim]
     if len(starts) != size:
         raise ValueError(f"gather_preceding: {len(starts)} starts for a CP group of {size} ranks")
     for r, s in enumerate(starts):

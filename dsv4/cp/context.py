@@ -16,14 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4.cp.collectives import (
-    dsv4_cp_all_gather,
-    dsv4_cp_all_gather_metadata,
-    gather_preceding,
-    halo_exchange,
-)
-from dsv4.cp.groups import ProcessGroup, dsv4_cp_rank, dsv4_cp_size
+from dsv4.cp.collectives import all_gather, all_gather_metadata, gather_preceding, halo_exchange
 from dsv4.cp.traffic import TrafficCounter
+from dsv4.distributed import ProcessGroup, group_rank, group_size
 
 
 @dataclass
@@ -43,23 +38,23 @@ class CPContext:
 
     @property
     def rank(self) -> int:
-        return dsv4_cp_rank(self.group)
+        return group_rank(self.group)
 
     @property
     def size(self) -> int:
-        return dsv4_cp_size(self.group)
+        return group_size(self.group)
 
     @property
     def enabled(self) -> bool:
         return self.size > 1
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 1, kind: str = "all_gather") -> torch.Tensor:
-        """Differentiable all-gather along ``dim`` (see :func:`dsv4_cp_all_gather`)."""
-        return dsv4_cp_all_gather(tensor, dim, self.group, traffic=self.traffic, kind=kind)
+        """Differentiable all-gather along ``dim`` (see :func:`dsv4.cp.collectives.all_gather`)."""
+        return all_gather(tensor, dim, self.group, traffic=self.traffic, kind=kind)
 
     def all_gather_metadata(self, tensor: torch.Tensor, dim: int = 1, kind: str = "metadata") -> torch.Tensor:
         """Non-differentiable all-gather of integer/bool metadata along ``dim``."""
-        return dsv4_cp_all_gather_metadata(tensor, dim, self.group, traffic=self.traffic, kind=kind)
+        return all_gather_metadata(tensor, dim, self.group, traffic=self.traffic, kind=kind)
 
     def halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "halo") -> torch.Tensor:
         """The previous rank's last ``rows`` rows along ``dim`` (zeros on rank 0), differentiable."""

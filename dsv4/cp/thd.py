@@ -1,6 +1,6 @@
 """Contiguous THD partition of an offline-packed batch with *global* sequence metadata.
 
-Semantics follow Megatron-Bridge ``deepseek_v4_step`` (``reference/cp-peers.md`` 1.1), with our house rules:
+Semantics follow Megatron-Bridge's ``deepseek_v4_step`` contiguous partition, with our house rules:
 
 * A packed batch holds ``[B, L, ...]`` token tensors (``tokens``/``input_ids``, ``labels``, ``loss_mask``,
   ``position_ids``, ``padding_mask``, MTP inputs, ...) and THD metadata (``cu_seqlens*``, ``max_seqlen*``, ...).
@@ -92,6 +92,12 @@ def _packed_length(batch: Mapping[str, Any]) -> tuple[str, int]:
                    f"length L; keys present: {sorted(batch)}")
 
 
+def _metadata_only(batch: Mapping[str, Any]) -> bool:
+    """A pipeline stage's batch without token tensors: no length key and no ``[B, L, ...]`` tensor to slice."""
+    return not any(isinstance(v, torch.Tensor) and (k in LENGTH_KEYS or (v.dim() >= 2 and k not in SEQLEN_KEYS))
+                   for k, v in batch.items())
+
+
 def partition_packed_batch_contiguous(batch: Mapping[str, Any], cp_size: int, cp_rank: int) -> dict[str, Any]:
     """Slice every token tensor of a packed batch to CP rank ``cp_rank``'s contiguous window.
 
@@ -103,11 +109,13 @@ def partition_packed_batch_contiguous(batch: Mapping[str, Any], cp_size: int, cp
     token dimension and non-tensor values are passed through unchanged.
 
     Returns a new dict (the input is not modified) with ``cp_partition_mode = "contiguous"`` added.
-    ``cp_size == 1`` returns the batch contents unchanged (plus the mode key) without looking for ``L``.
+    ``cp_size == 1``, and a batch holding only metadata (a middle pipeline stage without token tensors, as in
+    Megatron-Bridge), return the batch contents unchanged (plus the mode key) without looking for ``L``.
 
     Raises:
         ValueError: ``cp_size < 1``, ``cp_rank`` outside ``[0, cp_size)``, or ``L % cp_size != 0``.
-        KeyError: ``cp_size > 1`` and none of ``tokens``/``input_ids``/``labels`` is present.
+        KeyError: ``cp_size > 1``, a ``[B, L, ...]`` tensor to slice but none of ``tokens``/``input_ids``/``labels``
+            to say what ``L`` is.
     """
     cp_size = _as_int(cp_size, "cp_size")
     cp_rank = _as_int(cp_rank, "cp_rank")
@@ -118,7 +126,7 @@ def partition_packed_batch_contiguous(batch: Mapping[str, Any], cp_size: int, cp
 
     out = dict(batch)
     out["cp_partition_mode"] = "contiguous"
-    if cp_size == 1:
+    if cp_size == 1 or _metadata_only(batch):
         return out
 
     key, length = _packed_length(batch)

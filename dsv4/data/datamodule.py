@@ -1,4 +1,4 @@
-"""`DSV4DataModule`: documents -> packed rows -> a dp-sharded, resumable DataLoader of THD batches.
+"""`DSV4DataModule`: documents -> packed rows -> a dp-sharded, resumable DataLoader of ``TokenBatch`` es.
 
 Every rank builds the same packed dataset (deterministic), then reads only its data-parallel share; the ranks of
 one CP group get identical rows (the strategy shards them along the sequence). The data position (epoch, rows
@@ -13,19 +13,20 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader
 
-from dsv4.data.dataset import DistributedPackedSampler, PackedDataset, build_packed_dataset, collate_packed
+from dsv4.batch import collate_rows
+from dsv4.data.dataset import DistributedPackedSampler, PackedDataset, build_packed_dataset
 from dsv4.data.sources import build_documents
 
 
 class DSV4DataModule(L.LightningDataModule):
     """Args: ``source`` (keyword arguments of :func:`~dsv4.data.sources.build_documents`), ``seq_len``,
-    ``alignment`` (the CP shard multiple), ``micro_batch_size``, ``cp_size``, ``seed``, ``pad_id``."""
+    ``shard_multiple`` (the model's), ``micro_batch_size``, ``cp_size``, ``seed``, ``pad_id``."""
 
     def __init__(
         self,
         source: dict[str, Any],
         seq_len: int,
-        alignment: int,
+        shard_multiple: int,
         micro_batch_size: int = 1,
         cp_size: int = 1,
         seed: int = 0,
@@ -34,7 +35,7 @@ class DSV4DataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         self.source = dict(source)
-        self.seq_len, self.alignment, self.cp_size = seq_len, alignment, cp_size
+        self.seq_len, self.shard_multiple, self.cp_size = seq_len, shard_multiple, cp_size
         self.micro_batch_size, self.seed, self.pad_id, self.shuffle = micro_batch_size, seed, pad_id, shuffle
         self.dataset: PackedDataset | None = None
         self.sampler: DistributedPackedSampler | None = None
@@ -45,7 +46,7 @@ class DSV4DataModule(L.LightningDataModule):
         if self.dataset is None:
             documents = build_documents(**self.source)
             self.dataset = build_packed_dataset(
-                documents, self.seq_len, alignment=self.alignment, pad_id=self.pad_id, cp_size=self.cp_size
+                documents, self.seq_len, self.shard_multiple, pad_id=self.pad_id, cp_size=self.cp_size
             )
         return self.dataset
 
@@ -62,7 +63,7 @@ class DSV4DataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
-            self.dataset, batch_size=self.micro_batch_size, sampler=self.sampler, collate_fn=collate_packed,
+            self.dataset, batch_size=self.micro_batch_size, sampler=self.sampler, collate_fn=collate_rows,
             num_workers=0, drop_last=True,
         )
 

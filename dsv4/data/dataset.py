@@ -1,7 +1,7 @@
-"""Packed rows as a map-style dataset, a resumable data-parallel sampler, and the THD collate function.
+"""Packed rows as a map-style dataset and a resumable data-parallel sampler.
 
-* :class:`PackedDataset`: item ``i`` is row ``i`` of :class:`~dsv4.data.packer.PackedRows` as a dict of 1-D int64
-  tensors ``input_ids/labels/position_ids [S]`` and ``seq_lens/seq_lens_padded [D_i]`` (this row's documents).
+* :class:`PackedDataset`: item ``i`` is row ``i`` of :class:`~dsv4.data.packer.PackedRows` as a one-row
+  :class:`~dsv4.batch.TokenBatch`; ``DataLoader(collate_fn=dsv4.batch.collate_rows)`` stacks rows into batches.
 * :class:`DistributedPackedSampler`: shards row indices by the **data-parallel** rank only; every rank of a CP group
   passes the same ``dp_rank`` and so sees the same rows. Every dp rank gets exactly ``len(sampler)`` indices
   (``ceil(n / dp_size)`` with ``drop_last=False``, repeating the epoch's first indices to even out;
@@ -9,9 +9,6 @@
   ``torch.randperm(n)`` seeded with ``seed + epoch`` (or ``0..n-1`` without shuffling); rank ``r`` takes positions
   ``r, r + dp_size, ...``. ``state_dict()`` holds the epoch and the number of indices already handed out this epoch,
   so a sampler restored with ``load_state_dict`` continues with exactly the next index (the next batch).
-* :func:`collate_packed`: stacks rows into ``input_ids/labels/position_ids [B, S]``, right-pads ``seq_lens`` /
-  ``seq_lens_padded`` across rows with -1000 to ``[B, D_max]`` and sets ``qkv_format="thd"`` -- the packed batch
-  the CP sharder (``reference/cp-contract.md`` 1.2) expects.
 """
 
 from __future__ import annotations
@@ -21,13 +18,12 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from dsv4.data.packer import SEQ_LENS_PAD, PackedRows, PackStats, pack_documents
+from dsv4.batch import TokenBatch
+from dsv4.config import check_cp_length
+from dsv4.data.packer import PackedRows, PackStats, pack_documents
 from dsv4.data.sources import Document
 
-__all__ = ["PackedDataset", "DistributedPackedSampler", "collate_packed", "build_packed_dataset", "TOKEN_KEYS"]
-
-TOKEN_KEYS = ("input_ids", "labels", "position_ids")
-LENGTH_KEYS = ("seq_lens", "seq_lens_padded")
+__all__ = ["PackedDataset", "DistributedPackedSampler", "build_packed_dataset"]
 
 
 class PackedDataset(Dataset):
@@ -39,7 +35,7 @@ class PackedDataset(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: int) -> TokenBatch:
         n = len(self.rows)
         if not -n <= index < n:
             raise IndexError(f"PackedDataset: row {index} is out of range for {n} rows")
@@ -160,61 +156,16 @@ class DistributedPackedSampler(Sampler[int]):
         self.position = position
 
 
-def collate_packed(rows: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
-    """Stack packed rows into one THD batch (see the module docstring); ValueError/KeyError on ragged input."""
-    if not rows:
-        raise ValueError("collate_packed: got no rows")
-    for i, row in enumerate(rows):
-        for key in TOKEN_KEYS + LENGTH_KEYS:
-            if key not in row:
-                raise KeyError(f"collate_packed: row {i} has no `{key}` (keys: {sorted(row)})")
-    width = rows[0]["input_ids"].shape[-1]
-    for i, row in enumerate(rows):
-        for key in TOKEN_KEYS:
-            if row[key].dim() != 1 or row[key].shape[0] != width:
-                raise ValueError(
-                    f"collate_packed: row {i} `{key}` has shape {tuple(row[key].shape)}, expected ({width},) "
-                    "like row 0's input_ids"
-                )
-        if row["seq_lens"].shape != row["seq_lens_padded"].shape:
-            raise ValueError(
-                f"collate_packed: row {i} has {tuple(row['seq_lens'].shape)} seq_lens but "
-                f"{tuple(row['seq_lens_padded'].shape)} seq_lens_padded"
-            )
-    batch: dict[str, Any] = {key: torch.stack([row[key].long() for row in rows]) for key in TOKEN_KEYS}
-    d_max = max(int(row["seq_lens"].shape[0]) for row in rows)
-    for key in LENGTH_KEYS:
-        table = torch.full((len(rows), d_max), SEQ_LENS_PAD, dtype=torch.long)
-        for i, row in enumerate(rows):
-            table[i, : row[key].shape[0]] = row[key]
-        batch[key] = table
-    batch["qkv_format"] = "thd"
-    return batch
-
-
 def build_packed_dataset(
     documents: Sequence[Document | Sequence[int]],
     seq_len: int,
-    alignment: int = 1,
+    shard_multiple: int = 1,
     *,
     pad_id: int = 0,
     split_long: bool = True,
     cp_size: int = 1,
 ) -> PackedDataset:
-    """Pack ``documents`` and wrap them; with ``cp_size > 1`` also check that the rows keep their width under CP.
-
-    Under CP the sharder pads documents to ``max(pad_multiple, 2)`` and rows to ``cp_size`` times that, so this
-    requires ``alignment >= 2`` and ``seq_len % (cp_size * alignment) == 0`` (ValueError naming the numbers).
-    """
-    if cp_size > 1:
-        if alignment < 2:
-            raise ValueError(
-                f"cp_size {cp_size} with alignment {alignment}: the CP sharder pads every document to a multiple "
-                "of at least 2; pack with alignment = the CP pad multiple (dsv4_cp_local_seq_multiple, >= 2)"
-            )
-        if seq_len % (cp_size * alignment):
-            raise ValueError(
-                f"seq_len {seq_len} is not a multiple of cp_size * alignment = {cp_size} * {alignment} = "
-                f"{cp_size * alignment}; CP-sharded rows would grow past seq_len"
-            )
-    return PackedDataset(pack_documents(documents, seq_len, alignment, split_long=split_long, pad_id=pad_id))
+    """Pack ``documents`` into rows every CP rank can cut on a window boundary (``seq_len`` a multiple of
+    ``cp_size * shard_multiple``, else ValueError naming the numbers) and wrap them."""
+    check_cp_length(seq_len, cp_size, shard_multiple)
+    return PackedDataset(pack_documents(documents, seq_len, shard_multiple, split_long=split_long, pad_id=pad_id))

@@ -1,35 +1,28 @@
-"""First-fit-decreasing packing of documents into fixed rows of ``seq_len`` tokens, with alignment inside the budget.
+"""First-fit-decreasing packing of documents into rows of ``seq_len`` slots, documents on shard-multiple starts.
 
-Shapes (``N`` rows, ``S = seq_len``, ``D`` = the most documents in one row; all int64):
+Shapes (``N`` rows, ``S = seq_len``; all int64) of :class:`PackedRows`, the fields of
+:class:`dsv4.batch.TokenBatch`:
 
-* ``input_ids [N, S]``: documents back to back, ``pad_id`` in every empty slot.
+* ``input_ids [N, S]``: the documents of each row in placement order, ``pad_id`` in every empty slot;
 * ``labels [N, S]``: shifted inside each document, ``labels[i] = ids[i + 1]``; -100 on a document's last token, on
-  every slot whose *target* token has ``loss_mask`` False, and on every padding slot.
-* ``position_ids [N, S]``: document-local ``0..len-1``; 0 on every padding slot.
-* ``seq_lens [N, D]``: real length of each document of the row, in row order, -1000 right-padded.
-* ``seq_lens_padded [N, D]``: the aligned stride of each document, ``ceil(len / alignment) * alignment``,
-  -1000 right-padded. The row's trailing pack padding is **not** folded into the last entry (unlike the seed
-  collator): ``sum(seq_lens_padded[r]) <= S`` and the slots after it are pack padding that belongs to no document
-  (``build_packed_seq_ids`` gives them id 0). Document k of a row starts at ``sum(seq_lens_padded[r, :k])``, a
-  multiple of ``alignment``.
+  every slot whose *target* token has ``loss_mask`` False, and on every padding slot;
+* ``seq_ids [N, S]``: 1-based document id within the row, 0 on padding (pack and alignment padding);
+* ``positions [N, S]``: document-local ``0..len-1``; 0 on padding.
 
-Alignment is counted inside the fixed budget: a document takes ``ceil(len / alignment) * alignment`` slots, so the
-CP repad (which pads every document to a multiple of ``pad_multiple``) never grows a row when ``pad_multiple``
-divides ``alignment``; with ``S`` a multiple of ``cp_size * alignment`` the CP-sharded rows keep ``S`` columns at
-most. ``seq_len % alignment != 0`` is a ValueError. (Under CP the sharder uses ``max(pad_multiple, 2)``, so pack
-with ``alignment >= 2`` there.)
+Alignment is counted inside the fixed budget: a document takes ``ceil(len / multiple) * multiple`` slots and starts
+on a multiple of ``multiple`` (the aligned layout of :mod:`dsv4.packing` places it). With ``S`` a multiple of
+``cp x multiple`` (:func:`dsv4.config.check_cp_length`) every CP rank's contiguous slice starts on a window
+boundary, so the training path never repads. ``seq_len % multiple != 0`` is a ValueError.
 
-Placement (first-fit-decreasing): pieces are sorted by aligned length, longest first, ties by document order; each
-goes into the first row (in creation order) with enough free slots, or opens a new row. Rows are emitted in creation
-order, documents inside a row in placement order. Deterministic; O(P log P) for P pieces (a max-segment tree finds
-the first row that fits).
+Placement (:func:`first_fit_decreasing`): pieces sorted by aligned length, longest first, ties by document order;
+each goes into the first row (in creation order) with enough free slots, or opens a new row. Deterministic;
+O(P log P) for P pieces (a max-segment tree finds the first row that fits).
 
 Long documents (``len > S``): with ``split_long`` (default) a document is cut into chunks of ``S`` tokens (the last
-chunk shorter), so chunk starts are multiples of ``S`` and hence of ``alignment``. Each chunk is a separate document
-for attention (positions restart at 0), but **the last label of a chunk is the first token of the next chunk** (the
-label the token has in the unsplit document), so no target is lost: the labelled-token count of a split document
-equals that of the unsplit one. Only the final chunk's last token has label -100. Without ``split_long`` a long
-document is a ValueError naming it; nothing is ever cut silently. Empty documents are skipped (counted in the stats).
+chunk shorter). Each chunk is a separate document for attention (positions restart at 0), but **the last label of
+a chunk is the first token of the next chunk** (the label the token has in the unsplit document), so no target is
+lost. Without ``split_long`` a long document is a ValueError naming it; nothing is ever cut silently. Empty
+documents are skipped (counted in the stats).
 """
 
 from __future__ import annotations
@@ -41,12 +34,11 @@ from typing import Sequence
 
 import torch
 
+from dsv4.batch import IGNORE_INDEX, TokenBatch
 from dsv4.data.sources import Document
+from dsv4.packing import build_layout, document_table
 
-__all__ = ["IGNORE_INDEX", "SEQ_LENS_PAD", "PackStats", "PackedRows", "pack_documents"]
-
-IGNORE_INDEX = -100
-SEQ_LENS_PAD = -1000
+__all__ = ["PackStats", "PackedRows", "first_fit_decreasing", "pack_documents"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +47,7 @@ class PackStats:
 
     num_rows: int
     seq_len: int
-    alignment: int
+    shard_multiple: int
     num_documents: int
     num_empty_documents: int
     num_split_documents: int
@@ -81,14 +73,12 @@ class PackStats:
 @dataclass
 class PackedRows:
     """The packed rows (see the module docstring for shapes). ``pieces[r]`` lists ``(document index, first token,
-    length)`` of every piece in row ``r``, in row order; ``num_docs[r]`` is its length."""
+    length)`` of every piece in row ``r``, in row order (document id ``k + 1`` is ``pieces[r][k]``)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
-    position_ids: torch.Tensor
-    seq_lens: torch.Tensor
-    seq_lens_padded: torch.Tensor
-    num_docs: torch.Tensor
+    seq_ids: torch.Tensor
+    positions: torch.Tensor
     pieces: list[list[tuple[int, int, int]]]
     stats: PackStats
     pad_id: int
@@ -100,16 +90,10 @@ class PackedRows:
     def seq_len(self) -> int:
         return int(self.input_ids.shape[1])
 
-    def row(self, index: int) -> dict[str, torch.Tensor]:
-        """Row ``index`` as a dict of 1-D tensors; ``seq_lens``/``seq_lens_padded`` trimmed to its documents."""
-        d = int(self.num_docs[index])
-        return {
-            "input_ids": self.input_ids[index],
-            "labels": self.labels[index],
-            "position_ids": self.position_ids[index],
-            "seq_lens": self.seq_lens[index, :d],
-            "seq_lens_padded": self.seq_lens_padded[index, :d],
-        }
+    def row(self, index: int) -> TokenBatch:
+        """Row ``index`` as a one-row :class:`~dsv4.batch.TokenBatch`."""
+        i = slice(index, index + 1)
+        return TokenBatch(self.input_ids[i], self.labels[i], self.seq_ids[i], self.positions[i])
 
 
 class _FirstFit:
@@ -140,6 +124,22 @@ class _FirstFit:
             tree[i] = max(tree[2 * i], tree[2 * i + 1])
             i //= 2
         return leaf
+
+
+def first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Group item indices into bins of ``capacity``: longest first (ties by index), each into the first bin with
+    room. An item larger than ``capacity`` gets a bin of its own. Bins in creation order, items in placement order."""
+    order = sorted(range(len(sizes)), key=lambda p: (-sizes[p], p))
+    oversize = [[p] for p in order if sizes[p] > capacity]
+    fitting = [p for p in order if sizes[p] <= capacity]
+    fit = _FirstFit(len(fitting), capacity)
+    rows: list[list[int]] = []
+    for p in fitting:
+        r = fit.place(sizes[p])
+        if r == len(rows):
+            rows.append([])
+        rows[r].append(p)
+    return oversize + rows
 
 
 def _as_document(doc: Document | Sequence[int], index: int) -> Document:
@@ -182,7 +182,7 @@ def _positive_int(name: str, value) -> int:
 def pack_documents(
     documents: Sequence[Document | Sequence[int]],
     seq_len: int,
-    alignment: int = 1,
+    shard_multiple: int = 1,
     *,
     split_long: bool = True,
     pad_id: int = 0,
@@ -190,14 +190,14 @@ def pack_documents(
     """Pack ``documents`` into rows of ``seq_len`` slots by first-fit-decreasing (see the module docstring).
 
     ``documents`` are :class:`~dsv4.data.sources.Document` objects or plain id sequences. Raises ValueError for an
-    empty input, ``seq_len``/``alignment`` that are not positive or ``seq_len % alignment != 0``, and (without
-    ``split_long``) a document longer than ``seq_len``.
+    empty input, ``seq_len``/``shard_multiple`` that are not positive or ``seq_len % shard_multiple != 0``, and
+    (without ``split_long``) a document longer than ``seq_len``.
     """
-    seq_len, alignment = _positive_int("seq_len", seq_len), _positive_int("alignment", alignment)
-    if seq_len % alignment:
+    seq_len, multiple = _positive_int("seq_len", seq_len), _positive_int("shard_multiple", shard_multiple)
+    if seq_len % multiple:
         raise ValueError(
-            f"seq_len {seq_len} is not a multiple of the alignment {alignment} (seq_len % alignment = "
-            f"{seq_len % alignment}); use e.g. seq_len {seq_len - seq_len % alignment + alignment}"
+            f"seq_len {seq_len} is not a multiple of the shard multiple {multiple} (seq_len % shard_multiple = "
+            f"{seq_len % multiple}); use e.g. seq_len {seq_len - seq_len % multiple + multiple}"
         )
     docs = [_as_document(d, i) for i, d in enumerate(documents)]
     if not docs:
@@ -220,57 +220,42 @@ def pack_documents(
         n = len(docs[i])
         split_count += n > seq_len
         pieces.extend((pos, start, min(seq_len, n - start)) for start in range(0, n, seq_len))
-    aligned = [-(-length // alignment) * alignment for _, _, length in pieces]
-    order = sorted(range(len(pieces)), key=lambda p: (-aligned[p], p))
-    fit = _FirstFit(len(pieces), seq_len)
-    rows: list[list[int]] = []
-    for p in order:
-        r = fit.place(aligned[p])
-        if r == len(rows):
-            rows.append([])
-        rows[r].append(p)
+    aligned = [-(-length // multiple) * multiple for _, _, length in pieces]
+    rows = first_fit_decreasing(aligned, seq_len)
 
-    kept_docs = [docs[i] for i in kept]
-    ids_flat, labels_flat, doc_starts_t = _flat_tokens(kept_docs)
-    doc_starts = doc_starts_t.tolist()
+    # caller rows: each row's pieces back to back; the aligned layout then moves them onto multiples
+    ids_flat, labels_flat, doc_starts = _flat_tokens([docs[i] for i in kept])
     num_rows, d_max = len(rows), max(len(r) for r in rows)
-    lens_table = [[SEQ_LENS_PAD] * d_max for _ in rows]
-    padded_table = [[SEQ_LENS_PAD] * d_max for _ in rows]
-    dest, src, length = [], [], []
-    row_pieces: list[list[tuple[int, int, int]]] = []
+    lengths = torch.zeros(num_rows, d_max, dtype=torch.long)
+    src, dest, piece_len = [], [], []
     for r, members in enumerate(rows):
         offset = 0
-        row_pieces.append([])
         for k, p in enumerate(members):
             pos, start, n = pieces[p]
+            lengths[r, k] = n
+            src.append(int(doc_starts[pos]) + start)
             dest.append(r * seq_len + offset)
-            src.append(doc_starts[pos] + start)
-            length.append(n)
-            lens_table[r][k] = n
-            padded_table[r][k] = aligned[p]
-            row_pieces[-1].append((kept[pos], start, n))
-            offset += aligned[p]
-    seq_lens = torch.tensor(lens_table, dtype=torch.long)
-    seq_lens_padded = torch.tensor(padded_table, dtype=torch.long)
+            piece_len.append(n)
+            offset += n
+    piece_len_t = torch.tensor(piece_len, dtype=torch.long)
+    within = torch.arange(int(piece_len_t.sum())) - torch.repeat_interleave(piece_len_t.cumsum(0) - piece_len_t,
+                                                                              piece_len_t)
+    src_idx = torch.repeat_interleave(torch.tensor(src, dtype=torch.long), piece_len_t) + within
+    dest_idx = torch.repeat_interleave(torch.tensor(dest, dtype=torch.long), piece_len_t) + within
+    caller_ids = torch.full((num_rows * seq_len,), int(pad_id), dtype=torch.long)
+    caller_labels = torch.full((num_rows * seq_len,), IGNORE_INDEX, dtype=torch.long)
+    caller_ids[dest_idx] = ids_flat[src_idx]
+    caller_labels[dest_idx] = labels_flat[src_idx]
+    layout = build_layout(document_table(lengths, lengths, multiple), seq_len, seq_len)
+    input_ids = layout.pack(caller_ids.view(num_rows, seq_len), fill=int(pad_id))
+    labels = layout.pack(caller_labels.view(num_rows, seq_len), fill=IGNORE_INDEX)
 
-    length_t = torch.tensor(length, dtype=torch.long)
-    piece_of = torch.repeat_interleave(torch.arange(len(length)), length_t)
-    within = torch.arange(int(length_t.sum())) - torch.repeat_interleave(length_t.cumsum(0) - length_t, length_t)
-    dest_idx = torch.tensor(dest, dtype=torch.long)[piece_of] + within
-    src_idx = torch.tensor(src, dtype=torch.long)[piece_of] + within
-    input_ids = torch.full((num_rows * seq_len,), int(pad_id), dtype=torch.long)
-    labels = torch.full((num_rows * seq_len,), IGNORE_INDEX, dtype=torch.long)
-    position_ids = torch.zeros(num_rows * seq_len, dtype=torch.long)
-    input_ids[dest_idx] = ids_flat[src_idx]
-    labels[dest_idx] = labels_flat[src_idx]
-    position_ids[dest_idx] = within
-
-    real = int(length_t.sum())
+    real = int(piece_len_t.sum())
     align_pad = sum(aligned) - real
     stats = PackStats(
         num_rows=num_rows,
         seq_len=seq_len,
-        alignment=alignment,
+        shard_multiple=multiple,
         num_documents=len(docs),
         num_empty_documents=len(docs) - len(kept),
         num_split_documents=split_count,
@@ -281,13 +266,11 @@ def pack_documents(
         supervised_tokens=int((labels != IGNORE_INDEX).sum()),
     )
     return PackedRows(
-        input_ids=input_ids.view(num_rows, seq_len),
-        labels=labels.view(num_rows, seq_len),
-        position_ids=position_ids.view(num_rows, seq_len),
-        seq_lens=seq_lens,
-        seq_lens_padded=seq_lens_padded,
-        num_docs=torch.tensor([len(r) for r in rows], dtype=torch.long),
-        pieces=row_pieces,
+        input_ids=input_ids,
+        labels=labels,
+        seq_ids=layout.sequence_ids,
+        positions=layout.position_ids,
+        pieces=[[(kept[pieces[p][0]], pieces[p][1], pieces[p][2]) for p in members] for members in rows],
         stats=stats,
         pad_id=int(pad_id),
     )

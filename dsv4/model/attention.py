@@ -1,4 +1,4 @@
-"""DSV4 attention layer (dsv4-architecture.md 2.1-2.5) and the per-forward attention metadata.
+"""DSV4 attention layer: queries, the shared K=V head, compressed rows, the indexer, sparse attention, output.
 
 Per layer with compress ratio ``r`` (0 = SWA, 4 = CSA, other = HCA-style full compressed set):
 
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from dsv4.config import DSV4Config
-from dsv4.model.attention_metadata import AttentionMetadata, build_attention_metadata
+from dsv4.model.attention_metadata import AttentionMetadata
 from dsv4.model.compressor import Compressor
 from dsv4.model.indexer import Indexer
 from dsv4.model.norm import RMSNorm
@@ -93,31 +93,17 @@ class DSV4Attention(nn.Module):
         return cp.halo_exchange(module.boundary_features(x), module.ratio, dim=1, kind=kind)
 
     # ---------------------------------------------------------------- forward
-    def forward(
-        self,
-        x: Tensor,
-        position_ids: Tensor,
-        packed_seq_ids: Tensor | None,
-        padding_mask: Tensor | None,
-        cp: object | None = None,
-        metadata: AttentionMetadata | None = None,
-    ) -> Tensor:
+    def forward(self, x: Tensor, meta: AttentionMetadata, cp: object | None = None) -> Tensor:
         """Attention over the sliding window and the compressed rows.
 
         Args:
             x: ``[B, L, hidden]`` (input-layernormed), this rank's tokens.
-            position_ids: ``[B, L]`` document-local positions.
-            packed_seq_ids: ``[B, L]`` 1-based document ids, 0 = pack padding (None = one document per row).
-            padding_mask: ``[B, L]`` True = key no query may see (None = none).
+            meta: the per-forward :func:`build_attention_metadata` result (positions, document ids, padding, RoPE
+                tables, windows and what CP must exchange).
             cp: None or a ``CPContext`` (rank r holds global tokens ``[r*L, (r+1)*L)``).
-            metadata: optional prebuilt :func:`build_attention_metadata` result (then the three tensors above are
-                ignored); lets the model build it once per forward.
         Returns:
             ``[B, L, hidden]`` in ``x.dtype``.
         """
-        meta = metadata if metadata is not None else build_attention_metadata(
-            self.config, position_ids, packed_seq_ids, padding_mask, cp
-        )
         b, length, _ = x.shape
         rope = meta.rope_compress if self.ratio else meta.rope_main
 

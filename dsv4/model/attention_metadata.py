@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dsv4.config import DSV4Config
+from dsv4.config import DSV4Config, check_cp_length
 from dsv4.model.compressor import WindowMetadata, window_metadata
 from dsv4.model.rope import RopeTable, rope_inv_freq, rope_table
 
@@ -34,9 +34,10 @@ class AttentionMetadata:
     """Everything about positions/documents an attention layer needs, built once per forward.
 
     Query side (this rank's ``L`` tokens): ``position_ids``/``seq_ids`` ``[B, L]`` (doc-local positions,
-    1-based document ids, 0 = pack padding), ``rope_main``/``rope_compress`` ``[B, L, rope/2]``.
+    1-based document ids, 0 = pack padding), ``padding`` ``[B, L]`` bool or None (True = a slot no query may see
+    and the MoE skips), ``rope_main``/``rope_compress`` ``[B, L, rope/2]``.
     Window-key side (``halo`` rows before the block, then the block): ``kv_seq_ids``/``kv_padding``
-    ``[B, halo + L]`` and ``kv_rope_main``/``kv_rope_compress`` ``[B, halo + L, rope/2]``.
+    ``[B, halo + L]`` (the halo rows arrive already RoPE'd by their owner).
     ``windows[r]``: the block's complete windows for each active ratio ``r`` (compressor input);
     ``key_windows[r]``: every compressed key a query may index (under CP: the needed earlier windows, then the
     block's); ``window_starts[r]``: per CP rank, the first global window it needs (empty on a single rank).
@@ -45,12 +46,11 @@ class AttentionMetadata:
 
     position_ids: Tensor
     seq_ids: Tensor
+    padding: Tensor | None
     rope_main: RopeTable
     rope_compress: RopeTable
     kv_seq_ids: Tensor
     kv_padding: Tensor
-    kv_rope_main: RopeTable
-    kv_rope_compress: RopeTable
     windows: dict[int, WindowMetadata]
     key_windows: dict[int, WindowMetadata]
     halo: int = 0
@@ -69,15 +69,8 @@ def check_cp_layout(config: DSV4Config, local_len: int, cp) -> int:
 
     Every rank of a contiguous shard has the same ``L``, so every rank raises (or not) together.
     """
-    multiple = config.cp_shard_multiple
     size = cp.size
-    if local_len % multiple:
-        raise ValueError(
-            f"context parallel forward: local sequence length L={local_len} (global {local_len * size} over "
-            f"{size} ranks) is not a multiple of the shard multiple {multiple} (lcm of compress_ratios "
-            f"{sorted(set(config.compress_ratios))}, ratio 4 counted as 8); shard the batch with "
-            f"make_dsv4_contiguous_shard_cp_batch_and_ctx(pad_multiple={multiple})"
-        )
+    check_cp_length(local_len * size, size, config.shard_multiple, what="global sequence length")
     halo = cp_halo_rows(config)
     if cp.halo is not None:
         if cp.halo < halo:
@@ -169,15 +162,13 @@ def build_attention_metadata(
     if halo:
         lo = start - halo
         if lo >= 0:
-            h_seq, h_pos, h_pad = full_seq[:, lo:start], full_pos[:, lo:start], full_pad[:, lo:start]
+            h_seq, h_pad = full_seq[:, lo:start], full_pad[:, lo:start]
         else:  # rank 0: the halo rows are zeros that no query may see
             h_seq = torch.zeros(b, halo, dtype=torch.long, device=device)
-            h_pos, h_pad = h_seq, torch.ones(b, halo, dtype=torch.bool, device=device)
+            h_pad = torch.ones(b, halo, dtype=torch.bool, device=device)
         kv_seq, kv_pad = torch.cat((h_seq, seq_ids), 1), torch.cat((h_pad, padding), 1)
-        kv_pos = torch.cat((h_pos, position_ids), 1)
-        kv_rope_main, kv_rope_compress = rope_table(kv_pos, inv_main), rope_table(kv_pos, inv_compress)
     else:
-        kv_seq, kv_pad, kv_rope_main, kv_rope_compress = seq_ids, padding, rope_main, rope_compress
+        kv_seq, kv_pad = seq_ids, padding
 
     windows: dict[int, WindowMetadata] = {}
     key_windows: dict[int, WindowMetadata] = {}
@@ -207,7 +198,7 @@ def build_attention_metadata(
         raise ValueError(
             "build_attention_metadata: a compressor window starts at a document-local position that is not a "
             f"multiple of its ratio (ratios {config.active_ratios}); every document must start on a multiple of "
-            f"{config.cp_shard_multiple} with positions counted from 0 (pack with the CP repad or "
+            f"{config.shard_multiple} with positions counted from 0 (pack with dsv4.data.pack_documents or "
             "dsv4.packing.aligned_packed_layout), otherwise compressed keys would leak future tokens"
         )
     window_start_lists: dict[int, list[int]] = {}
@@ -221,12 +212,11 @@ def build_attention_metadata(
     return AttentionMetadata(
         position_ids=position_ids,
         seq_ids=seq_ids,
+        padding=None if padding_mask is None else padding,
         rope_main=rope_main,
         rope_compress=rope_compress,
         kv_seq_ids=kv_seq,
         kv_padding=kv_pad,
-        kv_rope_main=kv_rope_main,
-        kv_rope_compress=kv_rope_compress,
         windows=windows,
         key_windows=key_windows,
         halo=halo,

@@ -1,14 +1,15 @@
-"""One DSV4 transformer block: hyper-connection sites around attention and the MoE FFN (spec sections 2, 5).
+"""One DSV4 transformer block: hyper-connection sites around attention and the MoE FFN.
 
 Residual state ``X [B, L, hc, d]`` (``hc = hc_mult`` streams). Per block:
 
-    X = attn_hc(X, lambda h: self_attn(input_layernorm(h), position_ids, packed_seq_ids, padding_mask, cp))
-    X = ffn_hc(X,  lambda h: mlp(post_attention_layernorm(h), input_ids, padding_mask))
+    X = attn_hc(X, lambda h: self_attn(input_layernorm(h), meta, cp))
+    X = ffn_hc(X,  lambda h: mlp(post_attention_layernorm(h), input_ids, meta.padding))
 
 Attention kind follows ``config.ratio_for_layer(layer_idx)`` (0 SWA, 4 CSA, 128 HCA); the MoE uses hash
 routing when ``layer_idx < num_hash_layers``. Everything except attention is per token, so CP reaches the block
-only through ``cp`` handed to the attention. The model builds the attention metadata (RoPE tables, window
-metadata) once per forward with ``build_attention_metadata`` and hands it to every block.
+only through ``cp`` handed to the attention. ``meta`` is the attention metadata the model builds once per forward
+(:func:`~dsv4.model.attention_metadata.build_attention_metadata`: positions, document ids, padding, RoPE tables,
+windows).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.model.attention import AttentionMetadata, DSV4Attention
+from dsv4.model.attention import DSV4Attention
+from dsv4.model.attention_metadata import AttentionMetadata
 from dsv4.model.hyper_connections import HyperConnection
 from dsv4.model.moe import MoE
 from dsv4.model.norm import RMSNorm
@@ -48,20 +50,8 @@ class DSV4Block(nn.Module):
         self.mlp = MoE(config, layer_idx)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        input_ids: torch.Tensor | None,
-        position_ids: torch.Tensor,
-        packed_seq_ids: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        cp=None,
-        attn_metadata: AttentionMetadata | None = None,
+        self, x: torch.Tensor, input_ids: torch.Tensor | None, meta: AttentionMetadata, cp=None
     ) -> torch.Tensor:
-        """``attn_metadata``: the per-forward attention metadata built once by the model (built here if None)."""
-        x = self.attn_hc(
-            x,
-            lambda h: self.self_attn(
-                self.input_layernorm(h), position_ids, packed_seq_ids, padding_mask, cp=cp, metadata=attn_metadata
-            ),
-        )
-        return self.ffn_hc(x, lambda h: self.mlp(self.post_attention_layernorm(h), input_ids, padding_mask))
+        """``x [B, L, hc, d]`` -> ``[B, L, hc, d]``; ``input_ids [B, L]`` feed the hash router (None: no hash layer)."""
+        x = self.attn_hc(x, lambda h: self.self_attn(self.input_layernorm(h), meta, cp))
+        return self.ffn_hc(x, lambda h: self.mlp(self.post_attention_layernorm(h), input_ids, meta.padding))

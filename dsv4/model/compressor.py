@@ -1,4 +1,4 @@
-"""KV compressor: pools every window of ``r`` tokens into one compressed K=V row (dsv4-architecture.md 2.4, 3).
+"""KV compressor: pools every window of ``r`` tokens into one compressed K=V row.
 
 Shapes: input block ``x [B, L, d_m]`` (window-aligned: row 0 starts a window), output ``[B, P, D]`` with
 ``P = L // r`` (a trailing partial window is dropped).
@@ -12,10 +12,10 @@ Shapes: input block ``x [B, L, d_m]`` (window-aligned: row 0 starts a window), o
   overlap "previous" slots are kept only when the previous window has the same id > 0 (reset at document start).
 * Then cast to the input dtype, RMSNorm over D, RoPE on the last ``rope_dim`` dims at ``position * r``.
 
-Correct per-document behaviour needs every document to start on a window boundary (the CP repad pads documents to
-the shard multiple). The block's first window gets its predecessor from ``prev_x``: the ``r`` rows just before the
-block with their window id. The single-rank path passes none (sequence start); a context-parallel rank passes the
-last ``r`` rows of its halo, so the compressor never needs an all-gather of raw rows.
+Correct per-document behaviour needs every document to start on a window boundary (the packer aligns documents to
+the shard multiple). The block's first window gets its predecessor from ``prev_features``: the previous block's
+:meth:`Compressor.boundary_features`. The single-rank path passes none (sequence start); a context-parallel rank
+receives them from its predecessor, so the compressor never needs an all-gather of raw rows.
 
 Projections (wkv, wgate) and ape are fp32 and the pooling runs in fp32.
 """
@@ -146,21 +146,15 @@ class Compressor(nn.Module):
         kv, gate = self._project(x[:, x.shape[1] - self.ratio :])
         return torch.cat((kv[..., : self.head_dim], gate[..., : self.head_dim]), dim=-1)
 
-    def forward(
-        self,
-        x: Tensor,
-        windows: WindowMetadata,
-        prev_x: Tensor | None = None,
-        prev_features: Tensor | None = None,
-    ) -> Tensor:
+    def forward(self, x: Tensor, windows: WindowMetadata, prev_features: Tensor | None = None) -> Tensor:
         """Pool the complete windows of the block ``x``.
 
         Args:
             x: ``[B, L, d_m]``, row 0 starts a window.
             windows: this block's window metadata for ``self.ratio`` (``seq_ids``/``positions``/``rope`` of the
                 ``L // ratio`` complete windows, ``prev_seq_ids`` of the window before the block).
-            prev_x: ``[B, ratio, d_m]`` rows immediately before the block (overlap mode only), or None.
-            prev_features: alternatively, :meth:`boundary_features` of the block before (``[B, ratio, 2D]``).
+            prev_features: :meth:`boundary_features` of the block before (``[B, ratio, 2D]``, overlap mode only),
+                or None at the sequence start.
         Returns:
             ``[B, P, head_dim]`` in ``x.dtype``: normalised, RoPE'd compressed K=V rows.
         """
@@ -176,10 +170,6 @@ class Compressor(nn.Module):
                     f"Compressor: prev_features {tuple(prev_features.shape)} != [B, {self.ratio}, {2 * self.head_dim}]"
                 )
             prev_kv, prev_gate = prev_features[..., : self.head_dim], prev_features[..., self.head_dim :]
-        elif self.overlap and prev_x is not None:
-            if prev_x.shape[1] != self.ratio:
-                raise ValueError(f"Compressor: prev_x has {prev_x.shape[1]} rows, expected ratio={self.ratio}")
-            prev_kv, prev_gate = self._project(prev_x)
         pooled = pool_windows(
             kv, gate, self.ape, windows.seq_ids, self.overlap, prev_kv, prev_gate, windows.prev_seq_ids
         )

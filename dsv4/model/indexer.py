@@ -1,4 +1,4 @@
-"""Lightning indexer of CSA layers (ratio 4): picks the top-k compressed keys per query (dsv4-architecture.md 2.5).
+"""Lightning indexer of CSA layers (ratio 4): picks the top-k compressed keys per query.
 
 * Keys: its own overlap compressor at ``index_head_dim`` -> ``K_I [B, P, D_I]`` (normalised, RoPE at ``p * 4``).
 * Queries: ``q_I = q_lat @ Wq_b^I`` -> ``[B, L, H_I, D_I]``, RoPE (compress table) at the query positions.
@@ -46,12 +46,10 @@ class Indexer(nn.Module):
             for param in self.parameters():
                 param.requires_grad_(False)
 
-    def keys(
-        self, x: Tensor, windows: WindowMetadata, prev_x: Tensor | None = None, prev_features: Tensor | None = None
-    ) -> Tensor:
+    def keys(self, x: Tensor, windows: WindowMetadata, prev_features: Tensor | None = None) -> Tensor:
         """Index keys ``[B, P, index_head_dim]`` of the block's complete windows (see ``Compressor.forward``)."""
         with torch.set_grad_enabled(self.train_indexer and torch.is_grad_enabled()):
-            return self.compressor(x, windows, prev_x, prev_features)
+            return self.compressor(x, windows, prev_features)
 
     def forward(
         self,

@@ -1,6 +1,6 @@
 """`DSV4Model` (embedding -> blocks -> hyper-head -> norm) and `DSV4ForCausalLM` (+ lm_head, MTP, loss).
 
-Public contract (DESIGN.md section 4)::
+Public contract::
 
     out = DSV4ForCausalLM(config)(input_ids [B, L], position_ids=None, packed_seq_ids=None,
                                   padding_mask=None, cp=None, labels=None)
@@ -10,21 +10,16 @@ Public contract (DESIGN.md section 4)::
     out.loss_sum      CE_sum + mtp_loss_weight * mean_d(MTP_CE_sum_d)   (one scalar: reduce it over ranks)
     out.label_count   number of labels != -100 (main head)
 
-Packed rows (single rank): ``model(input_ids [B, S], seq_lens=[B, D], seq_lens_padded=None)`` without
-``packed_seq_ids`` builds a :class:`dsv4.packing.PackedSequenceLayout` with ``aligned_packed_layout`` (alignment =
-``config.cp_shard_multiple``, see :func:`packing_alignment`), runs the backbone on the aligned rows with the
-layout's document ids, document-local positions and ``padding_mask = sequence_ids == 0``, and restores the
-hidden states to caller coordinates before the head (caller padding columns give zero hidden, hence zero
-logits). ``packed_layout=`` passes a prebuilt layout instead (e.g. one synchronised over ranks). When the batch
-already carries ``packed_seq_ids`` (a CP-sharded batch) ``seq_lens`` / ``seq_lens_padded`` are global metadata
-and are ignored, as before. ``logits_to_keep``: 0 = project every position, ``k > 0`` = the last ``k`` caller
-positions, a 1-D index tensor = those positions (MTP logits follow the same selection); loss needs 0.
+``packed_seq_ids`` are 1-based document ids (0 = a slot holding no real token), ``position_ids`` document-local,
+``padding_mask`` True = pad. Defaults: ``position_ids = rank * L + arange(L)``, one document per row, no padding.
+``model(**batch)`` also accepts the keys of a seed-sharded batch dict and ``seq_lens`` rows of back-to-back
+documents (see :mod:`dsv4.model.inputs`, which resolves every call into one set of tensors). ``logits_to_keep``:
+0 = project every position, ``k > 0`` = the last ``k`` (caller) positions, a 1-D index tensor = those positions
+(MTP logits follow the same selection); loss needs 0.
 
-Defaults: ``position_ids = rank * L + arange(L)`` (rank 0 without CP), ``packed_seq_ids`` all 1 (one
-document), ``padding_mask`` None (no pad keys). Labels are pre-shifted (``labels[i]`` is the target of
-``logits[i]``; -100 = ignored). The MTP term is normalised by the *main* label count so that a distributed
-trainer reduces exactly one (sum, count) pair: ``loss = (sum over ranks loss_sum) / (sum over ranks
-label_count)``. The per-depth sums/counts are also returned for logging.
+Labels are pre-shifted (``labels[i]`` is the target of ``logits[i]``; -100 = ignored). The MTP term is normalised
+by the *main* label count so that a distributed trainer reduces exactly one (sum, count) pair: ``loss = (sum over
+ranks loss_sum) / (sum over ranks label_count)``. The per-depth sums/counts are also returned for logging.
 
 Weights: ``nn.Linear``/``nn.Embedding`` weights ~ N(0, initializer_range); other modules initialise themselves
 (RMSNorm ones, hyper-connection fn ~ N(0, initializer_range), base 0, scale 1, expert weights ~ N(0, std)).
@@ -39,9 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.model.attention import AttentionMetadata, build_attention_metadata
+from dsv4.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from dsv4.model.block import DSV4Block
 from dsv4.model.hyper_connections import HyperHead
+from dsv4.model.inputs import ModelInputs, resolve_inputs
 from dsv4.model.moe import GroupedExperts
 from dsv4.model.mtp import MultiTokenPrediction
 from dsv4.model.norm import RMSNorm
@@ -65,21 +61,11 @@ class DSV4Output:
 class BackboneOutput:
     hidden: torch.Tensor  # [B, L, d]  final-normed, after the hyper-head
     streams: torch.Tensor  # [B, L, hc, d]  residual streams after the last block (MTP input)
-    attn_metadata: AttentionMetadata  # built once per forward, reused by the MTP blocks
-
-
-def default_position_ids(input_ids: torch.Tensor, cp=None) -> torch.Tensor:
-    """``rank * L + arange(L)`` broadcast to ``[B, L]`` (rank 0 without CP)."""
-    b, length = input_ids.shape
-    rank = cp.rank if cp is not None else 0
-    pos = torch.arange(rank * length, (rank + 1) * length, device=input_ids.device)
-    return pos.unsqueeze(0).expand(b, length)
 
 
 class DSV4Model(nn.Module):
-    """Backbone: ``forward(input_ids [B, L], position_ids, packed_seq_ids, padding_mask, cp) -> BackboneOutput``.
-
-    All arguments are already resolved (no defaults here, see :class:`DSV4ForCausalLM`)."""
+    """Backbone: ``forward(input_ids [B, L], meta, cp) -> BackboneOutput``; ``meta`` is the forward's
+    :class:`~dsv4.model.attention_metadata.AttentionMetadata` (built once by :class:`DSV4ForCausalLM`)."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -95,20 +81,12 @@ class DSV4Model(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        packed_seq_ids: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        cp=None,
-    ) -> BackboneOutput:
-        meta = build_attention_metadata(self.config, position_ids, packed_seq_ids, padding_mask, cp)
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cp=None) -> BackboneOutput:
         h = self.embed_tokens(input_ids)
         x = h.unsqueeze(-2).expand(*h.shape[:-1], self.config.hc_mult, h.shape[-1])
         for layer in self.layers:
-            x = layer(x, input_ids, position_ids, packed_seq_ids, padding_mask, cp, meta)
-        return BackboneOutput(hidden=self.norm(self.hc_head(x)), streams=x, attn_metadata=meta)
+            x = layer(x, input_ids, meta, cp)
+        return BackboneOutput(hidden=self.norm(self.hc_head(x)), streams=x)
 
 
 class DSV4ForCausalLM(nn.Module):
@@ -143,48 +121,30 @@ class DSV4ForCausalLM(nn.Module):
         padding_mask: torch.Tensor | None = None,
         cp=None,
         labels: torch.Tensor | None = None,
-        **batch_metadata,
+        *,
+        logits_to_keep: int | torch.Tensor = 0,
+        **batch_keys,
     ) -> DSV4Output:
-        """Forward this rank's tokens; ``model(**sharded_batch)`` works for a batch from the CP sharder.
+        """Forward this rank's tokens (see the module docstring); ``batch_keys``: see :mod:`dsv4.model.inputs`."""
+        inputs = resolve_inputs(self.config, input_ids, position_ids, packed_seq_ids, padding_mask, cp, labels,
+                                batch_keys)
+        hidden, mtp_hiddens, mtp_labels = self._hidden_states(inputs)
+        layout = inputs.layout
+        if layout is not None and inputs.labels is None:  # logits in caller coordinates (logits_to_keep selects there)
+            hidden, mtp_hiddens = layout.restore(hidden), [layout.restore(h) for h in mtp_hiddens]
+        out = self._head_and_loss(hidden, mtp_hiddens, inputs.labels, mtp_labels, logits_to_keep)
+        if layout is not None and inputs.labels is not None:  # the loss is a sum: computed on the aligned rows
+            out.logits = layout.restore(out.logits)
+            out.mtp_logits = [layout.restore(t) for t in out.mtp_logits]
+        return out
 
-        ``batch_metadata`` may hold the sharded batch's other keys: ``_dsv4_cp_group`` (turned into a
-        ``CPContext`` when ``cp`` is None; a group whose size differs from ``cp``'s raises), and the global
-        ``seq_lens`` / ``seq_lens_padded`` / ``qkv_format``, which the model does not need, and ``loss_mask``
-        (0 = do not train on this token; applied to ``labels``). Unknown keys raise.
-        """
-        logits_to_keep = batch_metadata.pop("logits_to_keep", 0)
-        layout = batch_metadata.pop("packed_layout", None)
-        cp = _resolve_cp(cp, batch_metadata)
-        seq_lens = batch_metadata.get("seq_lens")
-        if packed_seq_ids is None and (seq_lens is not None or layout is not None):
-            return self._packed_forward(input_ids, seq_lens, batch_metadata.get("seq_lens_padded"), layout,
-                                        position_ids, padding_mask, cp, labels, batch_metadata.get("loss_mask"),
-                                        logits_to_keep)
-        loss_mask = batch_metadata.get("loss_mask")
-        if loss_mask is not None:
-            if labels is None or loss_mask.shape != labels.shape:
-                raise ValueError(
-                    f"loss_mask {tuple(loss_mask.shape)} needs labels of the same shape, got "
-                    f"{None if labels is None else tuple(labels.shape)}"
-                )
-            labels = labels.masked_fill(loss_mask == 0, -100)
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
-        if position_ids is None:
-            position_ids = default_position_ids(input_ids, cp)
-        if packed_seq_ids is None:
-            packed_seq_ids = torch.ones_like(input_ids)
-        for name, t in (("position_ids", position_ids), ("packed_seq_ids", packed_seq_ids),
-                        ("padding_mask", padding_mask), ("labels", labels)):
-            if t is not None and t.shape != input_ids.shape:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(input_ids.shape)} (input_ids)")
-
-        backbone = self.model(input_ids, position_ids, packed_seq_ids, padding_mask, cp)
-        mtp_hiddens, mtp_labels = self.mtp(
-            backbone.streams, self.model.embed_tokens, input_ids, position_ids, packed_seq_ids, padding_mask,
-            labels=labels, cp=cp, attn_metadata=backbone.attn_metadata,
-        )
-        return self._head_and_loss(backbone.hidden, mtp_hiddens, labels, mtp_labels, logits_to_keep)
+    def _hidden_states(self, inputs: ModelInputs) -> tuple[torch.Tensor, list[torch.Tensor], list | None]:
+        """Backbone + MTP depths: ``(hidden [B, L, d], MTP hiddens, MTP labels or None)``."""
+        meta = build_attention_metadata(self.config, inputs.position_ids, inputs.seq_ids, inputs.padding, inputs.cp)
+        backbone = self.model(inputs.input_ids, meta, inputs.cp)
+        mtp_hiddens, mtp_labels = self.mtp(backbone.streams, self.model.embed_tokens, inputs.input_ids, meta,
+                                           labels=inputs.labels, cp=inputs.cp)
+        return backbone.hidden, mtp_hiddens, mtp_labels
 
     def _head_and_loss(self, hidden, mtp_hiddens, labels, mtp_labels, logits_to_keep) -> DSV4Output:
         keep = _keep_positions(logits_to_keep, hidden.shape[1])
@@ -211,66 +171,10 @@ class DSV4ForCausalLM(nn.Module):
         out.loss = loss_sum / out.label_count.clamp_min(1)
         return out
 
-    def _packed_forward(self, input_ids, seq_lens, seq_lens_padded, layout, position_ids, padding_mask, cp,
-                        labels, loss_mask, logits_to_keep) -> DSV4Output:
-        """``seq_lens`` path (see the module docstring): pack -> backbone (+ MTP) on aligned rows -> restore."""
-        from dsv4.packing import aligned_packed_layout
-
-        if cp is not None and cp.size > 1:
-            raise ValueError("seq_lens without packed_seq_ids is the single-rank packed path; under context "
-                             "parallelism shard the batch with the CP sharder (it adds packed_seq_ids)")
-        if position_ids is not None or padding_mask is not None:
-            raise ValueError("with seq_lens (and no packed_seq_ids) the model builds position_ids and padding_mask "
-                             "from the aligned packed layout; do not pass them")
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
-        if layout is None:
-            layout = aligned_packed_layout(seq_lens, input_ids.shape, packing_alignment(self.config),
-                                           seq_lens_padded=seq_lens_padded)
-        elif (layout.batch_size, layout.input_length) != tuple(input_ids.shape):
-            raise ValueError(f"packed_layout maps caller rows {(layout.batch_size, layout.input_length)}, "
-                             f"input_ids has shape {tuple(input_ids.shape)}")
-        if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {tuple(input_ids.shape)}")
-            if loss_mask is not None:
-                labels = labels.masked_fill(loss_mask == 0, -100)
-            labels = layout.pack(labels, fill=-100)
-        elif loss_mask is not None:
-            raise ValueError("loss_mask needs labels")
-        ids = layout.pack(input_ids, fill=0)
-        seq_ids = layout.sequence_ids.to(ids.device)
-        positions = layout.position_ids.to(ids.device)
-        pad = seq_ids == 0
-        backbone = self.model(ids, positions, seq_ids, pad, None)
-        mtp_hiddens, mtp_labels = self.mtp(
-            backbone.streams, self.model.embed_tokens, ids, positions, seq_ids, pad,
-            labels=labels, cp=None, attn_metadata=backbone.attn_metadata,
-        )
-        if labels is not None:  # the loss is a sum over labelled tokens: compute it in aligned coordinates
-            out = self._head_and_loss(backbone.hidden, mtp_hiddens, labels, mtp_labels, logits_to_keep)
-            out.logits = layout.restore(out.logits)
-            out.mtp_logits = [layout.restore(t) for t in out.mtp_logits]
-            return out
-        hidden = layout.restore(backbone.hidden)
-        return self._head_and_loss(hidden, [layout.restore(h) for h in mtp_hiddens], None, None, logits_to_keep)
-
     def num_parameters(self, active_only: bool = False) -> int:
         """Total parameters, or the parameters active per token (see :func:`parameter_counts`)."""
         counts = parameter_counts(self)
         return counts["active"] if active_only else counts["total"]
-
-
-def packing_alignment(config) -> int:
-    """Where packed documents must start: ``config.cp_shard_multiple``.
-
-    For compressors without overlap (V4.1 ratios 2 and 1) this is the lcm of the active compress ratios
-    (V4.1: 2). A ratio-4 (overlapping) compressor pools the previous window too, so the multiple counts it
-    as 8; the tiny V4 preset (ratios 4 and 128) therefore aligns documents to lcm(8, 128) = 128, the same
-    multiple the CP repad uses. Alignment slots get document id 0 and ``padding_mask`` True: a compressor
-    window holding one is invalid, exactly like the incomplete trailing window of a document run alone.
-    """
-    return int(config.cp_shard_multiple)
 
 
 def _keep_positions(logits_to_keep, length: int) -> torch.Tensor | None:
@@ -289,29 +193,6 @@ def _keep_positions(logits_to_keep, length: int) -> torch.Tensor | None:
     if logits_to_keep == 0:
         return None
     return torch.arange(max(length - logits_to_keep, 0), length)
-
-
-_IGNORED_BATCH_KEYS = frozenset({"seq_lens", "seq_lens_padded", "qkv_format", "cp_partition_mode"})
-
-
-def _resolve_cp(cp, batch_metadata: dict):
-    """The CP context of a forward: ``cp``, or one built from the batch's ``_dsv4_cp_group``."""
-    unknown = set(batch_metadata) - _IGNORED_BATCH_KEYS - {"_dsv4_cp_group", "loss_mask"}
-    if unknown:
-        raise TypeError(f"DSV4ForCausalLM.forward got unexpected keyword arguments {sorted(unknown)}")
-    if "_dsv4_cp_group" not in batch_metadata:
-        return cp
-    from dsv4.cp.context import CPContext  # the model touches CP only through CPContext
-
-    from_batch = CPContext(batch_metadata["_dsv4_cp_group"])
-    if cp is None:
-        return from_batch if from_batch.size > 1 else None
-    if cp.size != from_batch.size:
-        raise ValueError(
-            f"the batch was sharded for a CP group of {from_batch.size} ranks but the forward got a CPContext of "
-            f"{cp.size} ranks; build the CPContext from the same group as the sharder's mesh"
-        )
-    return cp
 
 
 def token_ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Multi-token prediction (spec section 5.3): ``num_nextn_predict_layers`` chained depths.
+"""Multi-token prediction: ``num_nextn_predict_layers`` chained depths.
 
 Depth ``d`` (0-based, shift ``s = d + 1``) predicts, at position ``i``, the token ``s + 1`` places ahead, i.e.
 the (pre-shifted) label of position ``i + s``. With ``X`` the residual streams ``[B, L, hc, d_m]`` of the main
@@ -16,7 +16,8 @@ last ``s`` real tokens and its pad slots), so no valid position attends to them 
 into any loss or gradient; a packed row therefore gives the same MTP numbers as running each document alone.
 
 Under context parallelism the shift needs the next rank's first ``s`` tokens; the model all-gathers the integer
-metadata (ids, labels, seq ids, padding; O(S) integers, no activations) through ``cp.all_gather_metadata``.
+ids and labels (O(S) integers, no activations) through ``cp.all_gather_metadata``; document ids and padding of the
+whole row come from the attention metadata, which already gathered them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv4.model.attention_metadata import AttentionMetadata
 from dsv4.model.block import DSV4Block
 from dsv4.model.hyper_connections import HyperHead
 from dsv4.model.norm import RMSNorm
@@ -32,22 +34,16 @@ from dsv4.model.norm import RMSNorm
 class DocumentShift:
     """Shift per-token integer tensors left inside documents, for this rank's rows ``[rank*L, (rank+1)*L)``.
 
-    Built once per forward from the local ``packed_seq_ids [B, L]`` and ``padding_mask [B, L] | None``; calling
-    it with a local tensor ``[B, L]`` gathers it over CP (identity without CP) and returns ``[B, L]``.
+    Built once per forward from the attention metadata (whole-row document ids and padding); calling it with a
+    local tensor ``[B, L]`` gathers it over CP (identity without CP) and returns ``[B, L]``.
     """
 
-    def __init__(self, packed_seq_ids: torch.Tensor, padding_mask: torch.Tensor | None, cp=None,
-                 attn_metadata=None) -> None:
-        self.cp = cp if cp is not None and getattr(cp, "enabled", False) else None
-        self.local_len = packed_seq_ids.shape[1]
+    def __init__(self, meta: AttentionMetadata, cp=None) -> None:
+        self.cp = cp if cp is not None and cp.enabled else None
+        self.local_len = meta.seq_ids.shape[1]
         self.start = self.cp.rank * self.local_len if self.cp is not None else 0
-        full_seq = getattr(attn_metadata, "full_seq_ids", None)
-        if full_seq is not None:  # the attention metadata already gathered the whole row's ids and padding
-            self.seq_ids = full_seq
-            self.pad = None if padding_mask is None else attn_metadata.full_padding
-        else:
-            self.seq_ids = self._gather(packed_seq_ids)
-            self.pad = None if padding_mask is None else self._gather(padding_mask)
+        self.seq_ids = meta.full_seq_ids
+        self.pad = None if meta.padding is None else meta.full_padding
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.cp is None else self.cp.all_gather_metadata(t, dim=1, kind="mtp_metadata")
@@ -87,20 +83,13 @@ class MTPLayer(DSV4Block):
         self.norm = RMSNorm(d, config.rms_norm_eps)
 
     def forward(  # type: ignore[override]
-        self,
-        x: torch.Tensor,
-        shifted_embeds: torch.Tensor,
-        shifted_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        packed_seq_ids: torch.Tensor,
-        padding_mask: torch.Tensor | None,
+        self, x: torch.Tensor, shifted_embeds: torch.Tensor, shifted_ids: torch.Tensor, meta: AttentionMetadata,
         cp=None,
-        attn_metadata=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [B, L, hc, d]``, ``shifted_embeds [B, L, d]`` -> ``(X' [B, L, hc, d], hidden [B, L, d])``."""
         e = self.e_proj(self.enorm(shifted_embeds))
         x = e.unsqueeze(-2) + self.h_proj(self.hnorm(x))
-        x = super().forward(x, shifted_ids, position_ids, packed_seq_ids, padding_mask, cp, attn_metadata)
+        x = super().forward(x, shifted_ids, meta, cp)
         return x, self.norm(self.hc_head(x))
 
 
@@ -117,23 +106,19 @@ class MultiTokenPrediction(nn.Module):
         x: torch.Tensor,
         embed_tokens: nn.Embedding,
         input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        packed_seq_ids: torch.Tensor,
-        padding_mask: torch.Tensor | None,
+        meta: AttentionMetadata,
         labels: torch.Tensor | None = None,
         cp=None,
-        attn_metadata=None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """``x [B, L, hc, d]`` (the backbone's streams) -> per depth ``hidden [B, L, d]`` (+ shifted labels)."""
         hiddens: list[torch.Tensor] = []
         mtp_labels: list[torch.Tensor] | None = None if labels is None else []
         if not len(self.layers):
             return hiddens, mtp_labels
-        shift = DocumentShift(packed_seq_ids, padding_mask, cp, attn_metadata)
+        shift = DocumentShift(meta, cp)
         for d, layer in enumerate(self.layers):
             ids = shift(input_ids, d + 1, fill=0)
-            x, hidden = layer(
-                x, embed_tokens(ids), ids, position_ids, packed_seq_ids, padding_mask, cp, attn_metadata
-            )
+            x, hidden = layer(x, embed_tokens(ids), ids, meta, cp)
             hiddens.append(hidden)
             if mtp_labels is not None:
                 mtp_labels.append(shift(labels, d + 1, fill=-100))

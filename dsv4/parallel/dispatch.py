@@ -47,6 +47,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from dsv4.distributed import all_gather_into, group_rank, group_size, resolve_group
 from dsv4.model.dispatch import ExpertGroup, LocalDispatcher, TokenDispatcher, sort_by_expert
 
 DISPATCHERS: tuple[str, ...] = ("local", "alltoall", "allgather", "deepep", "hybridep")
@@ -103,10 +104,10 @@ def build_dispatcher(name: str, ep_group: EPGroup = None) -> TokenDispatcher:
     """The dispatcher called ``name`` over ``ep_group`` (see the module docstring for ``ep_group``)."""
     _check_name(name)
     if name == "local":
-        if ep_group is not None and _group_size(_resolve_group(ep_group)) > 1:
+        if ep_group is not None and group_size(resolve_group(ep_group)) > 1:
             raise ValueError(
                 "dispatcher='local' keeps every expert on every rank and cannot run expert parallelism "
-                f"(ep group of size {_group_size(_resolve_group(ep_group))}); use alltoall or allgather"
+                f"(ep group of size {group_size(resolve_group(ep_group))}); use alltoall or allgather"
             )
         return LocalDispatcher()
     if name == "alltoall":
@@ -117,24 +118,6 @@ def build_dispatcher(name: str, ep_group: EPGroup = None) -> TokenDispatcher:
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-
-
-def _resolve_group(ep_group: EPGroup) -> dist.ProcessGroup | None:
-    if isinstance(ep_group, DeviceMesh):
-        if ep_group.ndim != 1:
-            raise ValueError(f"the EP device mesh must be 1-D (e.g. meshes.ep), got dims {ep_group.mesh_dim_names}")
-        return ep_group.get_group()
-    if ep_group is None:
-        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    return ep_group
-
-
-def _group_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _group_rank(group: dist.ProcessGroup | None) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 def _check_expert_slice(experts: ExpertGroup, size: int, rank: int, who: str) -> None:
@@ -167,15 +150,15 @@ class _GroupDispatcher:
     """Base of the expert-parallel dispatchers: the EP process group and this rank's place in it."""
 
     def __init__(self, ep_group: EPGroup = None) -> None:
-        self.group = _resolve_group(ep_group)
+        self.group = resolve_group(ep_group)
 
     @property
     def size(self) -> int:
-        return _group_size(self.group)
+        return group_size(self.group)
 
     @property
     def rank(self) -> int:
-        return _group_rank(self.group)
+        return group_rank(self.group)
 
 
 class AllToAllDispatcher(_GroupDispatcher):
@@ -252,7 +235,7 @@ class AllGatherDispatcher(_GroupDispatcher):
             return [n_tokens]
         mine = torch.tensor([n_tokens], dtype=torch.int64, device=device)
         counts = torch.empty(self.size, dtype=torch.int64, device=device)
-        dist.all_gather_single(counts, mine, group=self.group)
+        all_gather_into(counts, mine, self.group)
         return counts.tolist()
 
     def run(
@@ -278,7 +261,7 @@ class AllGatherDispatcher(_GroupDispatcher):
             x_all = funcol.all_gather_single_autograd(x_p, 0, self.group)  # [P*C, d]
             w_all = funcol.all_gather_single_autograd(w_p, 0, self.group)  # [P*C, k]
             ids_all = torch.empty(size * capacity, k, dtype=ids_p.dtype, device=ids_p.device)
-            dist.all_gather_single(ids_all, ids_p, group=self.group)
+            all_gather_into(ids_all, ids_p, self.group)
         lo, n_local = experts.expert_offset, experts.num_local_experts
         flat = ids_all.reshape(-1)
         pairs = ((flat >= lo) & (flat < lo + n_local)).nonzero().squeeze(-1)
@@ -359,7 +342,7 @@ class DeepEPDispatcher:
             raise ValueError(f"DeepEPDispatcher serves {sorted(_NEEDS_DEEP_EP)}, got {name!r}")
         check_dispatcher_available(name, "cuda")
         self.name = name
-        self.group = _resolve_group(ep_group)
+        self.group = resolve_group(ep_group)
         if self.group is None:
             raise RuntimeError(f"dispatcher={name!r} needs torch.distributed (NCCL) to be initialised")
         self._buffer = None
@@ -368,7 +351,7 @@ class DeepEPDispatcher:
         import deep_ep  # noqa: PLC0415 - optional GPU dependency, checked at start-up
 
         buffer_cls = deep_ep.Buffer
-        size = dist.get_world_size(self.group)
+        size = group_size(self.group)
         nvl_bytes = rdma_bytes = 0
         for config in (buffer_cls.get_dispatch_config(size), buffer_cls.get_combine_config(size)):
             nvl_bytes = max(nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, size))
@@ -381,7 +364,7 @@ class DeepEPDispatcher:
     def run(
         self, experts: ExpertGroup, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        size, rank = group_size(self.group), group_rank(self.group)
         _check_expert_slice(experts, size, rank, f"dispatcher={self.name!r}")
         if x.dtype != torch.bfloat16:
             raise TypeError(f"dispatcher={self.name!r} moves bf16 activations, got {x.dtype}; use bf16 or alltoall")

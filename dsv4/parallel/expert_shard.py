@@ -11,7 +11,8 @@ expert weights. The parameters are new ``nn.Parameter`` objects: build the optim
 ``E`` not divisible by ``ep`` raises ``ValueError``; sharding an already sharded module raises too.
 
 :func:`unshard_experts` is the inverse (all-gather over the EP group), e.g. to save a full checkpoint.
-:func:`apply_expert_parallel` is the one call a trainer makes: start-up check, shard, install the dispatcher.
+:func:`apply_expert_parallel` is the one way expert parallelism is applied (``DSV4Strategy.parallelize`` calls it):
+start-up check, shard, install the dispatcher.
 
 Gradient note: the owner's expert gradients already sum every EP rank's tokens (the dispatcher's backward
 brings them); replicas of the same slice in other EP groups (the ``edp`` mesh dimension) still need the usual
@@ -21,19 +22,12 @@ data-parallel gradient reduction, like every other parameter.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dsv4.model.dispatch import TokenDispatcher
 from dsv4.model.moe import GroupedExperts, set_dispatcher
-from dsv4.parallel.dispatch import (
-    EPGroup,
-    _group_rank,
-    _group_size,
-    _resolve_group,
-    build_dispatcher,
-    check_dispatcher_available,
-)
+from dsv4.distributed import all_gather_into, group_rank, group_size, resolve_group
+from dsv4.parallel.dispatch import EPGroup, build_dispatcher, check_dispatcher_available
 
 _EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
@@ -49,8 +43,8 @@ def _ep_rank_size(ep_group: EPGroup, ep_rank: int | None, ep_size: int | None) -
         if not 0 <= ep_rank < ep_size:
             raise ValueError(f"ep_rank={ep_rank} is outside [0, ep_size={ep_size})")
         return ep_rank, ep_size
-    group = _resolve_group(ep_group)
-    return _group_rank(group), _group_size(group)
+    group = resolve_group(ep_group)
+    return group_rank(group), group_size(group)
 
 
 @torch.no_grad()
@@ -92,8 +86,8 @@ def shard_experts(
 def unshard_experts(model: nn.Module, ep_group: EPGroup = None) -> int:
     """Inverse of :func:`shard_experts`: all-gather every expert slice over ``ep_group`` (collective: every EP
     rank must call it) so each rank holds all experts again; returns how many modules were gathered."""
-    group = _resolve_group(ep_group)
-    size, rank = _group_size(group), _group_rank(group)
+    group = resolve_group(ep_group)
+    size, rank = group_size(group), group_rank(group)
     modules = _grouped_experts(model)
     for experts in modules:
         if experts.num_local_experts == experts.num_experts:
@@ -107,7 +101,7 @@ def unshard_experts(model: nn.Module, ep_group: EPGroup = None) -> int:
         for name in _EXPERT_WEIGHTS:
             piece = getattr(experts, name)
             full = torch.empty((experts.num_experts, *piece.shape[1:]), dtype=piece.dtype, device=piece.device)
-            dist.all_gather_single(full, piece.detach().contiguous(), group=group)
+            all_gather_into(full, piece.detach().contiguous(), group)
             setattr(experts, name, nn.Parameter(full, requires_grad=piece.requires_grad))
         experts.expert_offset = 0
         experts.num_local_experts = experts.num_experts

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from dsv4.cp.seq_ids import _SEQ_LENS_PADDING_VALUE
+from dsv4.packing import SEQ_LENS_PAD
 
 __all__ = ["FeatureCapture", "backbone_of", "split_documents", "validate_layer_ids"]
 
@@ -116,7 +116,7 @@ def split_documents(values: torch.Tensor, seq_lens: torch.Tensor,
     for b, (row_lens, row_spans) in enumerate(zip(lengths.tolist(), spans.tolist())):
         start = 0
         for d, (n, span) in enumerate(zip(row_lens, row_spans)):
-            if n in (0, _SEQ_LENS_PADDING_VALUE):
+            if n in (0, SEQ_LENS_PAD):
                 continue
             out.append((b, d, values[b, start:start + n]))
             start += span

@@ -10,9 +10,11 @@ Output folder (``output_dir``)::
 Documents are numbered in corpus order and cut into shards of ``docs_per_shard``; shard ``k`` belongs to dp rank
 ``k % world``. A shard is finished when its ``.json`` exists (written after its ``.safetensors``, both by an
 atomic rename), so a killed job re-run with the same config skips finished shards and rewrites nothing.
-Inside a shard, documents are packed first-fit in order into caller rows of ``seq_len`` tokens (a longer
-document gets a row of its own), ``micro_batch_size`` rows per frozen forward
-(:func:`dsv4.speculative.capture_dspark_features`: aligned packing, last-position logits only).
+Inside a shard, documents are packed first-fit-decreasing into rows of ``seq_len`` aligned slots (the data packer's
+placement with the model's shard multiple; a longer document gets a row of its own), ``micro_batch_size`` rows
+per frozen forward (:func:`dsv4.speculative.capture_dspark_features`: aligned layout, last-position logits only).
+Weights: ``model.checkpoint`` (a Hugging Face-format DSV4 directory, or a safetensors file of a dsv4 state dict);
+a seeded init without one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any
 
 import torch
 
+from dsv4.config import DSV4Config
+
 log = logging.getLogger("dsv4")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,36 +40,30 @@ def shard_name(k: int) -> str:
     return f"shard_{k:05d}"
 
 
-def pack_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
-    """Indices of ``lengths`` grouped into rows of at most ``seq_len`` tokens, in order (long documents alone)."""
-    rows: list[list[int]] = []
-    used = seq_len + 1
-    for i, n in enumerate(lengths):
-        if rows and used + n <= seq_len:
-            rows[-1].append(i)
-            used += n
-        else:
-            rows.append([i])
-            used = n
-    return rows
+def pack_rows(lengths: list[int], seq_len: int, shard_multiple: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into rows of at most ``seq_len`` aligned slots (each document counted as
+    ``ceil(len / shard_multiple) * shard_multiple``, as the aligned layout places it), first-fit-decreasing; a
+    longer document gets a row of its own. Rows in creation order, documents in placement order."""
+    from dsv4.data.packer import first_fit_decreasing
+
+    return first_fit_decreasing([-(-n // shard_multiple) * shard_multiple for n in lengths], seq_len)
 
 
 def _build_model(job: dict):
-    from dsv4.config import DSV4Config
     from dsv4.model import DSV4ForCausalLM
 
     config = DSV4Config.from_dict(job["model"])
     torch.manual_seed(job["seed"])
     model = DSV4ForCausalLM(config)
-    weights = job.get("weights")
-    if weights and Path(weights).is_dir():  # a Hugging Face-format DSV4 checkpoint (FP8/FP4 or exported)
+    checkpoint = job.get("checkpoint")
+    if checkpoint and Path(checkpoint).is_dir():  # a Hugging Face-format DSV4 checkpoint (FP8/FP4 or exported)
         from dsv4.checkpoint import load_hf_checkpoint
 
-        load_hf_checkpoint(model, weights)
-    elif weights:  # a safetensors file holding the dsv4 state dict
+        load_hf_checkpoint(model, checkpoint)
+    elif checkpoint:  # a safetensors file holding the dsv4 state dict
         from safetensors.torch import load_file
 
-        model.load_state_dict(load_file(weights), strict=True)
+        model.load_state_dict(load_file(checkpoint), strict=True)
     return model.eval().requires_grad_(False)
 
 
@@ -121,7 +119,9 @@ def capture_rank(rank: int, world: int, job: dict) -> dict:
     for k in bar:
         first = k * job["docs_per_shard"]
         shard_docs = list(range(first, min(first + job["docs_per_shard"], len(docs))))
-        rows = [[shard_docs[i] for i in row] for row in pack_rows([len(docs[d]) for d in shard_docs], job["seq_len"])]
+        multiple = DSV4Config.from_dict(job["model"]).shard_multiple
+        lengths = [len(docs[d]) for d in shard_docs]
+        rows = [[shard_docs[i] for i in row] for row in pack_rows(lengths, job["seq_len"], multiple)]
         tensors: dict[str, torch.Tensor] = {}
         entries: list[dict] = []
         for b0 in range(0, len(rows), job["micro_batch_size"]):
@@ -160,7 +160,7 @@ def write_index(out: Path, n_shards: int, job: dict) -> dict | None:
     index = {"layer_ids": job["layer_ids"], "dtype": job["dtype"], "hidden_size": job["model"]["hidden_size"],
              "num_documents": len(documents), "num_tokens": sum(d["length"] for d in documents),
              "shards": [s["shard"] for s in shards], "documents": documents, "model": job["model"],
-             "seed": job["seed"], "weights": job.get("weights")}
+             "seed": job["seed"], "checkpoint": job.get("checkpoint")}
     tmp = out / "index.json.tmp"
     tmp.write_text(json.dumps(index, indent=1))
     os.replace(tmp, out / "index.json")
@@ -171,14 +171,11 @@ def run_capture(cfg: Any, output_dir: str | Path) -> dict:
     """Validate the config, capture every unfinished shard on ``dp`` ranks, write the index; returns a summary."""
     from omegaconf import OmegaConf
 
-    from dsv4.config import DSV4Config
     from dsv4.speculative.capture import validate_layer_ids
+    from dsv4.training.schema import model_config
 
     c = OmegaConf.to_container(cfg, resolve=True)
-    try:
-        config = DSV4Config.from_dict(c["model"])
-    except ValueError as err:
-        raise ValueError(f"model: {err}") from None
+    config = model_config(c["model"])
     layer_ids = validate_layer_ids(c["layer_ids"], config.num_hidden_layers)
     if c["cp"] != 1:
         raise ValueError(f"`cp`={c['cp']}: context-parallel capture is not implemented yet; use cp=1 (dp ranks)")
@@ -194,7 +191,7 @@ def run_capture(cfg: Any, output_dir: str | Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     data = {k: v for k, v in c["data"].items() if v is not None}
     job = {"model": config.to_dict(), "data": data, "layer_ids": layer_ids, "seed": int(c["seed"]),
-           "weights": c.get("weights"), "dtype": c["dtype"], "seq_len": int(c["seq_len"]),
+           "checkpoint": c["model"].get("checkpoint"), "dtype": c["dtype"], "seq_len": int(c["seq_len"]),
            "micro_batch_size": int(c["micro_batch_size"]), "docs_per_shard": int(c["docs_per_shard"]),
            "max_documents": c.get("max_documents"),
            "max_document_tokens": c.get("max_document_tokens"), "max_shards_this_run": c.get("max_shards_this_run"),

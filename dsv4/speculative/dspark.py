@@ -3,12 +3,12 @@
 A DSpark draft trains on hidden states of a frozen target (the residual stream entering a few layers and the
 final-norm output); it never uses the target's logits. So the target forward here
 
-* packs the caller rows with :func:`dsv4.packing.aligned_packed_layout` at the model's document alignment
-  (:func:`dsv4.model.model.packing_alignment` = ``config.cp_shard_multiple``: 2 for V4.1 ratios {2, 1}, 128
-  for ratios {4, 128} because the overlapping ratio-4 compressor counts as 8);
+* packs the caller rows with :func:`dsv4.packing.aligned_packed_layout` at the model's shard multiple
+  (``config.shard_multiple``: 2 for V4.1 ratios {2, 1}, 128 for ratios {4, 128} because the overlapping ratio-4
+  compressor counts as 8) and runs the model on the aligned rows;
 * runs under ``torch.no_grad()`` in eval mode (the previous mode is restored afterwards);
-* projects only the last caller position through the output head (``logits_to_keep=1``): the head still
-  runs, so hooks and wrappers see the same call order, but no ``[B, S, vocab]`` logits are materialised;
+* projects only the last position through the output head (``logits_to_keep=1``): the head still runs, so
+  hooks and wrappers see the same call order, but no ``[B, S, vocab]`` logits are materialised;
 * with a MoE dispatcher that needs uniform token counts (``allgather``, ``hybridep``), every rank pads its
   aligned rows to the longest aligned row of all ranks (one MAX all-reduce), so all ranks run the same width.
 
@@ -24,7 +24,6 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from dsv4.model.model import packing_alignment
 from dsv4.packing import PackedSequenceLayout, aligned_packed_layout
 from dsv4.speculative.capture import FeatureCapture, split_documents
 
@@ -87,13 +86,16 @@ def dspark_packed_forward(
     """
     if sync_across_ranks is None:
         sync_across_ranks = model_needs_uniform_tokens(model)
-    layout = aligned_packed_layout(seq_lens, input_ids.shape, packing_alignment(_config_of(model)),
+    layout = aligned_packed_layout(seq_lens, input_ids.shape, _config_of(model).shard_multiple,
                                    bool(sync_across_ranks), seq_lens_padded=seq_lens_padded, group=group)
+    device = input_ids.device
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            model(input_ids, packed_layout=layout, logits_to_keep=1)
+            model(layout.pack(input_ids), position_ids=layout.position_ids.to(device),
+                  packed_seq_ids=layout.sequence_ids.to(device), padding_mask=layout.padding_mask.to(device),
+                  logits_to_keep=1)
     finally:
         model.train(was_training)
     return layout

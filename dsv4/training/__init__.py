@@ -1,1 +1,2 @@
-"""Training-side pieces: the token-weighted loss reduction (more to come: strategy, module, step)."""
+"""Training: the Lightning strategy and module, one step's model call, the token-weighted loss, step statistics,
+the config schema and the run function behind ``recipes/finetune.py``."""

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from dsv4.distributed import all_reduce_sum
 
 
 @dataclass
@@ -29,11 +30,7 @@ class TokenLoss:
 
 
 def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
-    if group is False or not (dist.is_available() and dist.is_initialized()):
-        return t
-    t = t.clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
+    return t if group is False else all_reduce_sum(t, group)
 
 
 def reduce_token_loss(

@@ -1,93 +1,102 @@
 """`DSV4LightningModule`: the DSV4 model, its optimizer and the token-weighted training step.
 
-The strategy (:class:`~dsv4.training.strategy.DSV4Strategy`) hands ``training_step`` a batch already sharded for
-this CP rank (keys of ``make_dsv4_contiguous_shard_cp_batch_and_ctx``) plus ``_step_stats`` (this dp replica's
-token counts before sharding). The step runs ``forward_step``, reduces (CE sum, label count) over dp x cp so every
-labelled token counts once, logs ``train/loss`` (token mean over the global batch) and returns this rank's share of
-the loss; FSDP sums the gradients over ranks. After the optimizer step the MoE load-balancing bias is updated from
-the loads of all ranks, and ``last_step_stats`` is published for the callbacks.
+One step: ``training_step`` receives this dp replica's whole rows (a :class:`~dsv4.batch.TokenBatch`, on the
+device), records their statistics, cuts this CP rank's contiguous slice (:meth:`~dsv4.batch.TokenBatch.cut`), runs
+:func:`~dsv4.training.step.forward_step` with the strategy's ``CPContext``, reduces (CE sum, label count) over
+dp x cp so every labelled token counts once, logs ``train/loss`` (token mean over the global batch) and returns
+this rank's share of the loss; FSDP sums the gradients over ranks. After the optimizer step the MoE
+load-balancing bias is updated from the loads of all ranks, and ``last_step_stats`` is published for the
+callbacks.
+
+Parallelism reaches the module through one typed object, :attr:`DSV4LightningModule.parallel` (the
+:class:`~dsv4.training.strategy.ParallelState` of a :class:`~dsv4.training.strategy.DSV4Strategy`, or the
+single-process state under any other strategy). The optimizer and the LR schedule are factories (Hydra
+``_partial_`` targets from ``conf/optim`` and ``conf/scheduler``).
 """
 
 from __future__ import annotations
 
-import math
 import time
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import lightning as L
 import torch
-import torch.distributed as dist
 
+from dsv4.batch import TokenBatch
 from dsv4.config import DSV4Config
+from dsv4.distributed import all_reduce_sum, is_initialized
 from dsv4.model import DSV4ForCausalLM
 from dsv4.model.moe import update_load_balancing_bias
 from dsv4.parallel.wrap import clip_grad_norm_
 from dsv4.training.loss import reduce_token_loss
-from dsv4.training.stats import StepStats
+from dsv4.training.stats import DocumentFlops, StepStats, batch_statistics, step_stats_from
 from dsv4.training.step import forward_step
+from dsv4.training.strategy import DSV4Strategy, ParallelState
 
-
-def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """LR multiplier: linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    progress = min(max(step - warmup, 0) / max(total - warmup, 1), 1.0)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def _sum_over_ranks(loads: torch.Tensor) -> torch.Tensor:
-    """Expert loads of every rank (all routers see different tokens; every rank applies the same bias update)."""
-    loads = loads.clone()
-    dist.all_reduce(loads)
-    return loads
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
 class DSV4LightningModule(L.LightningModule):
+    """Args:
+        config: the model (a :class:`DSV4Config` or its dict).
+        optimizer: ``params -> torch.optim.Optimizer``.
+        scheduler: ``optimizer -> LRScheduler`` stepped every optimizer step, or None.
+        bias_update_rate: the MoE ``noaux_tc`` bias step after each optimizer step.
+        hf_checkpoint: a Hugging Face-format DSV4 checkpoint directory loaded before parallelisation.
+        export_hf_dir / export_dtype: write the trained model there at the end of training.
+    """
+
     def __init__(
         self,
-        model: dict[str, Any],
-        optim: dict[str, Any] | None = None,
-        max_steps: int = 100,
+        config: DSV4Config | dict[str, Any],
+        optimizer: OptimizerFactory,
+        scheduler: SchedulerFactory | None = None,
         bias_update_rate: float = 1e-3,
         hf_checkpoint: str | None = None,
         export_hf_dir: str | None = None,
         export_dtype: str = "bfloat16",
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        self.config = DSV4Config.from_dict(dict(model))
-        self.optim = {"lr": 3e-3, "weight_decay": 0.0, "betas": (0.9, 0.95), "warmup_steps": 10,
-                      "min_lr_ratio": 0.1, "grad_clip": 1.0, **(optim or {})}
-        self.max_steps = max_steps
+        self.config = config if isinstance(config, DSV4Config) else DSV4Config.from_dict(dict(config))
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
         self.bias_update_rate = bias_update_rate
         self.hf_checkpoint = hf_checkpoint
         self.export_hf_dir = export_hf_dir
         self.export_dtype = export_dtype
         self.model: DSV4ForCausalLM | None = None
         self.last_step_stats: StepStats | None = None
+        self._flops = DocumentFlops(self.config)
+        self._batch_stats: torch.Tensor | None = None
         self._step_start = 0.0
+
+    @property
+    def parallel(self) -> ParallelState:
+        """This rank's parallel state: the :class:`DSV4Strategy`'s, or a single process's."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        return strategy.parallel if isinstance(strategy, DSV4Strategy) else ParallelState()
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
-        """Build the model once (idempotent) and let the strategy parallelize it (EP, FSDP2)."""
+        """Build the model once (idempotent); load weights; let a DSV4Strategy parallelize it (EP, FSDP2).
+
+        Order: full model -> load (non-expert keys + only this EP rank's expert keys) -> EP shard -> FSDP2. Loading
+        before parallelizing keeps plain tensors; the expert rows of other EP ranks are never read.
+        """
         if self.model is not None:
             return
         self.model = DSV4ForCausalLM(self.config)
-        strategy = self.trainer.strategy if self._trainer is not None else None
+        parallel = self.parallel
         if self.hf_checkpoint:
-            # Order: full model -> load (non-expert keys + only this EP rank's expert keys) -> EP shard -> FSDP2.
-            # Loading before parallelize keeps plain tensors (no DTensor copies); the expert rows of other EP ranks
-            # are never read and are dropped by shard_experts.
             from dsv4.checkpoint import load_hf_checkpoint
 
-            ep_size = int(getattr(strategy, "ep_size", 1) or 1)
-            ep_rank = None
-            if ep_size > 1:
-                ep_rank = strategy.meshes.ep.get_local_rank()
-            load_hf_checkpoint(self.model, self.hf_checkpoint, ep_rank=ep_rank, ep_size=ep_size if ep_rank is not None else None)
-        parallelize = getattr(strategy, "parallelize", None)
-        if parallelize is not None:
-            parallelize(self.model)
+            ep = parallel.ep_size > 1
+            load_hf_checkpoint(self.model, self.hf_checkpoint, ep_rank=parallel.ep_rank if ep else None,
+                               ep_size=parallel.ep_size if ep else None)
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, DSV4Strategy):
+            strategy.parallelize(self.model)
 
     def on_train_end(self) -> None:
         """``export.hf_dir``: write the trained model in the HF layout (every rank gathers, global rank 0 writes)."""
@@ -99,32 +108,31 @@ class DSV4LightningModule(L.LightningModule):
                              write=self.trainer.global_rank == 0)
 
     def configure_optimizers(self):
-        params = [p for p in self.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.optim["lr"], betas=tuple(self.optim["betas"]),
-                                weight_decay=self.optim["weight_decay"], foreach=False)
-        warmup, floor = int(self.optim["warmup_steps"]), float(self.optim["min_lr_ratio"])
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda step: warmup_cosine(step, warmup, self.max_steps, floor)
-        )
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        optimizer = self.optimizer_factory([p for p in self.parameters() if p.requires_grad])
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        norm = clip_grad_norm_(self.parameters(), self.optim["grad_clip"])
+        """Clip by the global L2 norm over every mesh (``trainer.gradient_clip_val``; None = log the norm only)."""
+        if gradient_clip_algorithm is not None and gradient_clip_algorithm != "norm":
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: only 'norm' is supported")
+        norm = clip_grad_norm_(self.parameters(), gradient_clip_val)
         self.log("train/grad_norm", norm, on_step=True, rank_zero_only=True)
 
     # ------------------------------------------------------------------ step
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self._step_start = time.perf_counter()
 
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        strategy = self.trainer.strategy
-        stats = batch.pop("_step_stats")
-        cp = getattr(strategy, "cp_context", None)
-        loss_sum, count = forward_step(self.model, batch, cp=cp)
-        group = getattr(strategy, "loss_group", None)
-        loss = reduce_token_loss(loss_sum, count, group if group is not None else False)
+    def training_step(self, batch: TokenBatch, batch_idx: int) -> torch.Tensor:
+        """``batch``: this dp replica's whole rows; returns this rank's share of the global token-mean loss."""
+        parallel = self.parallel
+        self._batch_stats = batch_statistics(batch, self.config.shard_multiple, self._flops)
+        local = batch.cut(parallel.cp_rank, parallel.cp_size, self.config.shard_multiple)
+        loss_sum, count = forward_step(self.model, local, cp=parallel.cp)
+        loss = reduce_token_loss(loss_sum, count, parallel.loss_group if parallel.loss_group is not None else False)
         self.log("train/loss", loss.value, prog_bar=True, on_step=True, rank_zero_only=True)
-        self._pending_stats = stats
         return loss.loss
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
@@ -134,23 +142,18 @@ class DSV4LightningModule(L.LightningModule):
         self._after_optimizer_step()
 
     def _after_optimizer_step(self) -> None:
-        strategy = self.trainer.strategy
-        distributed = dist.is_available() and dist.is_initialized()
-        update_load_balancing_bias(self.model, self.bias_update_rate, reduce=_sum_over_ranks if distributed else None)
-        stats = self._pending_stats
-        dp_group = getattr(strategy, "dp_group", None)
-        if dp_group is not None:
-            stats = stats.clone()
-            dist.all_reduce(stats, group=dp_group)
-        rows, slots, real, labels, pack_pad, align_pad = (int(v) for v in stats.tolist())
-        cp = getattr(strategy, "cp_context", None)
-        traffic = cp.traffic.as_dict() if cp is not None else {}
-        if cp is not None:
-            cp.traffic.reset()
-        self.last_step_stats = StepStats(
-            step=self.trainer.global_step + 1, seq_len=slots // max(rows, 1), rows=rows, slots=slots, real_tokens=real,
-            label_tokens=labels, pack_padding=pack_pad, alignment_padding=align_pad,
-            cp=getattr(strategy, "cp_size", 1), dp=getattr(strategy, "dp_size", 1),
+        parallel = self.parallel
+        # every router sees different tokens: sum the expert loads of all ranks, apply the same update everywhere
+        update_load_balancing_bias(self.model, self.bias_update_rate, reduce=all_reduce_sum if is_initialized() else None)
+        totals = self._batch_stats
+        if parallel.dp_group is not None:
+            totals = all_reduce_sum(totals, parallel.dp_group)
+        traffic = {}
+        if parallel.cp is not None:
+            traffic = parallel.cp.traffic.as_dict()
+            parallel.cp.traffic.reset()
+        self.last_step_stats = step_stats_from(
+            totals, step=self.trainer.global_step + 1, cp=parallel.cp_size, dp=parallel.dp_size,
             world_size=self.trainer.world_size, step_time_s=time.perf_counter() - self._step_start,
             cp_traffic=traffic,
         )

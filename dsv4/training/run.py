@@ -1,23 +1,35 @@
 """The fine-tuning job behind ``recipes/finetune.py``: validate the config, build data/model/strategy, fit.
 
 Order matters for users: everything that can be wrong with the config or the data is checked in the launching
-process before Lightning starts the other ranks, and nothing is written before the checks pass.
+process before Lightning starts the other ranks, and nothing is written before the checks pass. The optimizer,
+the LR schedule, the metric callbacks and the logger are built from their config groups with
+``hydra.utils.instantiate``.
+
+A ``-m`` sweep runs every job as its own single-run command (see :func:`run_sweep_job`); the job's objective (its
+last ``train/loss``) comes back through ``objective.json`` in its run directory, so sweepers such as Optuna get a
+number for every trial.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dsv4.config import DSV4Config
+from dsv4.config import DSV4Config, check_cp_length
 from dsv4.parallel.mesh import ParallelDims
+from dsv4.training.schema import model_config
 
 log = logging.getLogger("dsv4")
+
+OBJECTIVE_FILE = "objective.json"
+OBJECTIVE_METRIC = "train/loss"
 
 
 def world_size_of(trainer_cfg: dict) -> int | None:
@@ -30,47 +42,90 @@ def world_size_of(trainer_cfg: dict) -> int | None:
     return devices * int(trainer_cfg.get("num_nodes", 1))
 
 
+def _instantiate(cfg: Any, key: str, *args: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` with errors turned into a ValueError naming the config key."""
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(cfg, *args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - Hydra wraps import and call errors in several types
+        cause = err.__cause__ or err
+        raise ValueError(f"`{key}` cannot be instantiated: {type(cause).__name__}: {cause}") from None
+
+
+def build_optimization(cfg: DictConfig, params) -> tuple[Any, Any]:
+    """``(optimizer, scheduler or None)`` factories from ``cfg.optim`` / ``cfg.scheduler``, checked on ``params``."""
+    import torch
+
+    optimizer = _instantiate(cfg.optim, "optim")
+    scheduler = _instantiate(cfg.scheduler, "scheduler") if cfg.get("scheduler") else None
+    try:
+        probe = optimizer(params)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"`optim` cannot be instantiated: {type(err).__name__}: {err}") from None
+    if not isinstance(probe, torch.optim.Optimizer):
+        raise ValueError(f"`optim` must build a torch.optim.Optimizer from the parameters, got {type(probe).__name__}")
+    if scheduler is not None:
+        try:
+            scheduler(probe)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"`scheduler` cannot be instantiated: {type(err).__name__}: {err}") from None
+    return optimizer, scheduler
+
+
+def build_callbacks(cfg: DictConfig) -> list:
+    """The metric callbacks of ``cfg.callbacks`` (one entry per callback, each with a ``_target_``)."""
+    return [_instantiate(spec, f"callbacks.{name}") for name, spec in (cfg.get("callbacks") or {}).items()
+            if spec is not None]
+
+
+def build_logger(cfg: DictConfig, output_dir: Path):
+    """The logger of ``cfg.logger`` writing under ``output_dir``; False without one."""
+    if not cfg.get("logger"):
+        return False
+    return _instantiate(cfg.logger, "logger", save_dir=str(output_dir))
+
+
 def validate(cfg: DictConfig) -> tuple[DSV4Config, int | None]:
     """Semantic checks that need no process group; raises ValueError naming the key and the value."""
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    checkpoint = model_cfg.pop("checkpoint", None)
-    try:
-        config = DSV4Config.from_dict(model_cfg)
-    except ValueError as err:
-        raise ValueError(f"model: {err}") from None
+    import torch
+
+    config = model_config(cfg.model)
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     world = world_size_of(trainer_cfg)
     if world is not None:
         ParallelDims(world_size=world, cp=cfg.cp, dp=cfg.dp, ep=cfg.ep).validate(config.n_routed_experts)
     elif cfg.cp < 1:
         raise ValueError(f"`cp` must be a positive integer, got {cfg.cp}")
-    multiple = config.cp_shard_multiple
-    if cfg.seq_len < 1 or cfg.seq_len % (cfg.cp * multiple):
-        raise ValueError(
-            f"`seq_len`={cfg.seq_len} must be a positive multiple of cp x shard multiple = {cfg.cp} x {multiple} = "
-            f"{cfg.cp * multiple} (the shard multiple is the lcm of model.compress_ratios, ratio 4 counted as 8); "
-            f"e.g. seq_len={max(1, round(cfg.seq_len / (cfg.cp * multiple))) * cfg.cp * multiple}"
-        )
+    check_cp_length(cfg.seq_len, cfg.cp, config.shard_multiple)
     if cfg.micro_batch_size < 1:
         raise ValueError(f"`micro_batch_size` must be >= 1, got {cfg.micro_batch_size}")
     from dsv4.parallel.dispatch import check_dispatcher_available
 
     accelerator = str(trainer_cfg.get("accelerator", "cpu"))
     check_dispatcher_available(cfg.dispatcher.name, "cuda" if accelerator in ("gpu", "cuda") else accelerator)
-    if cfg.logger.kind not in ("wandb", "csv", "none"):
-        raise ValueError(f"`logger.kind`={cfg.logger.kind!r} must be one of wandb, csv, none")
     if cfg.checkpoint.every_n_steps < 0:
         raise ValueError(f"`checkpoint.every_n_steps` must be >= 0, got {cfg.checkpoint.every_n_steps}")
+    checkpoint = cfg.model.checkpoint
     if checkpoint and not os.path.isdir(checkpoint):
         raise ValueError(f"`model.checkpoint`={checkpoint!r} is not a directory")
-    export = cfg.get("export")
-    if export is not None and export.hf_dir:
+    if cfg.export.hf_dir:
         from dsv4.checkpoint import EXPORT_DTYPES
 
-        if export.dtype not in EXPORT_DTYPES:
-            raise ValueError(f"`export.dtype`={export.dtype!r} must be one of {EXPORT_DTYPES}")
+        if cfg.export.dtype not in EXPORT_DTYPES:
+            raise ValueError(f"`export.dtype`={cfg.export.dtype!r} must be one of {EXPORT_DTYPES}")
         if cfg.ep > 1:
             raise ValueError("`export.hf_dir` with ep > 1 is not supported yet (experts would need unsharding)")
+    build_optimization(cfg, [torch.nn.Parameter(torch.zeros(1))])
+    build_callbacks(cfg)
+    if cfg.get("logger"):
+        from hydra.utils import get_object
+
+        target = cfg.logger.get("_target_")
+        try:
+            get_object(str(target))
+        except Exception as err:  # noqa: BLE001
+            raise ValueError(f"`logger._target_`={target!r} cannot be imported: {err}") from None
     return config, world
 
 
@@ -78,46 +133,41 @@ _LAUNCH_ENV = frozenset({"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LO
                          "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE"})
 
 
-def _is_multirun_job() -> bool:
+def is_multirun_job() -> bool:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def _run_sweep_job_in_subprocess(output_dir: Path) -> None:
-    """Every job of a ``-m`` sweep runs as its own single-run command: Lightning's launcher re-executes ``sys.argv``
-    (in a sweep every child rank would re-run the whole sweep), and each job gets a fresh process group."""
+def run_sweep_job(output_dir: Path) -> float | None:
+    """Run this ``-m`` job as its own single-run command; return its objective (None if it wrote none).
+
+    Lightning's launcher re-executes ``sys.argv`` (in a sweep every child rank would re-run the whole sweep), and
+    each job gets a fresh process group. The child writes ``objective.json`` in its run dir.
+    """
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
-    overrides = [o for o in hc.overrides.task]
-    cmd = [sys.executable, sys.argv[0], *overrides, f"hydra.run.dir={output_dir}",
+    cmd = [sys.executable, sys.argv[0], *hc.overrides.task, f"hydra.run.dir={output_dir}",
            f"hydra.job.name={hc.job.name}"]
     log.info("sweep job %s: running %s", hc.job.num, " ".join(cmd))
     # a previous job of this sweep may have left its process-group variables in this process's environment
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV and not k.startswith(("PL_", "TORCHELASTIC_"))}
     subprocess.run(cmd, check=True, env={**env, "DSV4_SWEEP_CHILD": "1"})
+    return read_objective(output_dir)
 
 
-def _logger(cfg: DictConfig, output_dir: Path):
-    kind = cfg.logger.kind
-    if kind == "none":
-        return False
-    if kind == "csv":
-        from lightning.pytorch.loggers import CSVLogger
+def read_objective(output_dir: Path) -> float | None:
+    path = Path(output_dir) / OBJECTIVE_FILE
+    if not path.exists():
+        return None
+    value = json.loads(path.read_text()).get("value")
+    return None if value is None else float(value)
 
-        return CSVLogger(save_dir=str(output_dir), name="csv", version="")
-    from lightning.pytorch.loggers import WandbLogger
 
-    offline = cfg.logger.offline
-    if offline is None:  # no credentials configured: stay offline rather than failing or prompting
-        offline = not (os.environ.get("WANDB_API_KEY") or Path.home().joinpath(".netrc").exists())
-    if offline:
-        os.environ.setdefault("WANDB_MODE", "offline")
-    os.environ.setdefault("WANDB_SILENT", "true")
-    return WandbLogger(project=cfg.logger.project, name=cfg.logger.name or output_dir.name,
-                       save_dir=str(output_dir), offline=bool(offline))
+def _write_objective(output_dir: Path, value: float | None) -> None:
+    (output_dir / OBJECTIVE_FILE).write_text(json.dumps({"metric": OBJECTIVE_METRIC, "value": value}))
 
 
 def _resume_path(cfg: DictConfig, ckpt_dir: Path) -> str | None:
@@ -136,29 +186,37 @@ def _resume_path(cfg: DictConfig, ckpt_dir: Path) -> str | None:
     return resume
 
 
+def build_module(cfg: DictConfig, config: DSV4Config):
+    """The LightningModule of this config (its optimizer and schedule from their groups)."""
+    import torch
+
+    from dsv4.training.module import DSV4LightningModule
+
+    optimizer, scheduler = build_optimization(cfg, [torch.nn.Parameter(torch.zeros(1))])
+    return DSV4LightningModule(config, optimizer=optimizer, scheduler=scheduler,
+                               bias_update_rate=cfg.bias_update_rate, hf_checkpoint=cfg.model.checkpoint,
+                               export_hf_dir=cfg.export.hf_dir, export_dtype=cfg.export.dtype)
+
+
 def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
-    """Validate, then train; returns the last logged training loss (for sweepers)."""
+    """Validate, then train; returns the objective (the last ``train/loss``) for sweepers."""
     output_dir = Path(output_dir)
-    config, world = validate(cfg)
-    if _is_multirun_job() and not os.environ.get("DSV4_SWEEP_CHILD"):
-        _run_sweep_job_in_subprocess(output_dir)
-        return None
+    config, _ = validate(cfg)
+    if is_multirun_job() and not os.environ.get("DSV4_SWEEP_CHILD"):
+        return run_sweep_job(output_dir)
 
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import WandbLogger
 
-    from callbacks import CPTrafficCallback, MemoryCallback, PaddingCallback, ThroughputCallback
     from dsv4.data.datamodule import DSV4DataModule
-    from dsv4.parallel.dispatch import dispatcher_needs_uniform_tokens
-    from dsv4.training.module import DSV4LightningModule
     from dsv4.training.strategy import DSV4Strategy
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    multiple = config.cp_shard_multiple
     data = DSV4DataModule(
-        source=OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.seq_len, alignment=multiple,
-        micro_batch_size=cfg.micro_batch_size, cp_size=cfg.cp, seed=cfg.seed,
+        source=OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.seq_len,
+        shard_multiple=config.shard_multiple, micro_batch_size=cfg.micro_batch_size, cp_size=cfg.cp, seed=cfg.seed,
     )
     dataset = data.build_dataset()  # tokenizes and packs: bad data fails here, before any rank starts
     if cfg.dry_run:
@@ -167,30 +225,27 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
 
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     max_steps = int(trainer_cfg.get("max_steps", 100))
-    optim = OmegaConf.to_container(cfg.optim, resolve=True)
-    module = DSV4LightningModule(model=config.to_dict(), optim=optim, max_steps=max_steps,
-                                 bias_update_rate=optim.pop("bias_update_rate", 1e-3),
-                                 hf_checkpoint=cfg.model.checkpoint,
-                                 export_hf_dir=cfg.export.hf_dir if "export" in cfg else None,
-                                 export_dtype=cfg.export.dtype if "export" in cfg else "bfloat16")
-    strategy = DSV4Strategy(
-        cp=cfg.cp, dp=cfg.dp, ep=cfg.ep, dispatcher=cfg.dispatcher.name, pad_multiple=multiple,
-        sync_packed_length=dispatcher_needs_uniform_tokens(cfg.dispatcher.name),
-    )
+    strategy = DSV4Strategy(cp=cfg.cp, dp=cfg.dp, ep=cfg.ep, dispatcher=cfg.dispatcher.name)
     ckpt_dir = output_dir / "checkpoints"
     checkpointing = ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", save_last=True, save_top_k=-1,
                                     every_n_train_steps=cfg.checkpoint.every_n_steps or max_steps,
                                     save_on_train_epoch_end=False, auto_insert_metric_name=False)
-    callbacks = [checkpointing, ThroughputCallback(config=config), PaddingCallback(), CPTrafficCallback(),
-                 MemoryCallback()]
-    trainer = L.Trainer(strategy=strategy, logger=_logger(cfg, output_dir), callbacks=callbacks,
+    logger = build_logger(cfg, output_dir)
+    trainer = L.Trainer(strategy=strategy, logger=logger, callbacks=[checkpointing, *build_callbacks(cfg)],
                         use_distributed_sampler=False, default_root_dir=str(output_dir), **trainer_cfg)
+    resolved = OmegaConf.to_container(cfg, resolve=True)  # every model value spelled out (the preset resolved)
+    resolved["model"].update(config.to_dict())
     if trainer.global_rank == 0:
-        OmegaConf.save(cfg, output_dir / "resolved_config.yaml", resolve=True)
-    trainer.fit(module, datamodule=data, ckpt_path=_resume_path(cfg, ckpt_dir))
-    loss = trainer.callback_metrics.get("train/loss")
-    if cfg.logger.kind == "wandb" and trainer.global_rank == 0:
-        import wandb
+        OmegaConf.save(OmegaConf.create(resolved), output_dir / "resolved_config.yaml")
+    if logger:
+        logger.log_hyperparams(resolved)
+    trainer.fit(build_module(cfg, config), datamodule=data, ckpt_path=_resume_path(cfg, ckpt_dir))
+    loss = trainer.callback_metrics.get(OBJECTIVE_METRIC)
+    objective = float(loss) if isinstance(loss, torch.Tensor) else None
+    if trainer.global_rank == 0:
+        _write_objective(output_dir, objective)
+        if isinstance(logger, WandbLogger):
+            import wandb
 
-        wandb.finish()  # one run per job, also inside a sweep
-    return float(loss) if isinstance(loss, torch.Tensor) else None
+            wandb.finish()  # one run per job, also inside a sweep
+    return objective

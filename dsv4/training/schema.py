@@ -1,20 +1,71 @@
-"""Typed schema of ``conf/finetune.yaml`` (registered in Hydra's ConfigStore as ``finetune_schema``).
+"""Typed schemas of ``conf/finetune.yaml`` and ``conf/capture_dspark.yaml`` (Hydra ConfigStore entries
+``finetune_schema`` and ``capture_schema``).
 
-Typos and wrong types fail while Hydra composes the config, before any process starts:
-``cp=three`` -> "Value 'three' ... could not be converted to Integer / full_key: cp"; ``cpp=4`` -> "Key 'cpp' not
-in 'FinetuneConfig'"; ``model.bogus=1`` -> "Key 'bogus' not in 'ModelConfig'". Semantic checks (cp dividing the
-world, compress_ratios length, seq_len multiple of cp x LCM, dispatcher availability, the data itself) run in
-:func:`dsv4.training.run.validate` before the Trainer launches its processes.
+Typos and wrong types fail while Hydra composes the config, before any process starts: ``cp=three`` -> "Value
+'three' ... could not be converted to Integer / full_key: cp"; ``cpp=4`` -> "Key 'cpp' not in 'FinetuneConfig'";
+``model.bogus=1`` -> "Key 'bogus' not in 'ModelConfig'". Semantic checks (cp dividing the world, compress_ratios
+length, seq_len multiple of cp x the shard multiple, dispatcher availability, the instantiable groups, the data
+itself) run in :func:`dsv4.training.run.validate` before the Trainer launches its processes.
+
+The model group names a preset (``model.preset``, defined once in :data:`dsv4.config.PRESETS`); every other key of
+:class:`ModelConfig` is a :class:`~dsv4.config.DSV4Config` field that overrides the preset (None = the preset's
+value). Groups built by ``hydra.utils.instantiate`` (``optim``, ``scheduler``, ``callbacks``, ``logger``) are
+dictionaries with a ``_target_``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from dsv4.config import DSV4Config
+from dsv4.config import PRESETS, DSV4Config
+
+
+def _schema_type(hint: Any) -> Any:
+    """``Optional[...]`` of a DSV4Config field type in the typing spelling OmegaConf understands."""
+    base = hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        base = next(a for a in typing.get_args(hint) if a is not type(None))
+    origin = typing.get_origin(base)
+    if origin is list:
+        return Optional[List[typing.get_args(base)[0]]]
+    if origin is dict:
+        return Optional[Dict[str, Any]]
+    return Optional[base]
+
+
+def _model_schema() -> type:
+    hints = typing.get_type_hints(DSV4Config)
+    overrides = [(f.name, _schema_type(hints[f.name]), field(default=None)) for f in dataclasses.fields(DSV4Config)]
+    schema = dataclasses.make_dataclass(
+        "ModelConfig", [("preset", str, field(default="tiny")), ("checkpoint", Optional[str], field(default=None))]
+        + overrides)
+    schema.__doc__ = ("The model group: ``preset`` (one of dsv4.config.PRESETS), ``checkpoint`` (a Hugging Face-"
+                      "format DSV4 checkpoint directory loaded before training) and any DSV4Config field to override")
+    return schema
+
+
+ModelConfig = _model_schema()
+
+
+def model_config(model_cfg: Any) -> DSV4Config:
+    """The :class:`DSV4Config` a composed model group describes (ValueError naming the bad field)."""
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(model_cfg, resolve=True) if not isinstance(model_cfg, dict) else dict(model_cfg)
+    preset = values.pop("preset", "tiny")
+    values.pop("checkpoint", None)
+    if preset not in PRESETS:
+        raise ValueError(f"`model.preset`={preset!r} must be one of {sorted(PRESETS)}")
+    try:
+        return DSV4Config.preset(preset, **{k: v for k, v in values.items() if v is not None})
+    except ValueError as err:
+        raise ValueError(f"model: {err}") from None
 
 
 @dataclass
@@ -32,17 +83,6 @@ class DataConfig:
     max_bytes: Optional[int] = None
     min_bytes: int = 64
     seed: int = 0
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-    bias_update_rate: float = 1e-3
 
 
 @dataclass
@@ -71,24 +111,6 @@ class ExportConfig:
 
 
 @dataclass
-class LoggerConfig:
-    """``kind``: wandb | csv | none. wandb runs offline when no credentials are configured."""
-
-    kind: str = "wandb"
-    project: str = "dsv4"
-    name: Optional[str] = None
-    offline: Optional[bool] = None
-
-
-@dataclass
-class ModelConfig(DSV4Config):
-    """The model group: every :class:`DSV4Config` field, plus ``checkpoint``: a Hugging Face-format DSV4
-    checkpoint directory (safetensors + index + config.json) whose weights are loaded before training."""
-
-    checkpoint: Optional[str] = None
-
-
-@dataclass
 class FinetuneConfig:
     cp: int = 1
     dp: int = -1
@@ -97,15 +119,52 @@ class FinetuneConfig:
     seed: int = 1234
     micro_batch_size: int = 1
     dry_run: bool = False
+    bias_update_rate: float = 1e-3
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
-    trainer: Any = field(default_factory=dict)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: Dict[str, Any] = field(default_factory=dict)
+    optim: Dict[str, Any] = field(default_factory=dict)
+    scheduler: Optional[Dict[str, Any]] = None
+    callbacks: Dict[str, Any] = field(default_factory=dict)
+    logger: Optional[Dict[str, Any]] = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
 
 
+@dataclass
+class CaptureConfig:
+    """``recipes/capture_dspark.py`` (:func:`dsv4.speculative.capture_job.run_capture`)."""
+
+    layer_ids: List[int] = field(default_factory=lambda: [1, 2, 3])
+    seq_len: int = 1024
+    micro_batch_size: int = 2
+    dp: int = 1
+    cp: int = 1
+    dispatcher: str = "local"
+    docs_per_shard: int = 64
+    max_documents: Optional[int] = 256
+    max_document_tokens: Optional[int] = 4096
+    max_shards_this_run: Optional[int] = None
+    dtype: str = "float32"
+    seed: int = 1234
+    output_dir: Optional[str] = None
+    progress: bool = True
+    threads: int = 1
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+def cpu_world_size(dp: int, cp: int) -> int:
+    """``${dsv4.world:${dp},${cp}}``: processes on one machine, ``dp * cp`` (``cp`` when dp is derived, -1)."""
+    return cp if dp in (-1, 0, None) else dp * cp
+
+
 def register_schema() -> None:
-    ConfigStore.instance().store(name="finetune_schema", node=FinetuneConfig)
+    """Store the schemas in Hydra's ConfigStore and register the ``dsv4.*`` resolvers ``conf/`` uses."""
+    from omegaconf import OmegaConf
+
+    store = ConfigStore.instance()
+    store.store(name="finetune_schema", node=FinetuneConfig)
+    store.store(name="capture_schema", node=CaptureConfig)
+    OmegaConf.register_new_resolver("dsv4.world", cpu_world_size, replace=True)

@@ -97,7 +97,7 @@ def _reference(kind):
     batch = _packed_batch() if kind == "packed" else _unpacked_batch()
     if kind == "packed":
         rows, _, positions = _repad_dsv4_packed_batch(
-            copy.deepcopy(batch), cp_size=1, pad_multiple=model.config.cp_shard_multiple, padding_token_id=0
+            copy.deepcopy(batch), cp_size=1, pad_multiple=model.config.shard_multiple, padding_token_id=0
         )
         out = model(rows["input_ids"], position_ids=rows["position_ids"], packed_seq_ids=rows["packed_seq_ids"],
                      padding_mask=rows["padding_mask"], labels=rows["labels"])

@@ -1,25 +1,68 @@
-"""Run the recipes in a subprocess (never an in-process multi-rank Trainer under pytest) and read their outputs."""
+"""Run the recipes in a subprocess (never an in-process multi-rank Trainer under pytest) and read their outputs.
+
+Lightning's ranks meet on a TCP port (``MASTER_PORT``). Two test runs on one machine must not pick the same one:
+:func:`reserved_port` holds an exclusive lock file per port for as long as the recipe runs, so a concurrent suite
+that probes the same free port skips it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import fcntl
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[2]
-FAST = ["seq_len=256", "logger=csv", "data.max_bytes=200000", "optim.warmup_steps=1"]
+FAST = ["seq_len=256", "logger=csv", "data.max_bytes=200000", "scheduler.warmup_steps=1"]
+_PORT_LOCKS = Path(tempfile.gettempdir()) / "dsv4-test-ports"
+
+
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A free TCP port that no other holder of this context manager (any process) gets until it exits."""
+    _PORT_LOCKS.mkdir(exist_ok=True)
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        lock = open(_PORT_LOCKS / f"{port}.lock", "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another run holds this port: probe again
+            lock.close()
+            continue
+        try:
+            yield port
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            lock.close()
+        return
+
+
+def recipe_env(port: int) -> dict[str, str]:
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env.pop("DSV4_SWEEP_CHILD", None)
+    return env
 
 
 def run_recipe(args: list[str], run_dir: Path | None = None, timeout: float = 600, check: bool = True,
-               script: str = "recipes/finetune.py") -> subprocess.CompletedProcess:
+               script: str = "recipes/finetune.py", env: dict[str, str | None] | None = None,
+               ) -> subprocess.CompletedProcess:
+    """Run ``script`` with ``args``; ``env`` entries override the test environment (None removes a variable)."""
     cmd = [sys.executable, str(REPO / script), *args]
     if run_dir is not None:
         cmd.append(f"hydra.run.dir={run_dir}")
-    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
-    env.pop("DSV4_SWEEP_CHILD", None)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    with reserved_port() as port:
+        full_env = {**recipe_env(port), **(env or {})}
+        full_env = {k: v for k, v in full_env.items() if v is not None}
+        proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc

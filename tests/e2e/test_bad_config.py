@@ -11,16 +11,10 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.parametrize(
     "overrides, message",
-    [
+    [  # one of each kind through the command line; every semantic check is in tests/unit/training/test_run.py
         (["cpp=4"], "Key 'cpp' not in 'FinetuneConfig'"),
-        (["cp=three"], "Value 'three' of type 'str' could not be converted to Integer"),
         (["model.bogus=1"], "Key 'bogus' not in 'ModelConfig'"),
-        (["cp=3", "trainer.devices=4"], "`cp`=3 does not divide the world size 4"),
-        (["model.compress_ratios=[0,4]"], "compress_ratios"),
         (["seq_len=1000", "cp=2"], "`seq_len`=1000 must be a positive multiple of cp x shard multiple = 2 x 128 = 256"),
-        (["ep=3", "cp=2"], "`ep`=3 must divide dp x cp = 2"),
-        (["dispatcher=deepep"], "DeepEP"),
-        (["cp=0"], "`cp` must be a positive integer"),
     ],
 )
 def test_bad_config_fails_before_start(tmp_path, overrides, message):

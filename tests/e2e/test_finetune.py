@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.e2e.helpers import FAST, REPO, losses, run_recipe
+from tests.e2e.helpers import FAST, REPO, losses, recipe_env, reserved_port, run_recipe
 
 pytestmark = pytest.mark.e2e
 
@@ -58,15 +58,15 @@ def test_kill_and_resume_continues_the_same_trajectory(runs, tmp_path):
     """SIGKILL the job after its step-2 checkpoint, rerun the same command: steps 3-4 match the uninterrupted run."""
     cmd = [sys.executable, str(REPO / "recipes/finetune.py"), *FAST, "cp=2", "trainer.max_steps=4",
            "checkpoint.every_n_steps=2", f"hydra.run.dir={tmp_path}"]
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
     marker = tmp_path / "checkpoints" / "step2.ckpt" / "meta.pt"
-    deadline = time.time() + 400
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    with reserved_port() as port:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=recipe_env(port), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + 400
+        while not marker.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert marker.exists(), "the job never wrote its step-2 checkpoint"
     run_recipe([*FAST, "cp=2", "trainer.max_steps=4", "checkpoint.every_n_steps=2"], tmp_path)
     resumed, reference = losses(tmp_path), losses(runs["cp2"])

@@ -1,4 +1,4 @@
-"""The config tree composes with the typed schema, and conf/ agrees with the code it describes."""
+"""The config tree composes with the typed schemas, drives construction, and agrees with the code it describes."""
 
 from pathlib import Path
 
@@ -6,26 +6,26 @@ import pytest
 import torch
 import yaml
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from hydra.utils import instantiate
 
-from dsv4.config import DSV4Config
-from dsv4.training.conf import register_resolvers
-from dsv4.training.schema import register_schema
-from dsv4.training.step import ParallelConfig, check_partition_mode, get_batch
+from dsv4.config import PRESETS, DSV4Config
+from dsv4.training.run import build_callbacks, build_logger, build_optimization
+from dsv4.training.schema import model_config, register_schema
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
-@pytest.mark.parametrize("name", ["tiny", "flash", "pro", "v41_tiny"])
-def test_model_yaml_equals_preset(name):
-    assert yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text()) == DSV4Config.preset(name).to_dict()
-
-
-def _compose(overrides):
+def _compose(overrides, name="finetune"):
     register_schema()
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="finetune", overrides=overrides)
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name=name, overrides=overrides)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_model_yaml_names_its_preset_only(name):
+    """Presets are defined once (dsv4.config.PRESETS); a model YAML only selects one."""
+    assert set(yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text())) == {"preset", "checkpoint"}
+    assert model_config(_compose([f"model={name}"]).model) == DSV4Config.preset(name)
 
 
 def test_default_config_composes_and_resolves():
@@ -33,18 +33,56 @@ def test_default_config_composes_and_resolves():
     assert cfg.cp == 4 and cfg.dp == -1 and cfg.dispatcher.name == "local" and cfg.data.kind == "stdlib"
     assert cfg.trainer.devices == 4  # dp derived: world = cp on one machine
     assert _compose(["cp=2", "dp=2"]).trainer.devices == 4
-    model = OmegaConf.to_container(cfg.model)
-    assert model.pop("checkpoint") is None  # the model group also names the weights to load
-    DSV4Config.from_dict(model)  # the tiny model validates
-    assert cfg.seq_len % (cfg.cp * DSV4Config.preset("tiny").cp_shard_multiple) == 0
+    assert cfg.model.checkpoint is None  # the model group also names the weights to load
+    config = model_config(cfg.model)
+    assert config == DSV4Config.preset("tiny") and cfg.seq_len % (cfg.cp * config.shard_multiple) == 0
 
 
-def test_every_group_option_composes():
-    for group in ("model", "data", "dispatcher", "trainer", "logger"):
+def test_model_fields_override_the_preset_with_types_checked():
+    cfg = _compose(["model=flash", "model.sliding_window=64", "model.compress_ratios=[0,4]",
+                    "model.num_hidden_layers=2", "model.num_hash_layers=1"])
+    config = model_config(cfg.model)
+    assert (config.sliding_window, config.compress_ratios, config.num_hidden_layers) == (64, [0, 4], 2)
+    assert config.hidden_size == DSV4Config.preset("flash").hidden_size
+    with pytest.raises(Exception, match="sliding_window"):
+        _compose(["model.sliding_window=wide"])
+    with pytest.raises(ValueError, match=r"model: DSV4Config.sliding_window: must be an integer >= 1, got 0"):
+        model_config(_compose(["model.sliding_window=0"]).model)
+    with pytest.raises(ValueError, match=r"`model.preset`='huge' must be one of"):
+        model_config(_compose(["model.preset=huge"]).model)
+
+
+def test_every_group_option_composes_and_builds(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for group in ("model", "data", "dispatcher", "trainer", "logger", "optim", "scheduler", "callbacks"):
         for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
-            _compose([f"{group}={option}"])
+            cfg = _compose([f"{group}={option}"])
+            optimizer, scheduler = build_optimization(cfg, [torch.nn.Parameter(torch.zeros(2))])
+            assert isinstance(optimizer([torch.nn.Parameter(torch.zeros(2))]), torch.optim.Optimizer)
+            build_callbacks(cfg)
+            logger = build_logger(cfg, tmp_path / option)
+            assert logger is False or logger.save_dir == str(tmp_path / option)
     cfg = _compose(["experiment=flash_cp8"])
-    assert cfg.cp == 8 and cfg.model.num_hidden_layers == 43 and cfg.dispatcher.name == "alltoall"
+    assert cfg.cp == 8 and model_config(cfg.model).num_hidden_layers == 43 and cfg.dispatcher.name == "alltoall"
+
+
+def test_groups_select_what_is_built():
+    cfg = _compose(["optim.lr=0.5", "scheduler=constant", "callbacks=none", "logger=none"])
+    optimizer, scheduler = build_optimization(cfg, [torch.nn.Parameter(torch.zeros(1))])
+    assert optimizer([torch.nn.Parameter(torch.zeros(1))]).defaults["lr"] == 0.5 and scheduler is None
+    assert build_callbacks(cfg) == [] and build_logger(cfg, Path("unused")) is False
+    names = [type(c).__name__ for c in build_callbacks(_compose([]))]
+    assert names == ["ThroughputCallback", "PaddingCallback", "CPTrafficCallback", "MemoryCallback"]
+    assert build_callbacks(_compose(["~callbacks.memory"]))[-1].__class__.__name__ == "CPTrafficCallback"
+    sched = instantiate(_compose(["trainer.max_steps=40"]).scheduler)
+    assert sched.keywords["total_steps"] == 40  # the schedule follows trainer.max_steps
+
+
+def test_bad_group_values_name_the_key():
+    with pytest.raises(ValueError, match=r"`optim` cannot be instantiated: TypeError: .*lrr"):
+        build_optimization(_compose(["+optim.lrr=1"]), [torch.nn.Parameter(torch.zeros(1))])
+    with pytest.raises(ValueError, match=r"`callbacks.throughput` cannot be instantiated: .*window must be >= 1"):
+        build_callbacks(_compose(["callbacks.throughput.window=0"]))
 
 
 def test_schema_rejects_typos_and_types():
@@ -52,13 +90,14 @@ def test_schema_rejects_typos_and_types():
         _compose(["cpp=4"])
     with pytest.raises(Exception, match="three"):
         _compose(["cp=three"])
+    with pytest.raises(Exception, match="bogus"):
+        _compose(["model.bogus=1"])
 
 
-def test_only_contiguous_partition_is_accepted():
-    check_partition_mode("contiguous")
-    with pytest.raises(ValueError, match="contiguous span of the row"):
-        check_partition_mode("zigzag")
-    batch = {"input_ids": torch.ones(1, 8, dtype=torch.long), "labels": torch.ones(1, 8, dtype=torch.long),
-             "cp_partition_mode": "zigzag"}
-    with pytest.raises(ValueError, match="cp_partition_mode='zigzag'"):
-        get_batch(batch, ParallelConfig(cp_mesh=None, shard_batch=None))
+def test_capture_config_is_typed_and_names_weights_like_finetune():
+    cfg = _compose(["model=v41_tiny", "model.checkpoint=/ckpt"], name="capture_dspark")
+    assert cfg.model.checkpoint == "/ckpt" and model_config(cfg.model) == DSV4Config.preset("v41_tiny")
+    with pytest.raises(Exception, match="weights"):
+        _compose(["weights=/ckpt"], name="capture_dspark")
+    with pytest.raises(Exception, match="layer_ids"):
+        _compose(["layer_ids=three"], name="capture_dspark")

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4.cp.seq_ids import _SEQ_LENS_PADDING_VALUE as PAD
+from dsv4.packing import SEQ_LENS_PAD as PAD
 from dsv4.packing import PackedSequenceLayout, aligned_packed_layout
 
 

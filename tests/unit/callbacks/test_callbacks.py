@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from callbacks import CPTrafficCallback, MemoryCallback, PaddingCallback, ThroughputCallback
+from dsv4.batch import TokenBatch
 from dsv4.config import DSV4Config
-from dsv4.flops import training_flops_per_token
-from dsv4.training.stats import StepStats
+from dsv4.flops import document_training_flops, training_flops_per_token
+from dsv4.training.stats import DocumentFlops, StepStats, batch_statistics, step_stats_from
 
 
 class FakeModule:
@@ -36,11 +37,11 @@ class FakeModule:
 
 
 def make_stats(step, real=1000, label=900, time_s=1.0, seq_len=512, rows=2, pack=0, align=0, world=4, cp=2,
-               traffic=None) -> StepStats:
+               traffic=None, flops=None) -> StepStats:
     return StepStats(
         step=step, seq_len=seq_len, rows=rows, slots=rows * seq_len, real_tokens=real, label_tokens=label,
         pack_padding=pack, alignment_padding=align, cp=cp, dp=world // cp, world_size=world, step_time_s=time_s,
-        cp_traffic=traffic or {},
+        cp_traffic=traffic or {}, model_flops=flops,
     )
 
 
@@ -81,23 +82,51 @@ def test_throughput_window_warmup_and_exact_values():
     assert all(kw["on_step"] and not kw["on_epoch"] and not kw["sync_dist"] for kw in kwargs.values())
 
 
-def test_throughput_tflops_and_mfu_from_the_flop_model():
-    cfg = DSV4Config.preset("tiny")
+def _two_document_row(lengths, width, multiple=128):
+    """One row holding documents of ``lengths`` on multiples of ``multiple``; the rest padding."""
+    seq = torch.zeros(1, width, dtype=torch.long)
+    pos = torch.zeros(1, width, dtype=torch.long)
+    start = 0
+    for d, n in enumerate(lengths):
+        seq[0, start:start + n], pos[0, start:start + n] = d + 1, torch.arange(n)
+        start += -(-n // multiple) * multiple
+    return TokenBatch(torch.ones(1, width, dtype=torch.long), torch.where(seq > 0, 1, -100), seq, pos)
+
+
+def test_throughput_tflops_and_mfu_count_each_document_at_its_own_length():
+    """A 2048-slot row of two 1000-token documents: attention FLOPs grow with each document's length, not the row's
+    (the row length overstates them); MFU divides by the device peak."""
+    cfg = DSV4Config.preset("tiny", sliding_window=2048, head_dim=64, num_attention_heads=8)
+    batch = _two_document_row([1000, 1000], 2048)
+    stats = step_stats_from(batch_statistics(batch, cfg.shard_multiple, DocumentFlops(cfg)), step=1, cp=2, dp=1,
+                            world_size=2, step_time_s=0.5)
+    per_document = 2 * document_training_flops(cfg, 1000)
+    assert stats.model_flops == pytest.approx(per_document)
+    assert stats.real_tokens * training_flops_per_token(cfg, 2048) > 1.2 * per_document  # what a row-length count gives
+    assert (stats.pack_padding, stats.alignment_padding) == (2048 - 2 * 1024, 2 * 24)
     cb = ThroughputCallback(window=4, warmup_steps=0, peak_flops=2e9)
-    module = FakeModule(model=SimpleNamespace(config=cfg))  # config found on pl_module.model
-    got = run(cb, module, make_stats(1, real=3000, seq_len=256, time_s=0.5, world=2, cp=2))
-    per_device_per_s = 3000 * training_flops_per_token(cfg, 256) / 2 / 0.5
-    assert got["perf/tflops_per_device"] == pytest.approx(per_device_per_s / 1e12)
-    assert got["perf/mfu"] == pytest.approx(per_device_per_s / 2e9)
+    got = run(cb, FakeModule(), stats)
+    assert got["perf/tflops_per_device"] == pytest.approx(per_document / 2 / 0.5 / 1e12)
+    assert got["perf/mfu"] == pytest.approx(per_document / 2 / 0.5 / 2e9)
 
 
-def test_throughput_without_config_or_peak():
-    module = FakeModule()
-    got = run(ThroughputCallback(warmup_steps=0), module, make_stats(1))
+def test_throughput_without_flops_or_peak():
+    got = run(ThroughputCallback(warmup_steps=0), FakeModule(), make_stats(1))
     assert "perf/tflops_per_device" not in got and "perf/mfu" not in got
-    module = FakeModule(config=DSV4Config.preset("tiny"))
-    got = run(ThroughputCallback(warmup_steps=0), module, make_stats(1))  # "auto" peak on CPU: unknown
+    got = run(ThroughputCallback(warmup_steps=0), FakeModule(), make_stats(1, flops=1e12))  # "auto" peak on CPU
     assert "perf/tflops_per_device" in got and "perf/mfu" not in got
+
+
+@pytest.mark.parametrize("warmup, window", [(1, 2), (3, 2), (3, 10)])
+def test_throughput_never_includes_a_warmup_step(warmup, window):
+    """The first ``warmup`` steps (slow: allocator, caches) are excluded from every logged value."""
+    cb = ThroughputCallback(window=window, warmup_steps=warmup, peak_flops=None)
+    module = FakeModule()
+    for step in range(1, warmup + 1):
+        assert run(cb, module, make_stats(step, real=1000, time_s=100.0)) == {}
+    for step in range(warmup + 1, warmup + 6):
+        got = run(cb, module, make_stats(step, real=1000, time_s=1.0))
+        assert got["perf/tokens_per_s"] == pytest.approx(1000.0) and got["perf/step_time_s"] == pytest.approx(1.0)
 
 
 def test_throughput_rejects_bad_arguments():

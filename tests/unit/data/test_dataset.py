@@ -1,4 +1,4 @@
-"""dsv4.data.dataset: dp sharding, resumable sampler state, THD collate and the DataLoader wiring."""
+"""dsv4.data.dataset: dp sharding, resumable sampler state, row collation and the DataLoader wiring."""
 
 from __future__ import annotations
 
@@ -6,14 +6,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from dsv4.data import DistributedPackedSampler, PackedDataset, collate_packed, pack_documents
-
-P = -1000
+from dsv4.batch import TokenBatch
+from dsv4.data import DistributedPackedSampler, PackedDataset, collate_rows, pack_documents
 
 
 def _dataset():
     docs = [[k] * n for k, n in enumerate([5, 3, 7, 2, 1, 8, 4, 6, 2, 3, 5, 1, 7], start=1)]
-    return PackedDataset(pack_documents(docs, seq_len=8, alignment=2))
+    return PackedDataset(pack_documents(docs, seq_len=8, shard_multiple=2))
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
@@ -49,20 +48,20 @@ def test_state_dict_round_trip_continues_with_the_next_batch():
     n = len(dataset)
     reference = DistributedPackedSampler(n, 1, 2, seed=7)
     reference.set_epoch(2)
-    expected = [b["input_ids"] for b in DataLoader(dataset, batch_size=2, sampler=reference, collate_fn=collate_packed)]
+    expected = [b.input_ids for b in DataLoader(dataset, batch_size=2, sampler=reference, collate_fn=collate_rows)]
 
     sampler = DistributedPackedSampler(n, 1, 2, seed=7)
     sampler.set_epoch(2)
-    loader = DataLoader(dataset, batch_size=2, sampler=sampler, collate_fn=collate_packed)
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler, collate_fn=collate_rows)
     it = iter(loader)
-    seen = [next(it)["input_ids"] for _ in range(2)]
+    seen = [next(it).input_ids for _ in range(2)]
     state = sampler.state_dict()
     assert state["epoch"] == 2 and state["position"] == 4
 
     resumed = DistributedPackedSampler(n, 1, 2, seed=7)
     resumed.load_state_dict(state)
     resumed.set_epoch(2)  # what Lightning does at the start of the resumed epoch: keeps the position
-    rest = [b["input_ids"] for b in DataLoader(dataset, batch_size=2, sampler=resumed, collate_fn=collate_packed)]
+    rest = [b.input_ids for b in DataLoader(dataset, batch_size=2, sampler=resumed, collate_fn=collate_rows)]
     assert len(seen) + len(rest) == len(expected)
     assert all(torch.equal(a, b) for a, b in zip(seen + rest, expected))
     assert resumed.position == 0  # the epoch ran out
@@ -115,32 +114,23 @@ def test_sampler_argument_errors(kwargs, pattern):
         DistributedPackedSampler(**kwargs)
 
 
-def test_collate_pads_seq_lens_across_rows():
+def test_collate_stacks_rows_into_one_batch():
     dataset = _dataset()
     rows = [dataset[i] for i in range(3)]
-    batch = collate_packed(rows)
-    assert batch["qkv_format"] == "thd"
-    for key in ("input_ids", "labels", "position_ids"):
-        assert batch[key].shape == (3, 8) and batch[key].dtype == torch.long
-    d_max = max(r["seq_lens"].numel() for r in rows)
-    assert batch["seq_lens"].shape == batch["seq_lens_padded"].shape == (3, d_max)
-    for i, row in enumerate(rows):
-        d = row["seq_lens"].numel()
-        assert torch.equal(batch["seq_lens"][i, :d], row["seq_lens"])
-        assert bool((batch["seq_lens"][i, d:] == P).all()) and bool((batch["seq_lens_padded"][i, d:] == P).all())
-    assert dataset[-1]["input_ids"].shape == (8,)
+    batch = collate_rows(rows)
+    assert isinstance(batch, TokenBatch) and batch.shard.size == 1
+    for key in ("input_ids", "labels", "seq_ids", "positions"):
+        assert getattr(batch, key).shape == (3, 8) and getattr(batch, key).dtype == torch.long
+        assert torch.equal(getattr(batch, key), torch.cat([getattr(r, key) for r in rows])), key
+    assert dataset[-1].input_ids.shape == (1, 8)
     with pytest.raises(IndexError, match=r"row 99 is out of range for \d+ rows"):
         dataset[99]
 
 
-def test_collate_errors_name_the_row_and_key():
-    row = {"input_ids": torch.zeros(4, dtype=torch.long), "labels": torch.zeros(4, dtype=torch.long),
-           "position_ids": torch.zeros(4, dtype=torch.long), "seq_lens": torch.tensor([4]),
-           "seq_lens_padded": torch.tensor([4])}
+def test_collate_errors_name_the_problem():
+    dataset = _dataset()
     with pytest.raises(ValueError, match="got no rows"):
-        collate_packed([])
-    with pytest.raises(KeyError, match=r"row 1 has no `labels`"):
-        collate_packed([row, {k: v for k, v in row.items() if k != "labels"}])
-    short = dict(row, position_ids=torch.zeros(3, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"row 1 `position_ids` has shape \(3,\), expected \(4,\)"):
-        collate_packed([row, short])
+        collate_rows([])
+    narrow = TokenBatch(*(torch.zeros(1, 4, dtype=torch.long) for _ in range(4)))
+    with pytest.raises(ValueError, match=r"whole rows of one width, got widths \[4, 8\]"):
+        collate_rows([dataset[0], narrow])

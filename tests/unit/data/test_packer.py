@@ -7,11 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4.cp import build_packed_seq_ids
 from dsv4.data import IGNORE_INDEX, Document, pack_documents
 
 X = IGNORE_INDEX
-P = -1000
 
 
 def _t(rows):
@@ -25,7 +23,7 @@ def _docs_5_3_7_2():
 def test_ffd_hand_case_lengths_5_3_7_2_seq_len_8_alignment_2():
     # aligned lengths 6, 4, 8, 2; decreasing order: doc2 (8), doc0 (6), doc1 (4), doc3 (2)
     # doc2 fills row 0; doc0 opens row 1 (2 free); doc1 (4) does not fit there -> row 2; doc3 (2) fills row 1.
-    rows = pack_documents(_docs_5_3_7_2(), seq_len=8, alignment=2, pad_id=0)
+    rows = pack_documents(_docs_5_3_7_2(), seq_len=8, shard_multiple=2, pad_id=0)
     assert torch.equal(rows.input_ids, _t([
         [30, 31, 32, 33, 34, 35, 36, 0],
         [10, 11, 12, 13, 14, 0, 40, 41],
@@ -36,15 +34,19 @@ def test_ffd_hand_case_lengths_5_3_7_2_seq_len_8_alignment_2():
         [11, 12, 13, 14, X, X, 41, X],
         [21, 22, X, X, X, X, X, X],
     ]))
-    assert torch.equal(rows.position_ids, _t([
+    assert torch.equal(rows.positions, _t([
         [0, 1, 2, 3, 4, 5, 6, 0],
         [0, 1, 2, 3, 4, 0, 0, 1],
         [0, 1, 2, 0, 0, 0, 0, 0],
     ]))
-    assert torch.equal(rows.seq_lens, _t([[7, P], [5, 2], [3, P]]))
-    assert torch.equal(rows.seq_lens_padded, _t([[8, P], [6, 2], [4, P]]))
+    # one padding convention: every slot without a real token (pack or alignment padding) has document id 0
+    assert torch.equal(rows.seq_ids, _t([
+        [1, 1, 1, 1, 1, 1, 1, 0],
+        [1, 1, 1, 1, 1, 0, 2, 2],
+        [1, 1, 1, 0, 0, 0, 0, 0],
+    ]))
     assert rows.pieces == [[(2, 0, 7)], [(0, 0, 5), (3, 0, 2)], [(1, 0, 3)]]
-    for t in (rows.input_ids, rows.labels, rows.position_ids, rows.seq_lens, rows.seq_lens_padded):
+    for t in (rows.input_ids, rows.labels, rows.positions, rows.seq_ids):
         assert t.dtype == torch.long
     s = rows.stats
     assert (s.num_rows, s.real_tokens, s.alignment_padding, s.pack_padding) == (3, 17, 3, 4)
@@ -54,11 +56,11 @@ def test_ffd_hand_case_lengths_5_3_7_2_seq_len_8_alignment_2():
 
 def test_alignment_counts_inside_budget_and_pad_id():
     # alignment 4, seq_len 8: lengths 3 and 5 take 4 and 8 slots -> two rows although 3 + 5 = 8 tokens
-    rows = pack_documents([[1, 2, 3], [4, 5, 6, 7, 8]], seq_len=8, alignment=4, pad_id=9)
+    rows = pack_documents([[1, 2, 3], [4, 5, 6, 7, 8]], seq_len=8, shard_multiple=4, pad_id=9)
     assert torch.equal(rows.input_ids, _t([[4, 5, 6, 7, 8, 9, 9, 9], [1, 2, 3, 9, 9, 9, 9, 9]]))
-    assert torch.equal(rows.seq_lens_padded, _t([[8], [4]]))
+    assert torch.equal(rows.seq_ids, _t([[1] * 5 + [0] * 3, [1] * 3 + [0] * 5]))
     # alignment 1: both in one row
-    one = pack_documents([[1, 2, 3], [4, 5, 6, 7, 8]], seq_len=8, alignment=1)
+    one = pack_documents([[1, 2, 3], [4, 5, 6, 7, 8]], seq_len=8, shard_multiple=1)
     assert torch.equal(one.input_ids, _t([[4, 5, 6, 7, 8, 1, 2, 3]]))
     assert torch.equal(one.labels, _t([[5, 6, 7, 8, X, 2, 3, X]]))
 
@@ -80,7 +82,7 @@ def test_loss_mask_marks_targets():
 
 def test_split_long_document_loses_no_target():
     ids = list(range(100, 119))  # 19 tokens, seq_len 8 -> chunks 8, 8, 3
-    rows = pack_documents([ids, [1, 2]], seq_len=8, alignment=2)
+    rows = pack_documents([ids, [1, 2]], seq_len=8, shard_multiple=2)
     assert rows.stats.num_split_documents == 1 and rows.stats.num_pieces == 4
     assert rows.pieces == [[(0, 0, 8)], [(0, 8, 8)], [(0, 16, 3), (1, 0, 2)]]
     assert torch.equal(rows.input_ids[0], _t(list(range(100, 108))))
@@ -89,8 +91,8 @@ def test_split_long_document_loses_no_target():
     assert torch.equal(rows.labels[1], _t(list(range(109, 117))))
     assert torch.equal(rows.labels[2], _t([117, 118, X, X, 2, X, X, X]))
     # each chunk is its own document for attention: positions restart
-    assert torch.equal(rows.position_ids[1], torch.arange(8))
-    assert torch.equal(rows.seq_lens, _t([[8, P], [8, P], [3, 2]]))
+    assert torch.equal(rows.positions[1], torch.arange(8))
+    assert torch.equal(rows.seq_ids[2], _t([1, 1, 1, 0, 2, 2, 0, 0]))
     # labelled tokens: unsplit 18 + 1, packed the same
     assert rows.stats.supervised_tokens == (19 - 1) + (2 - 1)
     assert int((rows.labels != X).sum()) == 19
@@ -104,9 +106,9 @@ def test_split_long_false_refuses_and_names_document():
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        ({"seq_len": 10, "alignment": 4}, r"seq_len 10 is not a multiple of the alignment 4"),
+        ({"seq_len": 10, "shard_multiple": 4}, r"seq_len 10 is not a multiple of the shard multiple 4"),
         ({"seq_len": 0}, r"seq_len must be a positive int, got 0"),
-        ({"seq_len": 8, "alignment": 0}, r"alignment must be a positive int, got 0"),
+        ({"seq_len": 8, "shard_multiple": 0}, r"shard_multiple must be a positive int, got 0"),
     ],
 )
 def test_bad_sizes_raise_before_packing(kwargs, pattern):
@@ -126,12 +128,6 @@ def test_empty_documents_are_skipped_and_counted():
     assert rows.stats.num_empty_documents == 2 and rows.pieces == [[(1, 0, 2)]]
 
 
-def test_trailing_pack_padding_is_not_folded_into_the_last_document():
-    rows = pack_documents(_docs_5_3_7_2(), seq_len=8, alignment=2)
-    ids = build_packed_seq_ids(rows.seq_lens_padded, seq_len=8)
-    assert torch.equal(ids, _t([[1] * 8, [1] * 6 + [2] * 2, [1] * 4 + [0] * 4]))
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     lengths=st.lists(st.integers(0, 40), min_size=1, max_size=25),
@@ -149,21 +145,18 @@ def test_property_every_token_once_and_metadata_consistent(lengths, alignment, r
     assert s.real_tokens == sum(lengths) and s.supervised_tokens == sum(max(n - 1, 0) for n in lengths)
     seen = {k: [None] * n for k, n in enumerate(lengths)}
     for r, pieces in enumerate(rows.pieces):
-        real = [v for v in rows.seq_lens[r].tolist() if v != P]
-        padded = [v for v in rows.seq_lens_padded[r].tolist() if v != P]
-        assert real == [n for _, _, n in pieces] and sum(padded) <= seq_len
-        assert all(p % alignment == 0 and p - alignment < n <= p for n, p in zip(real, padded))
         offset = 0
-        for (k, start, n), stride in zip(pieces, padded):
-            assert rows.position_ids[r, offset:offset + n].tolist() == list(range(n))
+        for d, (k, start, n) in enumerate(pieces):
+            assert offset % alignment == 0  # documents start on the multiple, in placement order
+            assert rows.positions[r, offset:offset + n].tolist() == list(range(n))
+            assert bool((rows.seq_ids[r, offset:offset + n] == d + 1).all())
             for j in range(n):
                 assert seen[k][start + j] is None
                 seen[k][start + j] = int(rows.input_ids[r, offset + j])
-            offset += stride
-        covered = torch.zeros(seq_len, dtype=torch.bool)
-        offset = 0
-        for n, stride in zip(real, padded):
-            covered[offset:offset + n] = True
-            offset += stride
-        assert bool((rows.labels[r][~covered] == X).all()) and bool((rows.input_ids[r][~covered] == 0).all())
+            offset += -(-n // alignment) * alignment
+        assert offset <= seq_len
+        pad = rows.seq_ids[r] == 0
+        assert int((~pad).sum()) == sum(n for _, _, n in pieces)
+        assert bool((rows.labels[r][pad] == X).all()) and bool((rows.input_ids[r][pad] == 0).all())
+        assert bool((rows.positions[r][pad] == 0).all())
     assert all(seen[k] == docs[k] for k in seen)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from dsv4.config import DSV4Config
-from dsv4.model.attention import DSV4Attention, build_attention_metadata
+from dsv4.model.attention import DSV4Attention
+from dsv4.model.attention_metadata import build_attention_metadata
 
 CONFIG = DSV4Config.preset("tiny", attention_chunk_size=48)  # ratios [0, 4, 128, 4] (+ MTP layer 4: ratio 0)
 
@@ -26,6 +27,11 @@ def arange_pos(length: int, batch: int = 1) -> torch.Tensor:
     return torch.arange(length).expand(batch, -1)
 
 
+def attend(layer, x, pos, seq=None, pad=None, cp=None):
+    """The layer on ``x`` with the metadata the model would build for these positions / documents / padding."""
+    return layer(x, build_attention_metadata(layer.config, pos, seq, pad, cp), cp)
+
+
 @pytest.mark.parametrize("layer_idx", [0, 1, 2])
 def test_packed_row_equals_each_document_alone(layer_idx):
     """Documents aligned to the shard multiple 128: lengths 128 and 256, then 16 pack-padding tokens."""
@@ -35,10 +41,10 @@ def test_packed_row_equals_each_document_alone(layer_idx):
     seq = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)] + [torch.zeros(tail, dtype=torch.long)])
     pos = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(tail, dtype=torch.long)])
     with torch.no_grad():
-        packed = layer(x, pos[None], seq[None], None)
+        packed = attend(layer, x, pos[None], seq[None], None)
         start = 0
         for n in lengths:
-            alone = layer(x[:, start : start + n], arange_pos(n), None, None)
+            alone = attend(layer, x[:, start : start + n], arange_pos(n), None, None)
             assert torch.allclose(packed[:, start : start + n], alone, atol=1e-5)
             start += n
     assert torch.isfinite(packed).all()
@@ -54,9 +60,9 @@ def test_in_document_padding_does_not_reach_real_tokens(layer_idx):
     pad = torch.zeros(1, 256, dtype=torch.bool)
     pad[0, 100:128] = True
     with torch.no_grad():
-        packed = layer(x, pos, seq, pad)
-        alone = layer(x[:, :100], arange_pos(100), None, None)
-        second = layer(x[:, 128:], arange_pos(128), None, None)
+        packed = attend(layer, x, pos, seq, pad)
+        alone = attend(layer, x[:, :100], arange_pos(100), None, None)
+        second = attend(layer, x[:, 128:], arange_pos(128), None, None)
     assert torch.allclose(packed[:, :100], alone, atol=1e-5)
     assert torch.allclose(packed[:, 128:], second, atol=1e-5)
 
@@ -67,8 +73,8 @@ def test_position_shift_invariance(layer_idx):
     layer = make_layer(layer_idx, seed=2)
     x = torch.randn(2, 160, CONFIG.hidden_size)
     with torch.no_grad():
-        base = layer(x, arange_pos(160, 2), None, None)
-        shifted = layer(x, arange_pos(160, 2) + 256, None, None)  # shift by a multiple of every ratio
+        base = attend(layer, x, arange_pos(160, 2), None, None)
+        shifted = attend(layer, x, arange_pos(160, 2) + 256, None, None)  # shift by a multiple of every ratio
     assert torch.allclose(base, shifted, atol=1e-4)
 
 
@@ -76,7 +82,7 @@ def test_backward_reaches_every_trainable_param_but_not_the_indexer():
     for layer_idx in range(5):
         layer = make_layer(layer_idx)
         x = torch.randn(1, 136, CONFIG.hidden_size, requires_grad=True)
-        out = layer(x, arange_pos(136), None, None)
+        out = attend(layer, x, arange_pos(136), None, None)
         assert out.shape == x.shape and torch.isfinite(out).all()
         out.square().sum().backward()
         assert torch.isfinite(x.grad).all()
@@ -91,7 +97,7 @@ def test_short_sequence_keeps_compressor_in_graph():
     """Fewer tokens than one HCA window: the compressor gets zero gradients (not None), as FSDP/DDP expect."""
     layer = make_layer(2)
     x = torch.randn(1, 40, CONFIG.hidden_size, requires_grad=True)
-    layer(x, arange_pos(40), None, None).sum().backward()
+    attend(layer, x, arange_pos(40), None, None).sum().backward()
     assert all(p.grad is not None and torch.all(p.grad == 0) for p in layer.compressor.parameters())
 
 
@@ -126,8 +132,8 @@ def test_prebuilt_metadata_and_cp_hook():
     meta = build_attention_metadata(CONFIG, pos, seq, None)
     assert set(meta.windows) == {4, 128} and meta.halo == 0
     with torch.no_grad():
-        a = layer(x, pos, seq, None)
-        b = layer(x, pos, seq, None, metadata=meta)
+        a = attend(layer, x, pos, seq, None)
+        b = layer(x, meta)
 
     class FakeCP:  # no collective may run: every check below must fire before one
         def __init__(self, size, halo=None):
@@ -137,16 +143,17 @@ def test_prebuilt_metadata_and_cp_hook():
             raise AssertionError(f"collective {name} called")
 
     with torch.no_grad():
-        c = layer(x, pos, seq, None, cp=FakeCP(1))
+        c = attend(layer, x, pos, seq, None, cp=FakeCP(1))
     assert torch.equal(a, b) and torch.equal(a, c)
     # CP bad combinations raise before any collective, with the numbers
-    with pytest.raises(ValueError, match=r"L=64 \(global 128 over 2 ranks\) is not a multiple of the shard multiple 128"):
-        layer(x, pos, seq, None, cp=FakeCP(2))
+    with pytest.raises(ValueError, match=r"`global sequence length`=128 must be a positive multiple of cp x shard "
+                                         r"multiple = 2 x 128 = 256"):
+        attend(layer, x, pos, seq, None, cp=FakeCP(2))
     x128, pos128, seq128 = torch.randn(1, 128, CONFIG.hidden_size), arange_pos(128), torch.ones(1, 128, dtype=torch.long)
     with pytest.raises(ValueError, match=r"CPContext.halo=3 is smaller than the 15 rows"):
-        layer(x128, pos128, seq128, None, cp=FakeCP(2, halo=3))
+        attend(layer, x128, pos128, seq128, None, cp=FakeCP(2, halo=3))
     with pytest.raises(ValueError, match=r"L=128 tokens but each rank needs a halo of 200 rows"):
-        layer(x128, pos128, seq128, None, cp=FakeCP(2, halo=200))
+        attend(layer, x128, pos128, seq128, None, cp=FakeCP(2, halo=200))
 
 
 def test_pack_padding_queries_are_finite():
@@ -154,7 +161,7 @@ def test_pack_padding_queries_are_finite():
     x = torch.randn(1, 48, CONFIG.hidden_size, requires_grad=True)
     seq = torch.cat((torch.ones(32, dtype=torch.long), torch.zeros(16, dtype=torch.long)))[None]
     pos = torch.cat((torch.arange(32), torch.zeros(16, dtype=torch.long)))[None]
-    out = layer(x, pos, seq, seq == 0)
+    out = attend(layer, x, pos, seq, seq == 0)
     out.sum().backward()
     assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
 
@@ -163,13 +170,13 @@ def test_bfloat16_forward():
     layer = make_layer(1).to(torch.bfloat16)
     x = torch.randn(1, 40, CONFIG.hidden_size, dtype=torch.bfloat16)
     with torch.no_grad():
-        out = layer(x, arange_pos(40), None, None)
+        out = attend(layer, x, arange_pos(40), None, None)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
 
 
 def test_misaligned_documents_are_rejected():
     """A document starting off a window boundary would make compressed keys leak future tokens: refuse it."""
-    from dsv4.model.attention import build_attention_metadata
+    from dsv4.model.attention_metadata import build_attention_metadata
 
     cfg = DSV4Config.preset("tiny")
     seq = torch.tensor([[1] * 6 + [2] * 10])  # document 2 starts at column 6, not a multiple of 4

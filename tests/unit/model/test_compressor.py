@@ -125,7 +125,7 @@ def test_all_masked_window_is_finite_zero_with_finite_grads():
 
 @pytest.mark.parametrize("ratio", [4, 8])
 def test_block_with_previous_rows_equals_slice_of_whole(ratio):
-    """A later CP rank compresses its block given the previous rank's last `ratio` rows (the halo)."""
+    """A later CP rank compresses its block given the previous rank's boundary features (the compressor halo)."""
     comp = make_compressor(ratio, seed=2)
     x = torch.randn(2, 6 * ratio, HIDDEN)
     seq = torch.tensor([[1] * (6 * ratio), [1] * (3 * ratio) + [2] * (3 * ratio)])
@@ -133,11 +133,11 @@ def test_block_with_previous_rows_equals_slice_of_whole(ratio):
     whole = comp(x, windows_for(seq, pos, ratio))
     cut = 2 * ratio
     prev_seq = window_metadata(seq[:, cut - ratio : cut], pos[:, cut - ratio : cut], ratio)[0][:, 0]
-    block = comp(x[:, cut:], windows_for(seq[:, cut:], pos[:, cut:], ratio, prev_seq), prev_x=x[:, cut - ratio : cut])
+    block = comp(x[:, cut:], windows_for(seq[:, cut:], pos[:, cut:], ratio, prev_seq), prev_features=comp.boundary_features(x[:, :cut]))
     assert torch.allclose(block, whole[:, 2:], atol=1e-6)
     cut = 3 * ratio  # row 1: the block starts a new document -> its first window ignores the previous rows
     prev_seq = window_metadata(seq[:, cut - ratio : cut], pos[:, cut - ratio : cut], ratio)[0][:, 0]
-    block = comp(x[:, cut:], windows_for(seq[:, cut:], pos[:, cut:], ratio, prev_seq), prev_x=x[:, cut - ratio : cut])
+    block = comp(x[:, cut:], windows_for(seq[:, cut:], pos[:, cut:], ratio, prev_seq), prev_features=comp.boundary_features(x[:, :cut]))
     assert torch.allclose(block, whole[:, 3:], atol=1e-6)
 
 

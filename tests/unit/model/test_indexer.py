@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dsv4.config import DSV4Config
-from dsv4.model.attention import build_attention_metadata
+from dsv4.model.attention_metadata import build_attention_metadata
 from dsv4.model.indexer import Indexer
 from dsv4.model.rope import apply_rope
 from dsv4.model.sparse_attention import compressed_key_allowed

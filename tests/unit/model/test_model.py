@@ -18,7 +18,7 @@ TAIL = 128  # row tail (pack padding, seq id 0)
 def _tiny() -> DSV4Config:
     cfg = DSV4Config.preset("tiny")
     assert cfg.compress_ratios == [0, 4, 128, 4] and cfg.num_hash_layers >= 1
-    assert cfg.hc_mult == 4 and cfg.num_nextn_predict_layers >= 1 and cfg.cp_shard_multiple == MULTIPLE
+    assert cfg.hc_mult == 4 and cfg.num_nextn_predict_layers >= 1 and cfg.shard_multiple == MULTIPLE
     return cfg
 
 

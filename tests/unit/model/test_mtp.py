@@ -1,6 +1,8 @@
-"""MTP (spec 5.3): in-document shift of inputs/targets (hand case, CP slices) and the causal reach per depth."""
+"""MTP: in-document shift of inputs/targets (hand case, CP slices) and the causal reach per depth."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
@@ -14,13 +16,19 @@ PAD = torch.tensor([[False, False, False, True, False, False, False, True]])
 IDS = torch.tensor([[10, 11, 12, 99, 20, 21, 22, 0]])
 
 
+def meta(seq, pad, full_seq=None, full_pad=None):
+    """The four attention-metadata fields DocumentShift reads (local and whole-row document ids and padding)."""
+    return SimpleNamespace(seq_ids=seq, padding=pad, full_seq_ids=seq if full_seq is None else full_seq,
+                           full_padding=pad if full_pad is None else full_pad)
+
+
 def test_shift_stays_inside_documents():
-    shift = DocumentShift(SEQ, PAD)
+    shift = DocumentShift(meta(SEQ, PAD))
     # s = 1: doc 1 tokens 10,11 see 11,12; 12 would see a pad slot; doc 2 stops at its end; pads/tail -> fill.
     assert shift(IDS, 1, fill=0).tolist() == [[11, 12, 0, 0, 21, 22, 0, 0]]
     assert shift(IDS, 2, fill=-100).tolist() == [[12, -100, -100, -100, 22, -100, -100, -100]]
     # No packing metadata: one document, only the row end is cut.
-    plain = DocumentShift(torch.ones(1, 4, dtype=torch.long), None)
+    plain = DocumentShift(meta(torch.ones(1, 4, dtype=torch.long), None))
     assert plain(torch.tensor([[1, 2, 3, 4]]), 1, fill=-1).tolist() == [[2, 3, 4, -1]]
 
 
@@ -38,11 +46,11 @@ class _FakeCP:
 
 
 def test_shift_under_cp_matches_the_global_slice():
-    full = {0: SEQ, 1: PAD, 2: IDS}
-    expected = DocumentShift(SEQ, PAD)(IDS, 1, fill=0)
+    full = {2: IDS}  # ids are gathered per depth; document ids and padding come from the metadata
+    expected = DocumentShift(meta(SEQ, PAD))(IDS, 1, fill=0)
     for rank in (0, 1):
         sl = slice(rank * 4, (rank + 1) * 4)
-        shift = DocumentShift(SEQ[:, sl], PAD[:, sl], cp=_FakeCP(rank, full))
+        shift = DocumentShift(meta(SEQ[:, sl], PAD[:, sl], SEQ, PAD), cp=_FakeCP(rank, full))
         assert torch.equal(shift(IDS[:, sl], 1, fill=0), expected[:, sl])
 
 

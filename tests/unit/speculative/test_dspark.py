@@ -5,7 +5,6 @@ import torch
 
 from dsv4.config import DSV4Config
 from dsv4.model import DSV4ForCausalLM
-from dsv4.model.model import packing_alignment
 from dsv4.speculative import (
     FeatureCapture,
     capture_dspark_features,
@@ -31,7 +30,7 @@ def _alone(model, ids, layer_ids):
 def test_packed_capture_equals_per_document(name, alignment):
     model = _model(name)
     cfg = model.config
-    assert packing_alignment(cfg) == alignment
+    assert cfg.shard_multiple == alignment
     layer_ids = [0, 2, 3]
     # lengths 1, exactly the alignment, alignment + 1 (and a 3 for the small alignment); two rows, caller padding
     lens = torch.tensor([[1, alignment, alignment + 1, -1000], [3, 0, 1, alignment + 1]])

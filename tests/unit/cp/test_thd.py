@@ -79,6 +79,14 @@ def test_length_key_preference():
         partition_packed_batch_contiguous({"tokens": torch.ones(8)}, 2, 0)
 
 
+def test_a_batch_of_metadata_only_comes_back_unchanged():
+    """A middle pipeline stage has no token tensors: nothing to slice, nothing to raise (Megatron-Bridge)."""
+    batch = {"cu_seqlens": torch.tensor([0, 4, 8]), "max_seqlen": 4, "total_tokens": torch.tensor(8)}
+    out = partition_packed_batch_contiguous(batch, 4, 3)
+    assert out.keys() == {*batch, "cp_partition_mode"} and out["cp_partition_mode"] == "contiguous"
+    assert all(out[k] is v for k, v in batch.items())
+
+
 def test_indivisible_length_error_names_length_cp_size_and_fix():
     batch = {"tokens": torch.zeros(1, 10, dtype=torch.long)}
     with pytest.raises(ValueError) as err:

@@ -1,38 +1,32 @@
-"""Process-group helpers of the seed CP API.
+"""Seed group helpers and gathers (``dsv4_cp_enabled/rank/size``, ``dsv4_cp_all_gather[_metadata]``) and CP meshes.
 
-A "CP group" is a ``torch.distributed`` process group, or ``None`` for the single-rank path. A group of size 1
-is the single-rank path too. The sharding functions also take a *CP mesh*: a 1-D ``DeviceMesh``, a process
-group, ``None``, or any object with ``size()`` (and optionally ``get_local_rank()`` / ``get_group()``), which is
-how single-process tests shard for every rank of a pretend group.
+The seed names are thin wrappers over :mod:`dsv4.distributed` and :mod:`dsv4.cp.collectives` with the seed's
+signatures. A *CP mesh* (what the seed sharding functions take) is a 1-D ``DeviceMesh``, a process group, ``None``,
+or any object with ``size()`` (and optionally ``get_local_rank()`` / ``get_group()``), e.g. :class:`SimulatedMesh`,
+which lets one process shard for every rank of a pretend group.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
-
-ProcessGroup = dist.ProcessGroup
+from dsv4.cp.collectives import all_gather, all_gather_metadata
+from dsv4.distributed import ProcessGroup, group_rank, group_size, is_initialized
 
 
 def dsv4_cp_enabled(cp_group: ProcessGroup | None) -> bool:
     """True when ``cp_group`` is a live process group of more than one rank."""
-    return (
-        cp_group is not None
-        and dist.is_available()
-        and dist.is_initialized()
-        and dist.get_world_size(group=cp_group) > 1
-    )
+    return group_size(cp_group) > 1
 
 
 def dsv4_cp_rank(cp_group: ProcessGroup | None) -> int:
     """This process's rank inside ``cp_group`` (0 when CP is disabled)."""
-    return dist.get_rank(group=cp_group) if dsv4_cp_enabled(cp_group) else 0
+    return group_rank(cp_group) if dsv4_cp_enabled(cp_group) else 0
 
 
-def dsv4_cp_size(cp_group: ProcessGroup | None) -> int:
-    """World size of ``cp_group`` (1 when CP is disabled)."""
-    return dist.get_world_size(group=cp_group) if dsv4_cp_enabled(cp_group) else 1
+dsv4_cp_size = group_size  # world size of ``cp_group`` (1 when CP is disabled)
+dsv4_cp_all_gather = all_gather  # differentiable, ``(tensor, dim=1, cp_group=None)``; backward sums into the owner
+dsv4_cp_all_gather_metadata = all_gather_metadata  # plain all-gather of integer/bool metadata (identity without CP)
 
 
 def mesh_size(cp_mesh: Any) -> int:
@@ -40,7 +34,7 @@ def mesh_size(cp_mesh: Any) -> int:
     if cp_mesh is None:
         return 1
     if isinstance(cp_mesh, ProcessGroup):
-        return dist.get_world_size(group=cp_mesh) if dist.is_initialized() else 1
+        return group_size(cp_mesh)
     return int(cp_mesh.size())
 
 
@@ -49,7 +43,7 @@ def mesh_group(cp_mesh: Any) -> ProcessGroup | None:
     if cp_mesh is None or isinstance(cp_mesh, ProcessGroup):
         return cp_mesh
     get_group = getattr(cp_mesh, "get_group", None)
-    if get_group is None or not (dist.is_available() and dist.is_initialized()):
+    if get_group is None or not is_initialized():
         return None
     return get_group()
 
@@ -59,8 +53,8 @@ def mesh_rank(cp_mesh: Any) -> int:
     if cp_mesh is None:
         return 0
     group = mesh_group(cp_mesh)
-    if group is not None and dist.is_initialized():
-        return dist.get_rank(group=group)
+    if group is not None:
+        return group_rank(group)
     get_local_rank = getattr(cp_mesh, "get_local_rank", None)
     return int(get_local_rank()) if get_local_rank is not None else 0
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.cp.collectives import dsv4_cp_all_gather_metadata
-from dsv4.cp.groups import ProcessGroup, dsv4_cp_size
+from dsv4.cp.seed.groups import dsv4_cp_all_gather_metadata, dsv4_cp_size
+from dsv4.distributed import ProcessGroup
 
 
 def _as_2d_long(t: torch.Tensor, device) -> torch.Tensor:

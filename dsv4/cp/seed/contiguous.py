@@ -14,9 +14,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dsv4.cp.groups import mesh_rank, mesh_size
-from dsv4.cp.layout import ShardLayout
-from dsv4.cp.repad import IGNORE_INDEX, primary_key
+from dsv4.batch import IGNORE_INDEX
+from dsv4.cp.seed.groups import mesh_rank, mesh_size
+from dsv4.cp.seed.layout import ShardLayout
+from dsv4.cp.seed.repad import primary_key
 
 
 def convert_attention_mask_to_padding_mask(batch: dict) -> dict:

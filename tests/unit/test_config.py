@@ -18,13 +18,13 @@ def test_defaults_are_flash():
     assert [i for i, x in enumerate(r) if x == 4] == list(range(2, 43, 2))
     assert [i for i, x in enumerate(r) if x == 128] == list(range(3, 42, 2))
     assert DSV4Config.preset("flash") == c
-    assert c.cp_shard_multiple == 128
+    assert c.shard_multiple == 128
 
 
 def test_tiny_preset_exercises_every_layer_kind():
     c = DSV4Config.preset("tiny")
     assert c.compress_ratios == [0, 4, 128, 4]
-    assert c.cp_shard_multiple == 128  # lcm(2*4, 128)
+    assert c.shard_multiple == 128  # lcm(2*4, 128)
     assert c.sliding_window < 128 and c.torch_dtype == "float32"
     assert c.num_attention_heads % c.o_groups == 0
 
@@ -45,7 +45,7 @@ def test_preset_overrides_and_unknown_preset():
 def test_empty_ratios_mean_all_zero():
     c = DSV4Config.preset("tiny", compress_ratios=[])
     assert c.compress_ratios == [0, 0, 0, 0]
-    assert c.active_ratios == [] and c.cp_shard_multiple == 1
+    assert c.active_ratios == [] and c.shard_multiple == 1
 
 
 def test_ratio_for_layer_mtp_reads_zero_beyond_list():

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4.packing import take_tokens
+
 
 def _expand_like(index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """View a ``[B, N]`` index with singleton trailing dims matching ``values`` ``[B, *, ...]``, then expand."""
@@ -70,10 +72,7 @@ class ShardLayout:
                 raise ValueError("restoring to a repositioned layout requires `fill` for dropped caller slots")
             if seq_dim != 1:
                 raise ValueError(f"a repositioned layout restores along dim 1, got seq_dim={seq_dim}")
-            pos = pos.to(full.device)
-            gathered = full.gather(1, _expand_like(pos.clamp_min(0), full))
-            keep = _expand_like(pos >= 0, full) if full.dim() > 2 else pos >= 0
-            return torch.where(keep, gathered, torch.as_tensor(fill, dtype=full.dtype, device=full.device))
+            return take_tokens(full, pos, fill)
         if self.input_row_shape is not None:
             return full.reshape(*self.input_row_shape, *full.shape[seq_dim + 1 :])
         if self.original_seq_len is not None:

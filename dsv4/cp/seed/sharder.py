@@ -1,11 +1,13 @@
 """The DSV4 CP batch entry points: ``make_dsv4_contiguous_shard_cp_batch_and_ctx`` and ``ContextParallelSharder``.
 
 Packed batches (``qkv_format == "thd"``, or ``seq_lens`` / ``cu_seqlens`` present) are repadded so every document
-starts on a multiple of ``pad_multiple`` (see :mod:`dsv4.cp.repad`), then cut contiguously: rank r owns padded
-columns ``[r*L, (r+1)*L)``. ``seq_lens`` / ``seq_lens_padded`` stay global (every rank holds the whole row's
-metadata). The CP process group travels to the forward as ``batch["_dsv4_cp_group"]``.
+starts on a multiple of ``pad_multiple`` (see :mod:`dsv4.cp.seed.repad`), then cut contiguously: rank r owns
+padded columns ``[r*L, (r+1)*L)``. ``seq_lens`` / ``seq_lens_padded`` stay global (every rank holds the whole row's
+metadata). As in the seed, the CP process group travels to the forward as ``batch["_dsv4_cp_group"]``, so that
+``model(**local_batch)`` works; dsv4's own training path does not use this module (it cuts a
+:class:`dsv4.batch.TokenBatch`).
 
-Typical use (what ``DSV4Strategy`` registers)::
+Typical use (the seed's DSV4 registration, :func:`dsv4_cp_sharder`)::
 
     shard = functools.partial(make_dsv4_contiguous_shard_cp_batch_and_ctx,
                               pad_multiple=dsv4_cp_local_seq_multiple(config), sync_packed_length=False)
@@ -22,14 +24,13 @@ from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
-from dsv4.cp.collectives import dsv4_cp_all_gather, dsv4_cp_all_gather_metadata
-from dsv4.cp.contiguous import contiguous_local_indices, shard_batch_contiguous
-from dsv4.cp.groups import mesh_group, mesh_size
-from dsv4.cp.layout import ShardLayout
-from dsv4.cp.multiple import dsv4_cp_local_seq_multiple
-from dsv4.cp.repad import _repad_dsv4_packed_batch
+from dsv4.cp.seed.contiguous import contiguous_local_indices, shard_batch_contiguous
+from dsv4.cp.seed.groups import dsv4_cp_all_gather, dsv4_cp_all_gather_metadata, mesh_group, mesh_size
+from dsv4.cp.seed.layout import ShardLayout
+from dsv4.cp.seed.multiple import dsv4_cp_local_seq_multiple
+from dsv4.cp.seed.repad import _repad_dsv4_packed_batch
+from dsv4.distributed import is_initialized
 
 
 class PrePackedBatchError(KeyError, NotImplementedError):
@@ -246,7 +247,7 @@ class ContextParallelSharder:
         indices = self._indices(t.shape[seq_dim] * size, t.device)
         if size > 1:
             group = mesh_group(self.cp_mesh)
-            if group is None or not dist.is_initialized():
+            if group is None or not is_initialized():
                 raise RuntimeError(
                     f"gather_token_tensor: the CP mesh has {size} ranks but torch.distributed is not initialised"
                 )

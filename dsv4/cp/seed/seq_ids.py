@@ -1,6 +1,6 @@
 """Document ids of packed rows and the small length helpers of the seed API.
 
-Conventions (``reference/cp-contract.md`` 1.1): ``seq_lens`` / ``seq_lens_padded`` are ``[B, D]`` (or ``[D]``)
+Seed conventions: ``seq_lens`` / ``seq_lens_padded`` are ``[B, D]`` (or ``[D]``)
 integer tensors whose entries equal to ``_SEQ_LENS_PADDING_VALUE`` (-1000) right-pad the document axis and are
 skipped everywhere. Document ids are 1-based within each row, 0 marks pack padding that belongs to no document,
 and a zero-length document still uses up an id (ids may skip numbers).
@@ -8,9 +8,11 @@ and a zero-length document still uses up an id (ids may skip numbers).
 
 from __future__ import annotations
 
-_SEQ_LENS_PADDING_VALUE = -1000
-
 import torch
+
+from dsv4.packing import SEQ_LENS_PAD
+
+_SEQ_LENS_PADDING_VALUE = SEQ_LENS_PAD
 
 
 def _check_lengths(name: str, lengths: torch.Tensor, padding_value: int = _SEQ_LENS_PADDING_VALUE) -> torch.Tensor:

@@ -1,0 +1,86 @@
+"""Process-group helpers: the one set of rank / size queries and plain collectives every module uses.
+
+A *group* is a ``torch.distributed`` process group or ``None``. ``None`` (or no initialised process group) is the
+single-process case: size 1, rank 0, and every collective below is an identity. Expert parallelism, which treats
+``None`` as "the default group", resolves it first with :func:`resolve_group`.
+
+The plain tensor collectives have one spelling each here (:func:`all_gather_into`, :func:`reduce_scatter_into`);
+they use ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` where torch has them and the older
+``*_into_tensor`` names otherwise (same semantics).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+ProcessGroup = dist.ProcessGroup
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def is_initialized() -> bool:
+    """True when ``torch.distributed`` is available and a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Ranks in ``group``; 1 for ``None`` or without an initialised process group."""
+    return dist.get_world_size(group=group) if group is not None and is_initialized() else 1
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank in ``group``; 0 for ``None`` or without an initialised process group."""
+    return dist.get_rank(group=group) if group is not None and is_initialized() else 0
+
+
+def resolve_group(group: ProcessGroup | DeviceMesh | None) -> ProcessGroup | None:
+    """A process group from a group, a 1-D ``DeviceMesh`` or ``None`` (the default group when initialised)."""
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"expected a 1-D device mesh, got dims {group.mesh_dim_names}")
+        return group.get_group()
+    if group is None:
+        return dist.group.WORLD if is_initialized() else None
+    return group
+
+
+def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Plain all-gather of ``tensor`` into ``out`` (``group_size`` times its dim-0 length), in rank order."""
+    _ALL_GATHER(out, tensor, group=group)
+    return out
+
+
+def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Plain SUM reduce-scatter of ``tensor`` (dim 0 split in rank order) into ``out``."""
+    _REDUCE_SCATTER(out, tensor, group=group)
+    return out
+
+
+def reduce_device(group: ProcessGroup | None) -> torch.device:
+    """Where a small tensor for a collective over ``group`` must live: the current CUDA device under NCCL."""
+    if is_initialized() and "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_max(value: int, group: ProcessGroup | None = None, device: Any = None) -> int:
+    """MAX of a Python int over ``group`` (WORLD when None); the value itself without a process group."""
+    if not is_initialized():
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device if device is not None else reduce_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def all_reduce_sum(t: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """SUM of ``t`` over ``group`` (WORLD when None) as a new tensor; ``t`` itself without a process group."""
+    if not is_initialized():
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t

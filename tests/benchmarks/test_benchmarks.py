@@ -1,0 +1,53 @@
+"""The benchmark scripts' own logic: the RSS high-water reset, and smoke runs that check what they measure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import current_rss_kib, peak_rss_kib, reset_peak_rss  # noqa: E402
+from tests.e2e.helpers import recipe_env, reserved_port  # noqa: E402
+
+
+def _run(script: str, *args: str, timeout: float = 300) -> list[dict]:
+    with reserved_port() as port:  # a recipe the script starts meets its ranks there
+        proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=timeout, env=recipe_env(port))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_reset_peak_rss_forgets_an_earlier_transient_allocation():
+    import torch
+
+    big = torch.ones(64 * 2**20)  # 256 MiB, touched
+    del big
+    assert peak_rss_kib() - current_rss_kib() > 200 * 1024  # the high-water mark remembers it
+    reset_peak_rss()
+    assert peak_rss_kib() - current_rss_kib() < 50 * 1024
+
+
+@pytest.mark.e2e
+def test_cp_memory_measures_only_the_step_and_reports_the_ratio():
+    rows = _run("cp_memory.py", "--seq-len", "2048", "--cp", "1", "2")
+    by_name = {(r["name"], r["shape"].get("cp"), r["shape"].get("rank")): r["value"] for r in rows}
+    one, two = by_name[("cp_memory.peak_rss_delta.max_over_ranks", 1, None)], \
+        by_name[("cp_memory.peak_rss_delta.max_over_ranks", 2, None)]
+    assert 0 < two < one
+    assert by_name[("cp_memory.ratio_to_cp1", 2, None)] == pytest.approx(two / one, abs=1e-3)
+
+
+@pytest.mark.e2e
+def test_train_throughput_measures_only_the_steps_after_warmup():
+    rows = _run("train_throughput.py", "--cp", "1", "--steps", "4", "--warmup", "2", "--seq-len", "256",
+                "--max-bytes", "100000", "--padding-seq-lens", "1024")
+    (speed,) = [r for r in rows if r["name"] == "train_throughput.tokens_per_s"]
+    assert speed["shape"]["steps_measured"] == 2 and speed["value"] > 0
+    assert all(set(r) == {"name", "shape", "value", "unit"} for r in rows)

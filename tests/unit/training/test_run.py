@@ -1,0 +1,84 @@
+"""The run function in-process: start-up validation names the bad key before anything is written; a one-device
+run trains, writes its outputs and objective, and resumes."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+from dsv4.training.run import read_objective, run_finetune, validate
+from dsv4.training.schema import register_schema
+
+CONF = Path(__file__).resolve().parents[3] / "conf"
+FAST = ["seq_len=256", "logger=csv", "data.max_bytes=200000", "scheduler.warmup_steps=1", "callbacks=none"]
+
+
+def _compose(overrides):
+    register_schema()
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="finetune", overrides=overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["cp=3", "trainer.devices=4"], "`cp`=3 does not divide the world size 4"),
+        (["dp=3", "trainer.devices=4"], "`dp`=3 x `cp`=1 = 3 does not match the world size 4"),
+        (["model.compress_ratios=[0,4]"], "compress_ratios"),
+        (["seq_len=1000", "cp=2"], "`seq_len`=1000 must be a positive multiple of cp x shard multiple = 2 x 128 = 256"),
+        (["model=v41_tiny", "seq_len=6", "cp=4"], "`seq_len`=6 must be a positive multiple of cp x shard multiple = "
+                                                  "4 x 2 = 8"),
+        (["ep=3", "cp=2"], "`ep`=3 must divide dp x cp = 2"),
+        (["ep=2", "model.n_routed_experts=9", "cp=2"], "`ep`=2 must divide model.n_routed_experts=9"),
+        (["dispatcher=deepep"], "DeepEP"),
+        (["cp=0"], "`cp` must be a positive integer"),
+        (["micro_batch_size=0"], "`micro_batch_size` must be >= 1, got 0"),
+        (["checkpoint.every_n_steps=-1"], "`checkpoint.every_n_steps` must be >= 0, got -1"),
+        (["model.checkpoint=/no/such/dir"], "`model.checkpoint`='/no/such/dir' is not a directory"),
+        (["export.hf_dir=out", "export.dtype=fp7"], "`export.dtype`='fp7' must be one of"),
+        (["export.hf_dir=out", "ep=2", "cp=2", "dispatcher=alltoall"], "`export.hf_dir` with ep > 1"),
+        (["+optim.momentum=0.9"], "`optim` cannot be instantiated: TypeError"),
+        (["scheduler.min_lr_ratio=2"], "`scheduler` cannot be instantiated: ValueError: min_lr_ratio must be in"),
+        (["callbacks=default", "callbacks.throughput.warmup_steps=-1"], "`callbacks.throughput` cannot be"),
+        (["logger._target_=no.such.Logger"], "`logger._target_`='no.such.Logger' cannot be imported"),
+    ],
+)
+def test_validate_names_the_bad_key(overrides, message):
+    with pytest.raises((ValueError, RuntimeError)) as err:  # RuntimeError: a dispatcher this machine cannot run
+        validate(_compose([*FAST, *overrides]))
+    assert message in str(err.value)
+
+
+def _losses(run: Path) -> dict[int, float]:
+    with open(run / "csv" / "metrics.csv") as f:
+        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+
+
+def test_run_trains_writes_its_outputs_and_resumes(tmp_path, one_rank_group):
+    run = tmp_path / "run"
+    run.mkdir()
+    value = run_finetune(_compose([*FAST, "trainer.max_steps=3", "checkpoint.every_n_steps=2"]), run)
+    losses = _losses(run)
+    assert sorted(losses) == [0, 1, 2] and value == pytest.approx(losses[2])
+    assert read_objective(run) == pytest.approx(value)
+    assert json.loads((run / "objective.json").read_text())["metric"] == "train/loss"
+    assert (run / "checkpoints" / "step2.ckpt" / ".metadata").exists()
+    resolved = yaml.safe_load((run / "resolved_config.yaml").read_text())
+    assert resolved["model"]["preset"] == "tiny" and resolved["model"]["sliding_window"] == 16  # preset spelled out
+    assert (run / "csv" / "hparams.yaml").exists()  # the logger got the config
+    # the same command with more steps resumes from the newest complete checkpoint (step 2) and continues the
+    # same trajectory: its first step is the first run's third
+    run_finetune(_compose([*FAST, "trainer.max_steps=4", "checkpoint.every_n_steps=2"]), run)
+    resumed = _losses(run)
+    assert sorted(resumed) == [2, 3] and resumed[2] == pytest.approx(losses[2], abs=1e-6)
+
+
+def test_dry_run_packs_and_stops(tmp_path, caplog):
+    caplog.set_level("INFO", logger="dsv4")
+    assert run_finetune(_compose([*FAST, "dry_run=true"]), tmp_path) is None
+    assert "dry run:" in caplog.text and not (tmp_path / "checkpoints").exists()
