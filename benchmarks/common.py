@@ -53,7 +53,7 @@ def cp_training_step(config, seq_len: int, world_size: int, before_step=None):
     model = DSV4ForCausalLM(config)
     ids = torch.randint(0, config.vocab_size, (seq_len,), generator=torch.Generator().manual_seed(1))
     rank = dist.get_rank()
-    batch = pack_documents([ids.tolist()], seq_len, config.shard_multiple).row(0).cut(rank, world_size,
+    batch = pack_documents([ids.tolist()], seq_len, config.shard_multiple)[0].cut(rank, world_size,
                                                                                        config.shard_multiple)
     group = dist.new_group(list(range(world_size)))
     cp = CPContext(group) if world_size > 1 else None

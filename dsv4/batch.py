@@ -1,6 +1,6 @@
 """`TokenBatch`: the one batch type of the training path, from the packer to the model.
 
-    packer -> TokenBatch.stack (collate) -> strategy: .to(device), .cut(cp rank) -> training step -> model(...)
+    packer -> TokenBatch.stack (the DataLoader's collate_fn) -> .to(device) -> .cut(cp rank) -> model(...)
 
 Fields (``B`` rows, ``L`` columns of this batch; all int64):
 
@@ -115,6 +115,12 @@ class TokenBatch:
         moved = {name: getattr(self, name).to(device, non_blocking=non_blocking) for name in _TOKEN_FIELDS}
         return replace(self, **moved)
 
+    def select(self, rows: slice) -> "TokenBatch":
+        """The whole-row batch of ``rows`` (a slice of the row axis)."""
+        if self.shard.size != 1:
+            raise ValueError(f"TokenBatch.select: this batch is CP shard {self.shard}; select from whole rows")
+        return TokenBatch(*(getattr(self, name)[rows] for name in _TOKEN_FIELDS))
+
     def cut(self, rank: int, size: int, multiple: int = 1) -> "TokenBatch":
         """CP rank ``rank`` of ``size``'s contiguous slice ``[rank * L / size, (rank + 1) * L / size)``.
 
@@ -134,15 +140,10 @@ class TokenBatch:
 
     @classmethod
     def stack(cls, rows: Sequence["TokenBatch"]) -> "TokenBatch":
-        """Concatenate whole-row batches of one width along the rows (the DataLoader's collate function)."""
+        """Concatenate whole-row batches of one width along the rows (``DataLoader(collate_fn=TokenBatch.stack)``)."""
         if not rows:
             raise ValueError("TokenBatch.stack: got no rows")
         widths = sorted({row.width for row in rows})
         if len(widths) > 1 or any(row.shard.size != 1 for row in rows):
             raise ValueError(f"TokenBatch.stack: rows must be whole rows of one width, got widths {widths}")
         return cls(*(torch.cat([getattr(row, name) for row in rows]) for name in _TOKEN_FIELDS))
-
-
-def collate_rows(rows: Sequence[TokenBatch]) -> TokenBatch:
-    """``DataLoader(collate_fn=collate_rows)``: :meth:`TokenBatch.stack`."""
-    return TokenBatch.stack(rows)

@@ -38,6 +38,20 @@ def group_rank(group: ProcessGroup | None) -> int:
     return dist.get_rank(group=group) if group is not None and is_initialized() else 0
 
 
+class GroupMember:
+    """Mixin for objects that act within ``self.group``: this rank's ``rank`` and the group's ``size``."""
+
+    group: ProcessGroup | None
+
+    @property
+    def rank(self) -> int:
+        return group_rank(self.group)
+
+    @property
+    def size(self) -> int:
+        return group_size(self.group)
+
+
 def resolve_group(group: ProcessGroup | DeviceMesh | None) -> ProcessGroup | None:
     """A process group from a group, a 1-D ``DeviceMesh`` or ``None`` (the default group when initialised)."""
     if isinstance(group, DeviceMesh):

@@ -243,11 +243,6 @@ def training_flops_per_token(config: DSV4Config, seq_len: int) -> float:
     return sum(v * (1 if k in forward_only else 1 + BACKWARD_FACTOR) for k, v in parts.items())
 
 
-def training_flops(config: DSV4Config, seq_len: int, num_tokens: int) -> float:
-    """Training FLOPs of a step over ``num_tokens`` real tokens in documents of length ``seq_len``."""
-    return num_tokens * training_flops_per_token(config, seq_len)
-
-
 def document_training_flops(config: DSV4Config, length: int) -> float:
     """Training FLOPs of one causal document of ``length`` tokens (its attention reach grows with its own
     length, not the row's): ``length * training_flops_per_token(config, length)``; 0 for an empty one."""

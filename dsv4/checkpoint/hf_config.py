@@ -59,10 +59,6 @@ def config_from_hf(source: str | os.PathLike | dict[str, Any], **overrides: Any)
     return DSV4Config(**values)
 
 
-def is_quantized_config(data: dict[str, Any]) -> bool:
-    return bool(data.get("quantization_config"))
-
-
 def config_to_hf(config: DSV4Config, *, quantized: bool = False) -> dict[str, Any]:
     """The ``config.json`` dict of an export: release field names, ``quantization_config`` when ``quantized``."""
     data = {k: v for k, v in asdict(config).items() if k not in _DSV4_ONLY_FIELDS}

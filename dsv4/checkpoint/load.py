@@ -49,10 +49,6 @@ class LoadReport:
     loaded: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes_read / 1e9 / self.seconds if self.seconds > 0 else 0.0
-
 
 @dataclass
 class _Item:

@@ -111,9 +111,6 @@ class CheckpointDir:
     def files(self) -> list[str]:
         return sorted({t.file for t in self.tensors.values()})
 
-    def file_size(self, name: str) -> int:
-        return os.path.getsize(os.path.join(self.path, name))
-
 
 class TensorReader:
     """Reads single tensors from a checkpoint directory; counts keys and bytes read. Keeps at most one file

@@ -116,48 +116,34 @@ def _p2p(ops: list[tuple[str, torch.Tensor, int]], group: ProcessGroup) -> None:
         work.wait()
 
 
+def _shift(t: torch.Tensor, step: int, group, traffic: TrafficCounter | None, kind: str) -> torch.Tensor:
+    """Send ``t`` to rank ``r + step`` and return what rank ``r - step`` sent (zeros where there is no such rank)."""
+    rank, size = group_rank(group), group_size(group)
+    out = torch.zeros_like(t)
+    to, source = rank + step, rank - step
+    ops = ([("send", t, to)] if 0 <= to < size else []) + ([("recv", out, source)] if 0 <= source < size else [])
+    _p2p(ops, group)
+    if traffic is not None:
+        traffic.add(kind, sent=_nbytes(t) * (0 <= to < size), received=_nbytes(t) * (0 <= source < size))
+    return out
+
+
 class _HaloExchange(torch.autograd.Function):
-    """Rank r receives the last ``rows`` rows (along ``dim``) of rank r-1; rank 0 receives zeros."""
+    """Rank r receives the last ``rows`` rows (along ``dim``) of rank r-1; rank 0 receives zeros. Backward sends
+    the gradient of the received rows back to rank r-1, where it adds to its last rows' gradient."""
 
     @staticmethod
     def forward(ctx, x, rows, dim, group, traffic, kind):  # type: ignore[override]
-        rank, size = group_rank(group), group_size(group)
         ctx.rows, ctx.dim, ctx.group, ctx.traffic, ctx.kind = rows, dim, group, traffic, kind
         ctx.length = x.shape[dim]
-        tail = x.narrow(dim, x.shape[dim] - rows, rows).contiguous()
-        halo = torch.zeros_like(tail)
-        ops = []
-        if rank + 1 < size:
-            ops.append(("send", tail, rank + 1))
-        if rank > 0:
-            ops.append(("recv", halo, rank - 1))
-        _p2p(ops, group)
-        if traffic is not None:
-            n = _nbytes(tail)
-            traffic.add(kind, sent=n if rank + 1 < size else 0, received=n if rank > 0 else 0)
-        return halo
+        return _shift(x.narrow(dim, x.shape[dim] - rows, rows).contiguous(), 1, group, traffic, kind)
 
     @staticmethod
     def backward(ctx, grad_halo):  # type: ignore[override]
-        group, rows, dim = ctx.group, ctx.rows, ctx.dim
-        rank, size = group_rank(group), group_size(group)
-        grad_halo = grad_halo.contiguous()
-        grad_tail = torch.zeros_like(grad_halo)
-        ops = []
-        if rank > 0:
-            ops.append(("send", grad_halo, rank - 1))
-        if rank + 1 < size:
-            ops.append(("recv", grad_tail, rank + 1))
-        _p2p(ops, group)
-        if ctx.traffic is not None:
-            n = _nbytes(grad_halo)
-            ctx.traffic.add(
-                f"{ctx.kind}.backward", sent=n if rank > 0 else 0, received=n if rank + 1 < size else 0
-            )
-        shape = list(grad_halo.shape)
-        shape[dim] = ctx.length - rows
-        grad_x = torch.cat([grad_tail.new_zeros(shape), grad_tail], dim=dim)
-        return grad_x, None, None, None, None, None
+        grad_tail = _shift(grad_halo.contiguous(), -1, ctx.group, ctx.traffic, f"{ctx.kind}.backward")
+        shape = list(grad_tail.shape)
+        shape[ctx.dim] = ctx.length - ctx.rows
+        return torch.cat([grad_tail.new_zeros(shape), grad_tail], dim=ctx.dim), None, None, None, None, None
 
 
 def halo_exchange(
@@ -188,62 +174,49 @@ def halo_exchange(
     return _HaloExchange.apply(tensor, rows, dim, cp_group, traffic, kind)
 
 
+def _preceding_plan(starts: list[int], rank: int, size: int, n: int) -> tuple[list, list]:
+    """Who exchanges what in :func:`gather_preceding` (every rank holds ``n`` rows): ``(give, take)`` with
+    ``give = [(later rank j, first of my rows it needs)]`` and ``take = [(earlier rank o, first of its rows I
+    need)]``; rank j needs global rows ``[starts[j], j * n)``."""
+    give = [(j, max(starts[j] - rank * n, 0)) for j in range(rank + 1, size)]
+    take = [(o, max(starts[rank] - o * n, 0)) for o in range(rank)]
+    return [(j, f) for j, f in give if f < n], [(o, f) for o, f in take if f < n]
+
+
+def _rows_like(t: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+    shape = list(t.shape)
+    shape[dim] = rows
+    return t.new_empty(shape)
+
+
 class _GatherPreceding(torch.autograd.Function):
     """Rank r receives rows ``[starts[r], r*n)`` of the global concatenation from the ranks that own them."""
 
     @staticmethod
     def forward(ctx, x, starts, dim, group, traffic, kind):  # type: ignore[override]
-        rank, size = group_rank(group), group_size(group)
         n = x.shape[dim]
         ctx.dim, ctx.group, ctx.traffic, ctx.kind, ctx.starts, ctx.n = dim, group, traffic, kind, starts, n
-        ops, received, sent_bytes = [], [], 0
-        for receiver in range(rank + 1, size):  # my rows that a later rank needs: [max(starts[j], rank*n), (rank+1)*n)
-            first = max(starts[receiver] - rank * n, 0)
-            if first < n:
-                piece = x.narrow(dim, first, n - first).contiguous()
-                ops.append(("send", piece, receiver))
-                sent_bytes += _nbytes(piece)
-        for owner in range(rank):  # rows of an earlier rank that I need
-            first = max(starts[rank] - owner * n, 0)
-            if first < n:
-                shape = list(x.shape)
-                shape[dim] = n - first
-                buf = x.new_empty(shape)
-                ops.append(("recv", buf, owner))
-                received.append(buf)
-        _p2p(ops, group)
+        give, take = _preceding_plan(starts, group_rank(group), group_size(group), n)
+        sent = [(j, x.narrow(dim, f, n - f).contiguous()) for j, f in give]
+        received = [(o, _rows_like(x, dim, n - f)) for o, f in take]
+        _p2p([("send", t, j) for j, t in sent] + [("recv", t, o) for o, t in received], group)
         if traffic is not None:
-            traffic.add(kind, sent=sent_bytes, received=sum(_nbytes(b) for b in received))
-        return torch.cat(received + [x], dim=dim)
+            traffic.add(kind, sent=sum(_nbytes(t) for _, t in sent), received=sum(_nbytes(t) for _, t in received))
+        return torch.cat([t for _, t in received] + [x], dim=dim)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        group, dim, n, starts = ctx.group, ctx.dim, ctx.n, ctx.starts
-        rank, size = group_rank(group), group_size(group)
-        ops, incoming, offset, sent_bytes = [], [], 0, 0
-        for owner in range(rank):  # return the gradient of rows I received to their owners
-            first = max(starts[rank] - owner * n, 0)
-            if first < n:
-                piece = grad.narrow(dim, offset, n - first).contiguous()
-                ops.append(("send", piece, owner))
-                sent_bytes += _nbytes(piece)
-                offset += n - first
-        grad_x = grad.narrow(dim, offset, n).clone()
-        for receiver in range(rank + 1, size):
-            first = max(starts[receiver] - rank * n, 0)
-            if first < n:
-                shape = list(grad_x.shape)
-                shape[dim] = n - first
-                buf = grad_x.new_empty(shape)
-                ops.append(("recv", buf, receiver))
-                incoming.append((first, buf))
-        _p2p(ops, group)
-        for first, buf in incoming:
-            grad_x.narrow(dim, first, n - first).add_(buf)
+        group, dim, n = ctx.group, ctx.dim, ctx.n
+        give, take = _preceding_plan(ctx.starts, group_rank(group), group_size(group), n)
+        *pieces, own = grad.split([n - f for _, f in take] + [n], dim=dim)  # received rows' gradients, then mine
+        returned, grad_x = [(o, t) for (o, _), t in zip(take, pieces)], own.clone()
+        incoming = [(f, j, _rows_like(grad_x, dim, n - f)) for j, f in give]
+        _p2p([("send", t.contiguous(), o) for o, t in returned] + [("recv", t, j) for _, j, t in incoming], group)
+        for f, _, t in incoming:
+            grad_x.narrow(dim, f, n - f).add_(t)
         if ctx.traffic is not None:
-            ctx.traffic.add(
-                f"{ctx.kind}.backward", sent=sent_bytes, received=sum(_nbytes(b) for _, b in incoming)
-            )
+            ctx.traffic.add(f"{ctx.kind}.backward", sent=sum(_nbytes(t) for _, t in returned),
+                            received=sum(_nbytes(t) for *_, t in incoming))
         return grad_x, None, None, None, None, None
 
 

@@ -18,11 +18,11 @@ import torch
 
 from dsv4.cp.collectives import all_gather, all_gather_metadata, gather_preceding, halo_exchange
 from dsv4.cp.traffic import TrafficCounter
-from dsv4.distributed import ProcessGroup, group_rank, group_size
+from dsv4.distributed import GroupMember, ProcessGroup
 
 
 @dataclass
-class CPContext:
+class CPContext(GroupMember):
     """Context-parallel state handed to ``model.forward(..., cp=...)``.
 
     Args:
@@ -35,14 +35,6 @@ class CPContext:
     group: ProcessGroup | None = None
     halo: int | None = None
     traffic: TrafficCounter = field(default_factory=TrafficCounter)
-
-    @property
-    def rank(self) -> int:
-        return group_rank(self.group)
-
-    @property
-    def size(self) -> int:
-        return group_size(self.group)
 
     @property
     def enabled(self) -> bool:

@@ -31,42 +31,17 @@ __all__ = [
     "packed_metadata_for_forward",
 ]
 
-SEQLEN_KEYS: frozenset[str] = frozenset({
-    "cu_seqlens",
-    "cu_seqlens_unpadded",
-    "cu_seqlens_argmin",
-    "cu_seqlens_unpadded_argmin",
-    "max_seqlen",
-    "cu_seqlens_q",
-    "cu_seqlens_kv",
-    "cu_seqlens_q_padded",
-    "cu_seqlens_kv_padded",
-    "max_seqlen_q",
-    "max_seqlen_kv",
-    "total_tokens",
-    "token_count",
-    "attention_mask",
-})
+CURRENT_METADATA_KEYS: tuple[str, ...] = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
+                                          "cu_seqlens_kv_padded", "max_seqlen_q", "max_seqlen_kv")
+LEGACY_METADATA_KEYS: tuple[str, ...] = ("cu_seqlens", "cu_seqlens_unpadded", "cu_seqlens_argmin",
+                                         "cu_seqlens_unpadded_argmin", "max_seqlen")
+SEQLEN_KEYS: frozenset[str] = frozenset(
+    CURRENT_METADATA_KEYS + LEGACY_METADATA_KEYS + ("total_tokens", "token_count", "attention_mask"))
 """Keys that are never sliced by :func:`partition_packed_batch_contiguous` (global sequence metadata)."""
 
 LENGTH_KEYS: tuple[str, ...] = ("tokens", "input_ids", "labels")
 """Keys, in order of preference, whose tensor's ``size(1)`` defines the packed length ``L``."""
 
-CURRENT_METADATA_KEYS: tuple[str, ...] = (
-    "cu_seqlens_q",
-    "cu_seqlens_kv",
-    "cu_seqlens_q_padded",
-    "cu_seqlens_kv_padded",
-    "max_seqlen_q",
-    "max_seqlen_kv",
-)
-LEGACY_METADATA_KEYS: tuple[str, ...] = (
-    "cu_seqlens",
-    "cu_seqlens_unpadded",
-    "cu_seqlens_argmin",
-    "cu_seqlens_unpadded_argmin",
-    "max_seqlen",
-)
 _EXTRA_FORWARD_KEYS: tuple[str, ...] = ("total_tokens", "cp_partition_mode", "padding_mask")
 
 

@@ -3,15 +3,15 @@
     docs = build_documents("stdlib", max_bytes=2_000_000)            # or "jsonl" / "hf" with a local path
     dataset = build_packed_dataset(docs, seq_len=1024, shard_multiple=128, pad_id=0, cp_size=2)
     sampler = DistributedPackedSampler(len(dataset), dp_rank, dp_size, seed=0)
-    loader = DataLoader(dataset, batch_size=2, sampler=sampler, collate_fn=collate_rows)
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler, collate_fn=TokenBatch.stack)
 
 Batches are :class:`dsv4.batch.TokenBatch` (``input_ids``, ``labels``, ``seq_ids``, ``positions`` ``[B, S]``); see
 :mod:`dsv4.data.packer` for the exact row layout.
 """
 
-from dsv4.batch import IGNORE_INDEX, TokenBatch, collate_rows
+from dsv4.batch import IGNORE_INDEX, TokenBatch
 from dsv4.data.chat import DEFAULT_CHAT_TEMPLATE, chat_segments, tokenize_chat
-from dsv4.data.dataset import DistributedPackedSampler, PackedDataset, build_packed_dataset
+from dsv4.data.dataset import DistributedPackedSampler, build_packed_dataset
 from dsv4.data.packer import PackedRows, PackStats, first_fit_decreasing, pack_documents
 from dsv4.data.sources import DATA_KINDS, Document, build_documents, hf_documents, jsonl_documents, stdlib_corpus
 from dsv4.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
@@ -25,7 +25,6 @@ __all__ = [
     "HFTokenizer",
     "IGNORE_INDEX",
     "PackStats",
-    "PackedDataset",
     "PackedRows",
     "TokenBatch",
     "Tokenizer",
@@ -33,7 +32,6 @@ __all__ = [
     "build_packed_dataset",
     "build_tokenizer",
     "chat_segments",
-    "collate_rows",
     "first_fit_decreasing",
     "hf_documents",
     "jsonl_documents",

@@ -13,8 +13,9 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader
 
-from dsv4.batch import collate_rows
-from dsv4.data.dataset import DistributedPackedSampler, PackedDataset, build_packed_dataset
+from dsv4.batch import TokenBatch
+from dsv4.data.dataset import DistributedPackedSampler, build_packed_dataset
+from dsv4.data.packer import PackedRows
 from dsv4.data.sources import build_documents
 
 
@@ -37,11 +38,11 @@ class DSV4DataModule(L.LightningDataModule):
         self.source = dict(source)
         self.seq_len, self.shard_multiple, self.cp_size = seq_len, shard_multiple, cp_size
         self.micro_batch_size, self.seed, self.pad_id, self.shuffle = micro_batch_size, seed, pad_id, shuffle
-        self.dataset: PackedDataset | None = None
+        self.dataset: PackedRows | None = None
         self.sampler: DistributedPackedSampler | None = None
         self._pending_state: dict | None = None
 
-    def build_dataset(self) -> PackedDataset:
+    def build_dataset(self) -> PackedRows:
         """Tokenize and pack (validates the data: raises before training starts)."""
         if self.dataset is None:
             documents = build_documents(**self.source)
@@ -63,7 +64,7 @@ class DSV4DataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
-            self.dataset, batch_size=self.micro_batch_size, sampler=self.sampler, collate_fn=collate_rows,
+            self.dataset, batch_size=self.micro_batch_size, sampler=self.sampler, collate_fn=TokenBatch.stack,
             num_workers=0, drop_last=True,
         )
 

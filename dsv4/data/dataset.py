@@ -1,7 +1,8 @@
 """Packed rows as a map-style dataset and a resumable data-parallel sampler.
 
-* :class:`PackedDataset`: item ``i`` is row ``i`` of :class:`~dsv4.data.packer.PackedRows` as a one-row
-  :class:`~dsv4.batch.TokenBatch`; ``DataLoader(collate_fn=dsv4.batch.collate_rows)`` stacks rows into batches.
+* :func:`build_packed_dataset`: packed rows (:class:`~dsv4.data.packer.PackedRows`, a map-style dataset whose item
+  ``i`` is row ``i`` as a one-row :class:`~dsv4.batch.TokenBatch`); ``DataLoader(collate_fn=TokenBatch.stack)``
+  stacks rows into batches.
 * :class:`DistributedPackedSampler`: shards row indices by the **data-parallel** rank only; every rank of a CP group
   passes the same ``dp_rank`` and so sees the same rows. Every dp rank gets exactly ``len(sampler)`` indices
   (``ceil(n / dp_size)`` with ``drop_last=False``, repeating the epoch's first indices to even out;
@@ -16,38 +17,13 @@ from __future__ import annotations
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Sampler
 
-from dsv4.batch import TokenBatch
 from dsv4.config import check_cp_length
-from dsv4.data.packer import PackedRows, PackStats, pack_documents
+from dsv4.data.packer import PackedRows, pack_documents
 from dsv4.data.sources import Document
 
-__all__ = ["PackedDataset", "DistributedPackedSampler", "build_packed_dataset"]
-
-
-class PackedDataset(Dataset):
-    """Map-style dataset over packed rows; ``dataset[i]`` is ``rows.row(i)``."""
-
-    def __init__(self, rows: PackedRows) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> TokenBatch:
-        n = len(self.rows)
-        if not -n <= index < n:
-            raise IndexError(f"PackedDataset: row {index} is out of range for {n} rows")
-        return self.rows.row(index % n)
-
-    @property
-    def seq_len(self) -> int:
-        return self.rows.seq_len
-
-    @property
-    def stats(self) -> PackStats:
-        return self.rows.stats
+__all__ = ["DistributedPackedSampler", "build_packed_dataset"]
 
 
 class DistributedPackedSampler(Sampler[int]):
@@ -164,8 +140,8 @@ def build_packed_dataset(
     pad_id: int = 0,
     split_long: bool = True,
     cp_size: int = 1,
-) -> PackedDataset:
+) -> PackedRows:
     """Pack ``documents`` into rows every CP rank can cut on a window boundary (``seq_len`` a multiple of
-    ``cp_size * shard_multiple``, else ValueError naming the numbers) and wrap them."""
+    ``cp_size * shard_multiple``, else ValueError naming the numbers)."""
     check_cp_length(seq_len, cp_size, shard_multiple)
-    return PackedDataset(pack_documents(documents, seq_len, shard_multiple, split_long=split_long, pad_id=pad_id))
+    return pack_documents(documents, seq_len, shard_multiple, split_long=split_long, pad_id=pad_id)

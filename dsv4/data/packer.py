@@ -1,7 +1,6 @@
 """First-fit-decreasing packing of documents into rows of ``seq_len`` slots, documents on shard-multiple starts.
 
-Shapes (``N`` rows, ``S = seq_len``; all int64) of :class:`PackedRows`, the fields of
-:class:`dsv4.batch.TokenBatch`:
+:class:`PackedRows` holds every row as one :class:`dsv4.batch.TokenBatch` (``N`` rows, ``S = seq_len``; int64):
 
 * ``input_ids [N, S]``: the documents of each row in placement order, ``pad_id`` in every empty slot;
 * ``labels [N, S]``: shifted inside each document, ``labels[i] = ids[i + 1]``; -100 on a document's last token, on
@@ -72,28 +71,27 @@ class PackStats:
 
 @dataclass
 class PackedRows:
-    """The packed rows (see the module docstring for shapes). ``pieces[r]`` lists ``(document index, first token,
-    length)`` of every piece in row ``r``, in row order (document id ``k + 1`` is ``pieces[r][k]``)."""
+    """The packed rows: a map-style dataset whose item ``i`` is row ``i`` as a one-row batch. ``pieces[r]`` lists
+    ``(document index, first token, length)`` of every piece in row ``r``, in row order (document id ``k + 1`` of
+    the row is ``pieces[r][k]``)."""
 
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    seq_ids: torch.Tensor
-    positions: torch.Tensor
+    batch: TokenBatch
     pieces: list[list[tuple[int, int, int]]]
     stats: PackStats
     pad_id: int
 
     def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
+        return self.batch.num_rows
+
+    def __getitem__(self, index: int) -> TokenBatch:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"PackedRows: row {index} is out of range for {n} rows")
+        return self.batch.select(slice(index % n, index % n + 1))
 
     @property
     def seq_len(self) -> int:
-        return int(self.input_ids.shape[1])
-
-    def row(self, index: int) -> TokenBatch:
-        """Row ``index`` as a one-row :class:`~dsv4.batch.TokenBatch`."""
-        i = slice(index, index + 1)
-        return TokenBatch(self.input_ids[i], self.labels[i], self.seq_ids[i], self.positions[i])
+        return self.batch.width
 
 
 class _FirstFit:
@@ -266,10 +264,7 @@ def pack_documents(
         supervised_tokens=int((labels != IGNORE_INDEX).sum()),
     )
     return PackedRows(
-        input_ids=input_ids,
-        labels=labels,
-        seq_ids=layout.sequence_ids,
-        positions=layout.position_ids,
+        batch=TokenBatch(input_ids, labels, layout.sequence_ids, layout.position_ids),
         pieces=[[(kept[pieces[p][0]], pieces[p][1], pieces[p][2]) for p in members] for members in rows],
         stats=stats,
         pad_id=int(pad_id),

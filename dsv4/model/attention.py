@@ -38,10 +38,6 @@ from dsv4.model.rope import apply_rope
 from dsv4.model.sparse_attention import sparse_attention
 
 
-# Parameters kept in fp32 whatever the model dtype (suffixes of names inside an attention module).
-FP32_PARAMETER_SUFFIXES = ("attn_sink", "compressor.wkv.weight", "compressor.wgate.weight", "compressor.ape")
-
-
 class DSV4Attention(nn.Module):
     """One DSV4 attention layer; ``layer_idx`` selects its compress ratio (MTP layers beyond the list: 0)."""
 

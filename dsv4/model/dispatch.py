@@ -37,7 +37,8 @@ class ExpertGroup(Protocol):
 
 @runtime_checkable
 class TokenDispatcher(Protocol):
-    """Runs routed experts for ``N`` tokens; see the module docstring for the exact contract."""
+    """Runs routed experts for ``N`` tokens; see the module docstring for the exact contract. A dispatcher may
+    declare ``needs_uniform_tokens = True`` when every rank must route the same number of tokens (callers pad)."""
 
     def run(
         self, experts: ExpertGroup, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -58,9 +59,17 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     return order, token_idx, tokens_per_expert
 
 
+def weighted_sum(rows: int, index: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``out[index[j]] += weights[j] * y[j]`` into fp32 ``[rows, d]``: expert outputs summed per token."""
+    out = torch.zeros(rows, y.shape[-1], dtype=torch.float32, device=y.device)
+    return out.index_add_(0, index, y.float() * weights.float().unsqueeze(-1))
+
+
 class LocalDispatcher:
     """Every expert lives on this rank: sort pairs by expert, run each expert on its contiguous segment, and
     scatter-add the weighted results back to their tokens. No Python loop over tokens."""
+
+    needs_uniform_tokens = False
 
     def run(
         self, experts: ExpertGroup, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -72,7 +81,5 @@ class LocalDispatcher:
             )
         order, token_idx, tokens_per_expert = sort_by_expert(topk_ids, experts.num_experts)
         y = experts(x.index_select(0, token_idx), tokens_per_expert)
-        w = topk_weights.reshape(-1).index_select(0, order).float()
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        out.index_add_(0, token_idx, y.float() * w.unsqueeze(-1))
-        return out.to(x.dtype)
+        w = topk_weights.reshape(-1).index_select(0, order)
+        return weighted_sum(x.shape[0], token_idx, y, w).to(x.dtype)

@@ -44,14 +44,6 @@ class ModelInputs:
     layout: PackedSequenceLayout | None = None
 
 
-def default_position_ids(input_ids: torch.Tensor, cp=None) -> torch.Tensor:
-    """``rank * L + arange(L)`` broadcast to ``[B, L]`` (rank 0 without CP)."""
-    b, length = input_ids.shape
-    rank = cp.rank if cp is not None else 0
-    pos = torch.arange(rank * length, (rank + 1) * length, device=input_ids.device)
-    return pos.unsqueeze(0).expand(b, length)
-
-
 def _cp_from_batch(cp, batch_keys: dict):
     if "_dsv4_cp_group" not in batch_keys:
         return cp
@@ -99,8 +91,10 @@ def resolve_inputs(
     if packed_seq_ids is None and seq_lens is not None:
         return _aligned_inputs(config, input_ids, position_ids, padding_mask, cp, labels, seq_lens,
                                batch_keys.get("seq_lens_padded"))
-    if position_ids is None:
-        position_ids = default_position_ids(input_ids, cp)
+    if position_ids is None:  # rank * L + arange(L)
+        b, length = input_ids.shape
+        start = (cp.rank if cp is not None else 0) * length
+        position_ids = torch.arange(start, start + length, device=input_ids.device).expand(b, length)
     if packed_seq_ids is None:
         packed_seq_ids = torch.ones_like(input_ids)
     for name, t in (("position_ids", position_ids), ("packed_seq_ids", packed_seq_ids),

@@ -8,21 +8,14 @@ Every dispatcher implements :class:`dsv4.model.dispatch.TokenDispatcher`::
 for the ``N`` routed (non-padding) tokens of this rank, whatever rank holds the experts. The names:
 
 * ``local``: :class:`~dsv4.model.dispatch.LocalDispatcher`, every expert on every rank (no EP).
-* ``alltoall``: :class:`AllToAllDispatcher`. Each (token, expert) pair travels to the EP rank that owns the
-  expert (variable-size all-to-all; the counts go first in a plain all-to-all), the owner runs its experts on
-  the rows grouped by local expert, the results travel back (a second all-to-all) and the source rank weights
-  and sums them. Autograd runs the same two all-to-alls in reverse, so gradients reach the tokens (on the
-  source rank) and the expert weights (on the owner: summed over every EP rank's tokens). CPU (gloo) and GPU.
-* ``allgather``: :class:`AllGatherDispatcher`. Every rank all-gathers the tokens and routing of its EP group,
-  runs its local experts on the pairs that target them and reduce-scatters the fp32 partial sums back. Each
-  rank's block has the same capacity (the group's largest token count; shorter ranks are padded with rows that
-  route nowhere), so it wants uniform token counts per rank: :func:`dispatcher_needs_uniform_tokens` is True
-  and the recipe turns on ``sync_packed_length``. With ``strict_uniform=True`` unequal counts raise
-  ``ValueError`` naming them instead of being padded.
+* ``alltoall``: :class:`AllToAllDispatcher`, variable-size all-to-all of the (token, expert) pairs to the experts'
+  owners and back (CPU gloo and GPU).
+* ``allgather``: :class:`AllGatherDispatcher`, all-gather of the EP group's tokens, local experts, reduce-scatter
+  of the partial sums; every rank's block is padded to the group's largest token count
+  (``needs_uniform_tokens``).
 * ``deepep`` / ``hybridep``: :class:`DeepEPDispatcher`, DeepEP's GPU dispatch/combine kernels (NVLink/RDMA).
   They need CUDA and the ``deep_ep`` package; :func:`check_dispatcher_available` fails at start-up with what to
-  install. ``hybridep`` additionally declares uniform token counts (HybridEP buffers are sized by the maximum
-  tokens per rank).
+  install. ``hybridep`` declares uniform token counts (HybridEP buffers are sized by the maximum per rank).
 
 EP groups: an EP group of size ``ep`` is a set of consecutive global ranks (``[0, 1], [2, 3]`` for world 4,
 ep 2; the ``("edp", "ep")`` mesh of ``dsv4.parallel.mesh``) that together hold all ``E`` experts; EP rank
@@ -47,8 +40,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from dsv4.distributed import all_gather_into, group_rank, group_size, resolve_group
-from dsv4.model.dispatch import ExpertGroup, LocalDispatcher, TokenDispatcher, sort_by_expert
+from dsv4.distributed import GroupMember, all_gather_into, group_size, resolve_group
+from dsv4.model.dispatch import ExpertGroup, LocalDispatcher, TokenDispatcher, sort_by_expert, weighted_sum
 
 DISPATCHERS: tuple[str, ...] = ("local", "alltoall", "allgather", "deepep", "hybridep")
 _UNIFORM_TOKENS = frozenset({"allgather", "hybridep"})
@@ -146,19 +139,13 @@ def _stay_in_graph(y: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------- all-to-all
 
 
-class _GroupDispatcher:
+class _GroupDispatcher(GroupMember):
     """Base of the expert-parallel dispatchers: the EP process group and this rank's place in it."""
+
+    needs_uniform_tokens = False
 
     def __init__(self, ep_group: EPGroup = None) -> None:
         self.group = resolve_group(ep_group)
-
-    @property
-    def size(self) -> int:
-        return group_size(self.group)
-
-    @property
-    def rank(self) -> int:
-        return group_rank(self.group)
 
 
 class AllToAllDispatcher(_GroupDispatcher):
@@ -171,6 +158,9 @@ class AllToAllDispatcher(_GroupDispatcher):
     3. send the token rows ``x[token_of_pair]`` (``[N*k, d]``) with the differentiable all-to-all; the owner
        receives them grouped by source rank, regroups them by local expert and runs ``experts``;
     4. send the results back the same way and ``index_add`` them, times the routing weights, in fp32.
+
+    Autograd runs the two all-to-alls in reverse: gradients reach the tokens (on the source rank) and the expert
+    weights (on the owner, summed over every EP rank's tokens).
     """
 
     def run(
@@ -203,10 +193,8 @@ class AllToAllDispatcher(_GroupDispatcher):
             y_pairs = y_recv
         else:
             y_pairs = funcol.all_to_all_single_autograd(y_recv, send_splits, recv_splits, self.group)
-        weights = topk_weights.reshape(-1).index_select(0, order).float()
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        out.index_add_(0, token_idx, y_pairs.float() * weights.unsqueeze(-1))
-        return out.to(x.dtype)
+        weights = topk_weights.reshape(-1).index_select(0, order)
+        return weighted_sum(x.shape[0], token_idx, y_pairs, weights).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------- all-gather
@@ -225,10 +213,11 @@ class AllGatherDispatcher(_GroupDispatcher):
     raises, since every rank sees the same counts).
     """
 
+    needs_uniform_tokens = True
+
     def __init__(self, ep_group: EPGroup = None, strict_uniform: bool = False) -> None:
         super().__init__(ep_group)
         self.strict_uniform = strict_uniform
-
 
     def _token_counts(self, n_tokens: int, device: torch.device) -> list[int]:
         if self.size == 1:
@@ -271,9 +260,7 @@ class AllGatherDispatcher(_GroupDispatcher):
         token_idx = pairs // k
         x_sorted = x_all.index_select(0, token_idx)
         y = _stay_in_graph(experts(x_sorted, torch.bincount(local_expert, minlength=n_local)), x_sorted)
-        weights = w_all.reshape(-1).index_select(0, pairs).float()
-        partial = torch.zeros(size * capacity, x.shape[-1], dtype=torch.float32, device=x.device)
-        partial.index_add_(0, token_idx, y.float() * weights.unsqueeze(-1))
+        partial = weighted_sum(size * capacity, token_idx, y, w_all.reshape(-1).index_select(0, pairs))
         out = partial if size == 1 else funcol.reduce_scatter_single_autograd(partial, "sum", 0, self.group)
         return out[:n_tokens].to(x.dtype)
 
@@ -324,7 +311,7 @@ class _DeepEPCombine(torch.autograd.Function):
         return grad_y, None, None
 
 
-class DeepEPDispatcher:
+class DeepEPDispatcher(_GroupDispatcher):
     """``deepep``/``hybridep``: DeepEP's normal (high-throughput) dispatch/combine kernels on CUDA.
 
     DeepEP sends each token once to every rank that owns one of its experts, with its routing row
@@ -342,7 +329,8 @@ class DeepEPDispatcher:
             raise ValueError(f"DeepEPDispatcher serves {sorted(_NEEDS_DEEP_EP)}, got {name!r}")
         check_dispatcher_available(name, "cuda")
         self.name = name
-        self.group = resolve_group(ep_group)
+        self.needs_uniform_tokens = dispatcher_needs_uniform_tokens(name)
+        super().__init__(ep_group)
         if self.group is None:
             raise RuntimeError(f"dispatcher={name!r} needs torch.distributed (NCCL) to be initialised")
         self._buffer = None
@@ -350,8 +338,7 @@ class DeepEPDispatcher:
     def _get_buffer(self, hidden_bytes: int):
         import deep_ep  # noqa: PLC0415 - optional GPU dependency, checked at start-up
 
-        buffer_cls = deep_ep.Buffer
-        size = group_size(self.group)
+        buffer_cls, size = deep_ep.Buffer, self.size
         nvl_bytes = rdma_bytes = 0
         for config in (buffer_cls.get_dispatch_config(size), buffer_cls.get_combine_config(size)):
             nvl_bytes = max(nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, size))
@@ -364,8 +351,7 @@ class DeepEPDispatcher:
     def run(
         self, experts: ExpertGroup, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        size, rank = group_size(self.group), group_rank(self.group)
-        _check_expert_slice(experts, size, rank, f"dispatcher={self.name!r}")
+        _check_expert_slice(experts, self.size, self.rank, f"dispatcher={self.name!r}")
         if x.dtype != torch.bfloat16:
             raise TypeError(f"dispatcher={self.name!r} moves bf16 activations, got {x.dtype}; use bf16 or alltoall")
         buffer = self._get_buffer(x.shape[-1] * max(x.element_size(), 2))
@@ -382,7 +368,5 @@ class DeepEPDispatcher:
         y = _stay_in_graph(
             experts(x_sorted, torch.bincount(local_expert, minlength=experts.num_local_experts)), x_sorted
         )
-        weights = recv_weights[rows, slots].float()
-        y_rows = torch.zeros(recv_x.shape, dtype=torch.float32, device=x.device)
-        y_rows.index_add_(0, rows, y.float() * weights.unsqueeze(-1))
+        y_rows = weighted_sum(recv_x.shape[0], rows, y, recv_weights[rows, slots])
         return _DeepEPCombine.apply(y_rows.to(x.dtype), buffer, state["handle"])

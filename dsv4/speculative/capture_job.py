@@ -29,8 +29,6 @@ from typing import Any
 
 import torch
 
-from dsv4.config import DSV4Config
-
 log = logging.getLogger("dsv4")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,16 +38,8 @@ def shard_name(k: int) -> str:
     return f"shard_{k:05d}"
 
 
-def pack_rows(lengths: list[int], seq_len: int, shard_multiple: int) -> list[list[int]]:
-    """Indices of ``lengths`` grouped into rows of at most ``seq_len`` aligned slots (each document counted as
-    ``ceil(len / shard_multiple) * shard_multiple``, as the aligned layout places it), first-fit-decreasing; a
-    longer document gets a row of its own. Rows in creation order, documents in placement order."""
-    from dsv4.data.packer import first_fit_decreasing
-
-    return first_fit_decreasing([-(-n // shard_multiple) * shard_multiple for n in lengths], seq_len)
-
-
 def _build_model(job: dict):
+    from dsv4.config import DSV4Config
     from dsv4.model import DSV4ForCausalLM
 
     config = DSV4Config.from_dict(job["model"])
@@ -100,6 +90,7 @@ def capture_rank(rank: int, world: int, job: dict) -> dict:
     """Capture this rank's unfinished shards; returns ``{"shards", "tokens", "seconds"}`` written by it."""
     from tqdm import tqdm
 
+    from dsv4.data.packer import first_fit_decreasing
     from dsv4.speculative.dspark import capture_dspark_features
 
     torch.set_num_threads(max(1, int(job.get("threads") or 1)))
@@ -112,16 +103,15 @@ def capture_rank(rank: int, world: int, job: dict) -> dict:
     if not mine:
         return {"shards": [], "tokens": 0, "seconds": 0.0}
     model = _build_model(job)
-    dtype = _DTYPES[job["dtype"]]
+    dtype, multiple = _DTYPES[job["dtype"]], model.config.shard_multiple
     tokens, start = 0, time.perf_counter()
     bar = tqdm(mine, desc=f"capture rank {rank}", position=rank, file=sys.stderr, unit="shard",
                disable=job.get("progress") is False)
     for k in bar:
         first = k * job["docs_per_shard"]
         shard_docs = list(range(first, min(first + job["docs_per_shard"], len(docs))))
-        multiple = DSV4Config.from_dict(job["model"]).shard_multiple
-        lengths = [len(docs[d]) for d in shard_docs]
-        rows = [[shard_docs[i] for i in row] for row in pack_rows(lengths, job["seq_len"], multiple)]
+        aligned = [-(-len(docs[d]) // multiple) * multiple for d in shard_docs]  # slots each takes when placed
+        rows = [[shard_docs[i] for i in row] for row in first_fit_decreasing(aligned, job["seq_len"])]
         tensors: dict[str, torch.Tensor] = {}
         entries: list[dict] = []
         for b0 in range(0, len(rows), job["micro_batch_size"]):

@@ -31,27 +31,9 @@ __all__ = ["DSparkFeatures", "capture_dspark_features", "dspark_packed_forward",
 
 
 def model_needs_uniform_tokens(model: nn.Module) -> bool:
-    """True when any MoE layer of ``model`` uses a dispatcher that wants the same token count on every rank."""
-    from dsv4.parallel.dispatch import AllGatherDispatcher, dispatcher_needs_uniform_tokens
-
-    for module in model.modules():
-        dispatcher = getattr(module, "dispatcher", None)
-        if dispatcher is None:
-            continue
-        declared = getattr(dispatcher, "needs_uniform_tokens", None)
-        if declared is not None:
-            if declared:
-                return True
-            continue
-        if isinstance(dispatcher, AllGatherDispatcher):
-            return True
-        name = getattr(dispatcher, "name", None)
-        try:
-            if isinstance(name, str) and dispatcher_needs_uniform_tokens(name):
-                return True
-        except ValueError:  # a dispatcher name outside the registry declares nothing
-            pass
-    return False
+    """True when any MoE layer of ``model`` uses a dispatcher that declares ``needs_uniform_tokens`` (the same token
+    count on every rank: ``allgather``, ``hybridep``)."""
+    return any(getattr(getattr(m, "dispatcher", None), "needs_uniform_tokens", False) for m in model.modules())
 
 
 def _config_of(model: nn.Module):

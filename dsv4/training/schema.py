@@ -16,7 +16,6 @@ dictionaries with a ``_target_``.
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -26,22 +25,9 @@ from hydra.core.config_store import ConfigStore
 from dsv4.config import PRESETS, DSV4Config
 
 
-def _schema_type(hint: Any) -> Any:
-    """``Optional[...]`` of a DSV4Config field type in the typing spelling OmegaConf understands."""
-    base = hint
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        base = next(a for a in typing.get_args(hint) if a is not type(None))
-    origin = typing.get_origin(base)
-    if origin is list:
-        return Optional[List[typing.get_args(base)[0]]]
-    if origin is dict:
-        return Optional[Dict[str, Any]]
-    return Optional[base]
-
-
 def _model_schema() -> type:
     hints = typing.get_type_hints(DSV4Config)
-    overrides = [(f.name, _schema_type(hints[f.name]), field(default=None)) for f in dataclasses.fields(DSV4Config)]
+    overrides = [(f.name, Optional[hints[f.name]], field(default=None)) for f in dataclasses.fields(DSV4Config)]
     schema = dataclasses.make_dataclass(
         "ModelConfig", [("preset", str, field(default="tiny")), ("checkpoint", Optional[str], field(default=None))]
         + overrides)

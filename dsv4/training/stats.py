@@ -16,9 +16,6 @@ from dsv4.batch import TokenBatch
 from dsv4.config import DSV4Config
 from dsv4.flops import document_training_flops
 
-STAT_FIELDS = ("rows", "slots", "real_tokens", "label_tokens", "pack_padding", "alignment_padding", "model_flops")
-
-
 @dataclass
 class StepStats:
     """Statistics of one optimizer step.

@@ -142,3 +142,58 @@ def test_cp_matches_single_rank(world_size, kind):
         total = sum(r["grads"][name] for r in results if name in r["grads"])
         err = ((total - ref).norm() / ref.norm().clamp_min(1e-12)).item()
         assert err < 1e-4 or (total - ref).abs().max() < 1e-9, f"{name}: relative gradient error {err:.2e}"
+
+
+def _token_batch():
+    """The training path's batch: the packer's rows (documents on multiples of 128, padding = document id 0)."""
+    from dsv4.batch import TokenBatch
+    from dsv4.config import DSV4Config
+    from dsv4.data import pack_documents
+
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (200, 37, 5, 400, 60, 700, 3, 250, 900)]
+    rows = pack_documents(docs, 1024, DSV4Config.preset("tiny").shard_multiple)
+    return rows, TokenBatch.stack([rows[i] for i in range(len(rows))])
+
+
+def _training_step_body(rank, world_size):
+    from dsv4.cp import CPContext
+    from dsv4.training.loss import reduce_token_loss
+    from dsv4.training.step import forward_step
+
+    group = dist.new_group(list(range(world_size)))
+    model = _model()
+    _, batch = _token_batch()
+    local = batch.cut(rank, world_size, model.config.shard_multiple)
+    try:  # the batch knows which shard it is: a context of another rank or size is refused before the forward
+        forward_step(model, local, cp=None)
+        raise AssertionError("a shard / CP context mismatch was not detected")
+    except ValueError as err:
+        assert f"CP shard {rank} of {world_size} but the forward runs as rank 0 of a CP group of 1" in str(err)
+    cp = CPContext(group)
+    loss_sum, count = forward_step(model, local, cp=cp)
+    loss = reduce_token_loss(loss_sum, count, group)
+    loss.loss.backward()
+    return {"loss": loss.value, "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_training_path_cp_matches_single_rank(world_size):
+    """The training path (packer rows -> TokenBatch.cut -> forward_step with the CPContext) against one process."""
+    from dsv4.training.step import forward_step
+
+    rows, batch = _token_batch()
+    assert len(rows) >= 2 and bool((batch.seq_ids == 0).any())  # several rows, padding present
+    results = run_on_ranks(_training_step_body, world_size)
+    torch.set_num_threads(1)
+    model = _model()
+    loss_sum, count = forward_step(model, batch)
+    (loss_sum / count).backward()
+    for res in results:
+        torch.testing.assert_close(res["loss"], (loss_sum / count).detach().to(res["loss"].dtype), atol=1e-6, rtol=0)
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        total = sum(r["grads"][name] for r in results)
+        err = ((total - p.grad).norm() / p.grad.norm().clamp_min(1e-12)).item()
+        assert err < 1e-4 or (total - p.grad).abs().max() < 1e-9, f"{name}: relative gradient error {err:.2e}"

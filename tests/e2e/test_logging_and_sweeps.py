@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.e2e.helpers import REPO, run_recipe
+from tests.e2e.helpers import run_recipe
 
 pytestmark = pytest.mark.e2e
 

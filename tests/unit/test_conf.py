@@ -17,7 +17,7 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 
 def _compose(overrides, name="finetune"):
     register_schema()
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name=name, overrides=overrides)
 
 

@@ -17,7 +17,7 @@ from dsv4.flops import (
     indexer_score_flops_per_token,
     peak_flops_for_device_name,
     peak_flops_per_device,
-    training_flops,
+    document_training_flops,
     training_flops_per_token,
     window_keys_sum,
 )
@@ -78,7 +78,8 @@ def test_one_csa_layer_by_hand_seq8():
     assert forward_flops_per_token(cfg, s) == pytest.approx(3023)
     # indexer (352 + 15 = 367) forward only, the rest x3
     assert training_flops_per_token(cfg, s) == pytest.approx(3 * (3023 - 367) + 367)
-    assert training_flops(cfg, s, num_tokens=5) == pytest.approx(5 * 8335)
+    assert document_training_flops(cfg, s) == pytest.approx(s * 8335)  # a document of s tokens: s x the mean
+    assert document_training_flops(cfg, 0) == 0.0
     cfg_trained = _one_layer(train_indexer=True)
     assert training_flops_per_token(cfg_trained, s) == pytest.approx(3 * 3023)
 

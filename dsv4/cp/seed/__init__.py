@@ -23,9 +23,16 @@ from dsv4.cp.seed.groups import (
 )
 from dsv4.cp.seed.layout import ShardLayout
 from dsv4.cp.seed.masks import build_dsv4_cp_causal_padding_mask, build_dsv4_cp_packed_causal_padding_mask
-from dsv4.cp.seed.multiple import _lcm, _pad_length, dsv4_cp_local_seq_multiple
 from dsv4.cp.seed.repad import _repad_dsv4_packed_batch
-from dsv4.cp.seed.seq_ids import _SEQ_LENS_PADDING_VALUE, _pad_1d, _valid_packed_lengths, build_packed_seq_ids
+from dsv4.cp.seed.seq_ids import (
+    _SEQ_LENS_PADDING_VALUE,
+    _lcm,
+    _pad_1d,
+    _pad_length,
+    _valid_packed_lengths,
+    build_packed_seq_ids,
+    dsv4_cp_local_seq_multiple,
+)
 from dsv4.cp.seed.sharder import (
     ContextParallelSharder,
     PrePackedBatchError,

@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.batch import IGNORE_INDEX
-from dsv4.cp.seed.multiple import _pad_length
-from dsv4.cp.seed.seq_ids import _SEQ_LENS_PADDING_VALUE, _check_lengths
+from dsv4.cp.seed.seq_ids import _SEQ_LENS_PADDING_VALUE, _check_lengths, _pad_length
 from dsv4.distributed import all_reduce_max, reduce_device
 from dsv4.packing import PackedSequenceLayout, build_layout, document_table
 

@@ -1,4 +1,5 @@
-"""Document ids of packed rows and the small length helpers of the seed API.
+"""Document ids of packed rows and the small length helpers of the seed API, with ``dsv4_cp_local_seq_multiple``
+(a wrapper of :func:`dsv4.config.shard_multiple`).
 
 Seed conventions: ``seq_lens`` / ``seq_lens_padded`` are ``[B, D]`` (or ``[D]``)
 integer tensors whose entries equal to ``_SEQ_LENS_PADDING_VALUE`` (-1000) right-pad the document axis and are
@@ -8,8 +9,12 @@ and a zero-length document still uses up an id (ids may skip numbers).
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 
+from dsv4.config import shard_multiple
 from dsv4.packing import SEQ_LENS_PAD
 
 _SEQ_LENS_PADDING_VALUE = SEQ_LENS_PAD
@@ -91,3 +96,22 @@ def build_packed_seq_ids(
         torch.cat([ids_of_entry, ids_of_entry.new_zeros(lengths.shape[0], 1)], dim=1), 1, entry
     )
     return torch.where(in_doc, ids, torch.zeros_like(ids))
+
+
+def _lcm(a: int, b: int) -> int:
+    """Least common multiple; when either is 0 return ``max(a, b)`` (seed rule: lcm(0, 5) = 5, lcm(-4, 6) = 12)."""
+    if a and b:
+        return abs(a * b) // math.gcd(a, b)
+    return max(a, b)
+
+
+def _pad_length(n: int, multiple: int) -> int:
+    """Round ``n`` up to a multiple of ``max(int(multiple), 1)``."""
+    m = max(int(multiple), 1)
+    return n + (-n) % m
+
+
+def dsv4_cp_local_seq_multiple(model_or_config: Any) -> int:
+    """Shard multiple of a model (anything with ``.config``) or a config with ``compress_ratios``; 1 if none."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return shard_multiple(getattr(config, "compress_ratios", None) or [])

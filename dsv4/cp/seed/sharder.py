@@ -28,7 +28,7 @@ import torch
 from dsv4.cp.seed.contiguous import contiguous_local_indices, shard_batch_contiguous
 from dsv4.cp.seed.groups import dsv4_cp_all_gather, dsv4_cp_all_gather_metadata, mesh_group, mesh_size
 from dsv4.cp.seed.layout import ShardLayout
-from dsv4.cp.seed.multiple import dsv4_cp_local_seq_multiple
+from dsv4.cp.seed.seq_ids import dsv4_cp_local_seq_multiple
 from dsv4.cp.seed.repad import _repad_dsv4_packed_batch
 from dsv4.distributed import is_initialized
 

@@ -40,7 +40,7 @@ def test_packed_labels_decode_to_assistant_replies_only():
     tok = ByteTokenizer()
     ids, mask = tokenize_chat(messages, tok)
     rows = pack_documents([Document(ids, mask, "chat")], seq_len=128)
-    labels = rows.labels[0]
+    labels = rows.batch.labels[0]
     assert tok.decode(labels[labels != IGNORE_INDEX].tolist()) == "4<|end|>\n6<|end|>\n"
 
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from dsv4.batch import TokenBatch, collate_rows
+from dsv4.batch import TokenBatch
 from dsv4.cp import _repad_dsv4_packed_batch
 from dsv4.data import IGNORE_INDEX, build_packed_dataset
 
@@ -24,7 +24,7 @@ def _dataset(cp_size: int, multiple: int, seed: int):
 @pytest.mark.parametrize("multiple", [1, 2, 8])
 def test_cp_slices_reassemble_the_rows_on_window_boundaries(cp_size, multiple):
     seq_len, dataset = _dataset(cp_size, multiple, seed=cp_size * 10 + multiple)
-    batch = collate_rows([dataset[i] for i in range(len(dataset))])
+    batch = TokenBatch.stack([dataset[i] for i in range(len(dataset))])
     assert int(batch.label_count()) > 0
     slices = [batch.cut(rank, cp_size, multiple) for rank in range(cp_size)]
     for rank, local in enumerate(slices):
@@ -42,24 +42,24 @@ def test_packed_rows_equal_the_seed_repad_of_their_documents(multiple):
     """Oracle: the seed API's repad of the same documents laid back to back (the seed keeps document ids and
     positions on alignment pad slots; the training batch marks every pad slot with id 0)."""
     seq_len, dataset = _dataset(4, multiple, seed=multiple)  # rows of 12 x multiple slots
-    rows = dataset.rows
+    rows = dataset
     for r in range(len(rows)):
         lengths = [n for _, _, n in rows.pieces[r]]
-        real = rows.input_ids[r][rows.seq_ids[r] > 0]
+        real = rows.batch.input_ids[r][rows.batch.seq_ids[r] > 0]
         ids = torch.zeros(1, seq_len, dtype=torch.long)
         ids[0, : real.numel()] = real
         labels = torch.full((1, seq_len), IGNORE_INDEX)
-        labels[0, : real.numel()] = rows.labels[r][rows.seq_ids[r] > 0]
+        labels[0, : real.numel()] = rows.batch.labels[r][rows.batch.seq_ids[r] > 0]
         seed = {"input_ids": ids, "labels": labels, "seq_lens": torch.tensor([lengths])}
         _repad_dsv4_packed_batch(seed, cp_size=1, pad_multiple=multiple, padding_token_id=0)
         width = seed["input_ids"].shape[1]
         assert width <= seq_len
-        assert torch.equal(seed["input_ids"][0], rows.input_ids[r, :width])
-        assert torch.equal(seed["labels"][0], rows.labels[r, :width])
+        assert torch.equal(seed["input_ids"][0], rows.batch.input_ids[r, :width])
+        assert torch.equal(seed["labels"][0], rows.batch.labels[r, :width])
         pad = seed["padding_mask"][0]
-        assert torch.equal(torch.where(pad, 0, seed["packed_seq_ids"][0]), rows.seq_ids[r, :width])
-        assert torch.equal(torch.where(pad, 0, seed["position_ids"][0]), rows.positions[r, :width])
-        assert bool((rows.seq_ids[r, width:] == 0).all())
+        assert torch.equal(torch.where(pad, 0, seed["packed_seq_ids"][0]), rows.batch.seq_ids[r, :width])
+        assert torch.equal(torch.where(pad, 0, seed["position_ids"][0]), rows.batch.positions[r, :width])
+        assert bool((rows.batch.seq_ids[r, width:] == 0).all())
 
 
 def test_build_packed_dataset_checks_cp_sizes():

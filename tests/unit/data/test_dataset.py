@@ -7,12 +7,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from dsv4.batch import TokenBatch
-from dsv4.data import DistributedPackedSampler, PackedDataset, collate_rows, pack_documents
+from dsv4.data import DistributedPackedSampler, pack_documents
 
 
 def _dataset():
     docs = [[k] * n for k, n in enumerate([5, 3, 7, 2, 1, 8, 4, 6, 2, 3, 5, 1, 7], start=1)]
-    return PackedDataset(pack_documents(docs, seq_len=8, shard_multiple=2))
+    return pack_documents(docs, seq_len=8, shard_multiple=2)
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
@@ -48,11 +48,11 @@ def test_state_dict_round_trip_continues_with_the_next_batch():
     n = len(dataset)
     reference = DistributedPackedSampler(n, 1, 2, seed=7)
     reference.set_epoch(2)
-    expected = [b.input_ids for b in DataLoader(dataset, batch_size=2, sampler=reference, collate_fn=collate_rows)]
+    expected = [b.input_ids for b in DataLoader(dataset, batch_size=2, sampler=reference, collate_fn=TokenBatch.stack)]
 
     sampler = DistributedPackedSampler(n, 1, 2, seed=7)
     sampler.set_epoch(2)
-    loader = DataLoader(dataset, batch_size=2, sampler=sampler, collate_fn=collate_rows)
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler, collate_fn=TokenBatch.stack)
     it = iter(loader)
     seen = [next(it).input_ids for _ in range(2)]
     state = sampler.state_dict()
@@ -61,7 +61,7 @@ def test_state_dict_round_trip_continues_with_the_next_batch():
     resumed = DistributedPackedSampler(n, 1, 2, seed=7)
     resumed.load_state_dict(state)
     resumed.set_epoch(2)  # what Lightning does at the start of the resumed epoch: keeps the position
-    rest = [b.input_ids for b in DataLoader(dataset, batch_size=2, sampler=resumed, collate_fn=collate_rows)]
+    rest = [b.input_ids for b in DataLoader(dataset, batch_size=2, sampler=resumed, collate_fn=TokenBatch.stack)]
     assert len(seen) + len(rest) == len(expected)
     assert all(torch.equal(a, b) for a, b in zip(seen + rest, expected))
     assert resumed.position == 0  # the epoch ran out
@@ -117,7 +117,7 @@ def test_sampler_argument_errors(kwargs, pattern):
 def test_collate_stacks_rows_into_one_batch():
     dataset = _dataset()
     rows = [dataset[i] for i in range(3)]
-    batch = collate_rows(rows)
+    batch = TokenBatch.stack(rows)
     assert isinstance(batch, TokenBatch) and batch.shard.size == 1
     for key in ("input_ids", "labels", "seq_ids", "positions"):
         assert getattr(batch, key).shape == (3, 8) and getattr(batch, key).dtype == torch.long
@@ -130,7 +130,7 @@ def test_collate_stacks_rows_into_one_batch():
 def test_collate_errors_name_the_problem():
     dataset = _dataset()
     with pytest.raises(ValueError, match="got no rows"):
-        collate_rows([])
+        TokenBatch.stack([])
     narrow = TokenBatch(*(torch.zeros(1, 4, dtype=torch.long) for _ in range(4)))
     with pytest.raises(ValueError, match=r"whole rows of one width, got widths \[4, 8\]"):
-        collate_rows([dataset[0], narrow])
+        TokenBatch.stack([dataset[0], narrow])

@@ -24,29 +24,29 @@ def test_ffd_hand_case_lengths_5_3_7_2_seq_len_8_alignment_2():
     # aligned lengths 6, 4, 8, 2; decreasing order: doc2 (8), doc0 (6), doc1 (4), doc3 (2)
     # doc2 fills row 0; doc0 opens row 1 (2 free); doc1 (4) does not fit there -> row 2; doc3 (2) fills row 1.
     rows = pack_documents(_docs_5_3_7_2(), seq_len=8, shard_multiple=2, pad_id=0)
-    assert torch.equal(rows.input_ids, _t([
+    assert torch.equal(rows.batch.input_ids, _t([
         [30, 31, 32, 33, 34, 35, 36, 0],
         [10, 11, 12, 13, 14, 0, 40, 41],
         [20, 21, 22, 0, 0, 0, 0, 0],
     ]))
-    assert torch.equal(rows.labels, _t([
+    assert torch.equal(rows.batch.labels, _t([
         [31, 32, 33, 34, 35, 36, X, X],
         [11, 12, 13, 14, X, X, 41, X],
         [21, 22, X, X, X, X, X, X],
     ]))
-    assert torch.equal(rows.positions, _t([
+    assert torch.equal(rows.batch.positions, _t([
         [0, 1, 2, 3, 4, 5, 6, 0],
         [0, 1, 2, 3, 4, 0, 0, 1],
         [0, 1, 2, 0, 0, 0, 0, 0],
     ]))
     # one padding convention: every slot without a real token (pack or alignment padding) has document id 0
-    assert torch.equal(rows.seq_ids, _t([
+    assert torch.equal(rows.batch.seq_ids, _t([
         [1, 1, 1, 1, 1, 1, 1, 0],
         [1, 1, 1, 1, 1, 0, 2, 2],
         [1, 1, 1, 0, 0, 0, 0, 0],
     ]))
     assert rows.pieces == [[(2, 0, 7)], [(0, 0, 5), (3, 0, 2)], [(1, 0, 3)]]
-    for t in (rows.input_ids, rows.labels, rows.positions, rows.seq_ids):
+    for t in (rows.batch.input_ids, rows.batch.labels, rows.batch.positions, rows.batch.seq_ids):
         assert t.dtype == torch.long
     s = rows.stats
     assert (s.num_rows, s.real_tokens, s.alignment_padding, s.pack_padding) == (3, 17, 3, 4)
@@ -57,26 +57,26 @@ def test_ffd_hand_case_lengths_5_3_7_2_seq_len_8_alignment_2():
 def test_alignment_counts_inside_budget_and_pad_id():
     # alignment 4, seq_len 8: lengths 3 and 5 take 4 and 8 slots -> two rows although 3 + 5 = 8 tokens
     rows = pack_documents([[1, 2, 3], [4, 5, 6, 7, 8]], seq_len=8, shard_multiple=4, pad_id=9)
-    assert torch.equal(rows.input_ids, _t([[4, 5, 6, 7, 8, 9, 9, 9], [1, 2, 3, 9, 9, 9, 9, 9]]))
-    assert torch.equal(rows.seq_ids, _t([[1] * 5 + [0] * 3, [1] * 3 + [0] * 5]))
+    assert torch.equal(rows.batch.input_ids, _t([[4, 5, 6, 7, 8, 9, 9, 9], [1, 2, 3, 9, 9, 9, 9, 9]]))
+    assert torch.equal(rows.batch.seq_ids, _t([[1] * 5 + [0] * 3, [1] * 3 + [0] * 5]))
     # alignment 1: both in one row
     one = pack_documents([[1, 2, 3], [4, 5, 6, 7, 8]], seq_len=8, shard_multiple=1)
-    assert torch.equal(one.input_ids, _t([[4, 5, 6, 7, 8, 1, 2, 3]]))
-    assert torch.equal(one.labels, _t([[5, 6, 7, 8, X, 2, 3, X]]))
+    assert torch.equal(one.batch.input_ids, _t([[4, 5, 6, 7, 8, 1, 2, 3]]))
+    assert torch.equal(one.batch.labels, _t([[5, 6, 7, 8, X, 2, 3, X]]))
 
 
 def test_ties_are_broken_by_document_order():
     rows = pack_documents([[1, 1], [2, 2], [3, 3], [4, 4]], seq_len=4)
     assert rows.pieces == [[(0, 0, 2), (1, 0, 2)], [(2, 0, 2), (3, 0, 2)]]
     again = pack_documents([[1, 1], [2, 2], [3, 3], [4, 4]], seq_len=4)
-    assert torch.equal(rows.input_ids, again.input_ids)
+    assert torch.equal(rows.batch.input_ids, again.batch.input_ids)
 
 
 def test_loss_mask_marks_targets():
     # loss_mask[j] is about token j as a target: label[i] = ids[i+1] only where mask[i+1]
     doc = Document([10, 11, 12, 13, 14], [False, False, True, True, False], "d")
     rows = pack_documents([doc], seq_len=6)
-    assert torch.equal(rows.labels, _t([[X, 12, 13, X, X, X]]))
+    assert torch.equal(rows.batch.labels, _t([[X, 12, 13, X, X, X]]))
     assert rows.stats.supervised_tokens == 2
 
 
@@ -85,17 +85,17 @@ def test_split_long_document_loses_no_target():
     rows = pack_documents([ids, [1, 2]], seq_len=8, shard_multiple=2)
     assert rows.stats.num_split_documents == 1 and rows.stats.num_pieces == 4
     assert rows.pieces == [[(0, 0, 8)], [(0, 8, 8)], [(0, 16, 3), (1, 0, 2)]]
-    assert torch.equal(rows.input_ids[0], _t(list(range(100, 108))))
+    assert torch.equal(rows.batch.input_ids[0], _t(list(range(100, 108))))
     # the last label of a chunk is the first token of the next chunk
-    assert torch.equal(rows.labels[0], _t(list(range(101, 109))))
-    assert torch.equal(rows.labels[1], _t(list(range(109, 117))))
-    assert torch.equal(rows.labels[2], _t([117, 118, X, X, 2, X, X, X]))
+    assert torch.equal(rows.batch.labels[0], _t(list(range(101, 109))))
+    assert torch.equal(rows.batch.labels[1], _t(list(range(109, 117))))
+    assert torch.equal(rows.batch.labels[2], _t([117, 118, X, X, 2, X, X, X]))
     # each chunk is its own document for attention: positions restart
-    assert torch.equal(rows.positions[1], torch.arange(8))
-    assert torch.equal(rows.seq_ids[2], _t([1, 1, 1, 0, 2, 2, 0, 0]))
+    assert torch.equal(rows.batch.positions[1], torch.arange(8))
+    assert torch.equal(rows.batch.seq_ids[2], _t([1, 1, 1, 0, 2, 2, 0, 0]))
     # labelled tokens: unsplit 18 + 1, packed the same
     assert rows.stats.supervised_tokens == (19 - 1) + (2 - 1)
-    assert int((rows.labels != X).sum()) == 19
+    assert int((rows.batch.labels != X).sum()) == 19
 
 
 def test_split_long_false_refuses_and_names_document():
@@ -148,15 +148,15 @@ def test_property_every_token_once_and_metadata_consistent(lengths, alignment, r
         offset = 0
         for d, (k, start, n) in enumerate(pieces):
             assert offset % alignment == 0  # documents start on the multiple, in placement order
-            assert rows.positions[r, offset:offset + n].tolist() == list(range(n))
-            assert bool((rows.seq_ids[r, offset:offset + n] == d + 1).all())
+            assert rows.batch.positions[r, offset:offset + n].tolist() == list(range(n))
+            assert bool((rows.batch.seq_ids[r, offset:offset + n] == d + 1).all())
             for j in range(n):
                 assert seen[k][start + j] is None
-                seen[k][start + j] = int(rows.input_ids[r, offset + j])
+                seen[k][start + j] = int(rows.batch.input_ids[r, offset + j])
             offset += -(-n // alignment) * alignment
         assert offset <= seq_len
-        pad = rows.seq_ids[r] == 0
+        pad = rows.batch.seq_ids[r] == 0
         assert int((~pad).sum()) == sum(n for _, _, n in pieces)
-        assert bool((rows.labels[r][pad] == X).all()) and bool((rows.input_ids[r][pad] == 0).all())
-        assert bool((rows.positions[r][pad] == 0).all())
+        assert bool((rows.batch.labels[r][pad] == X).all()) and bool((rows.batch.input_ids[r][pad] == 0).all())
+        assert bool((rows.batch.positions[r][pad] == 0).all())
     assert all(seen[k] == docs[k] for k in seen)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from dsv4.batch import collate_rows
+from dsv4.batch import TokenBatch
 from dsv4.config import DSV4Config
 from dsv4.data import build_packed_dataset
 from dsv4.flops import document_training_flops
@@ -25,7 +25,7 @@ def _loader(rows=4, seq_len=256, batch_size=2):
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(1, CONFIG.vocab_size, (int(n),), generator=g).tolist() for n in (200, 90, 170, 60, 130)]
     dataset = build_packed_dataset(docs, seq_len, CONFIG.shard_multiple)
-    return DataLoader(dataset, batch_size=batch_size, collate_fn=collate_rows), dataset
+    return DataLoader(dataset, batch_size=batch_size, collate_fn=TokenBatch.stack), dataset
 
 
 def _trainer(strategy, steps, **kwargs):

@@ -20,7 +20,7 @@ FAST = ["seq_len=256", "logger=csv", "data.max_bytes=200000", "scheduler.warmup_
 
 def _compose(overrides):
     register_schema()
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="finetune", overrides=overrides)
 
 

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from dsv4.batch import TokenBatch, collate_rows
+from dsv4.batch import TokenBatch
 from dsv4.config import DSV4Config
 from dsv4.data import build_packed_dataset
 from dsv4.model.moe import MoE
@@ -23,7 +23,7 @@ CONFIG = DSV4Config.preset("tiny")
 
 def _fit(strategy, steps=1):
     docs = [[3] * 150, [5] * 100, [7] * 60]
-    loader = DataLoader(build_packed_dataset(docs, 256, CONFIG.shard_multiple), batch_size=1, collate_fn=collate_rows)
+    loader = DataLoader(build_packed_dataset(docs, 256, CONFIG.shard_multiple), batch_size=1, collate_fn=TokenBatch.stack)
     module = DSV4LightningModule(CONFIG, optimizer=functools.partial(torch.optim.SGD, lr=0.0))
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
