@@ -10,8 +10,7 @@ unpacked document of ``--seq-len`` tokens over ``--cp`` gloo ranks. Every exchan
   the previous window's first-half compressor (and indexer) projections, and every earlier compressed row /
   index key of the document that is visible to one of its queries (for one document: all earlier windows);
 * ``ratio`` = received / lower_bound (null where the bound is 0, i.e. rank 0);
-* ``allgather_everything``: what an all-gather design (NeMo Automodel / Miles style, ``reference/cp-peers.md``
-  4.1) moves to this rank: raw K/V of every other rank, the fp32 compressor (and indexer) overlap windows
+* ``allgather_everything``: what an all-gather design (NeMo Automodel / Miles style) moves to this rank: raw K/V of every other rank, the fp32 compressor (and indexer) overlap windows
   (kv + gate), and the pooled rows;
 * ``backward_received``: gradient bytes received in backward (the mirror of what was sent).
 

@@ -4,9 +4,9 @@ A *group* is a ``torch.distributed`` process group or ``None``. ``None`` (or no 
 single-process case: size 1, rank 0, and every collective below is an identity. Expert parallelism, which treats
 ``None`` as "the default group", resolves it first with :func:`resolve_group`.
 
-The plain tensor collectives have one spelling each here (:func:`all_gather_into`, :func:`reduce_scatter_into`);
-they use ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` where torch has them and the older
-``*_into_tensor`` names otherwise (same semantics).
+The tensor collectives have one spelling each here (:func:`all_gather_into`, :func:`reduce_scatter_into` and the
+differentiable :func:`all_gather_autograd`, :func:`reduce_scatter_autograd`); they use torch's ``*_single`` names
+where torch has them (2.13) and the older names with the same semantics otherwise (2.8 - 2.12).
 """
 
 from __future__ import annotations
@@ -15,12 +15,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 ProcessGroup = dist.ProcessGroup
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER_AUTOGRAD = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+_REDUCE_SCATTER_AUTOGRAD = (getattr(funcol, "reduce_scatter_single_autograd", None)
+                            or funcol.reduce_scatter_tensor_autograd)
 
 
 def is_initialized() -> bool:
@@ -73,6 +77,16 @@ def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group: ProcessG
     """Plain SUM reduce-scatter of ``tensor`` (dim 0 split in rank order) into ``out``."""
     _REDUCE_SCATTER(out, tensor, group=group)
     return out
+
+
+def all_gather_autograd(tensor: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Differentiable all-gather along ``dim`` (backward: reduce-scatter of the gradient)."""
+    return _ALL_GATHER_AUTOGRAD(tensor, dim, group)
+
+
+def reduce_scatter_autograd(tensor: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Differentiable SUM reduce-scatter along ``dim`` (backward: all-gather of the gradient)."""
+    return _REDUCE_SCATTER_AUTOGRAD(tensor, "sum", dim, group)
 
 
 def reduce_device(group: ProcessGroup | None) -> torch.device:

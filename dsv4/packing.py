@@ -36,8 +36,6 @@ import torch
 
 from dsv4.distributed import all_reduce_max, is_initialized
 
-__all__ = ["PackedSequenceLayout", "aligned_packed_layout", "DocumentTable", "document_table", "build_layout",
-           "take_tokens", "SEQ_LENS_PAD"]
 
 SEQ_LENS_PAD = -1000
 """Right-pads the document axis of ``seq_lens`` tables; such entries are absent documents."""
@@ -107,15 +105,6 @@ class PackedSequenceLayout:
     def padding_mask(self) -> torch.Tensor:
         """``[B, S_al]`` bool, True where the slot holds no real token (``sequence_ids == 0``)."""
         return self.sequence_ids == 0
-
-    @property
-    def token_mask(self) -> torch.Tensor:
-        """``[B, S_al]`` bool, True on real document tokens."""
-        return self.sequence_ids != 0
-
-    @property
-    def device(self) -> torch.device:
-        return self.source_indices.device
 
     def pack(self, values: torch.Tensor, fill: Any = 0) -> torch.Tensor:
         """Caller layout ``[B, S, ...]`` -> aligned layout ``[B, S_al, ...]``; padding slots get ``fill``."""

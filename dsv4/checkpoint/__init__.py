@@ -1,4 +1,4 @@
-"""HF safetensors checkpoints <-> the dsv4 module tree (see ``reference/dsv4-checkpoint.md``).
+"""HF safetensors checkpoints (the released DeepSeek-V4 layout) <-> the dsv4 module tree.
 
 * :func:`load_hf_checkpoint` (``load.py``): checked, streamed, EP-aware load with FP8/FP4 dequantisation.
 * :func:`export_hf_checkpoint` (``export.py``): bf16 / fp32 / re-quantised export with an index file.

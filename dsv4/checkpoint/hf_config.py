@@ -1,7 +1,6 @@
 """``config.json`` (HF release) <-> :class:`~dsv4.config.DSV4Config`.
 
-Reading keeps every field ``DSV4Config`` knows (the names are the release's, section 0 of
-``reference/dsv4-checkpoint.md``); ``dtype`` is accepted for ``torch_dtype``; HF bookkeeping (``architectures``,
+Reading keeps every field ``DSV4Config`` knows (the names are the release's); ``dtype`` is accepted for ``torch_dtype``; HF bookkeeping (``architectures``,
 ``model_type``, ``quantization_config``, ``transformers_version``, ...) is ignored. ``overrides`` replace fields
 after reading (e.g. ``num_nextn_predict_layers=0`` to skip MTP, ``torch_dtype="float32"``). Writing emits the
 release's fields, plus ``quantization_config`` when the weights are re-quantised.

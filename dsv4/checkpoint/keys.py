@@ -1,6 +1,6 @@
 """Key adapter: on-disk (HF release) tensor names <-> the ``DSV4ForCausalLM`` state-dict names.
 
-On disk there is no ``model.`` prefix (``reference/dsv4-checkpoint.md`` section 1). The renames, per block
+On disk there is no ``model.`` prefix. The renames, per block
 (backbone prefix ``layers.{i}.`` <-> ``model.layers.{i}.``, MTP prefix ``mtp.{k}.`` <-> ``mtp.layers.{k}.``):
 
     attn_norm.weight            <-> input_layernorm.weight

@@ -1,6 +1,6 @@
 """FP8 / FP4 weight formats of the released DSV4 checkpoints: dequantisation and re-quantisation.
 
-Formats (``reference/dsv4-checkpoint.md`` section 2):
+Formats (as stored in the released checkpoints):
 
 * **E8M0 scale** (``float8_e8m0fnu``, one unsigned exponent byte): value = 2^(byte - 127). Decoded from the
   *bits* (the byte placed in an fp32 exponent field), never by a numeric cast; byte 0 decodes to 0.0 and 0xFF to

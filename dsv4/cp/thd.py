@@ -22,14 +22,6 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = [
-    "SEQLEN_KEYS",
-    "LENGTH_KEYS",
-    "CURRENT_METADATA_KEYS",
-    "LEGACY_METADATA_KEYS",
-    "partition_packed_batch_contiguous",
-    "packed_metadata_for_forward",
-]
 
 CURRENT_METADATA_KEYS: tuple[str, ...] = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
                                           "cu_seqlens_kv_padded", "max_seqlen_q", "max_seqlen_kv")

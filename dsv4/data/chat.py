@@ -25,7 +25,6 @@ from typing import Any, Sequence
 
 from dsv4.data.tokenizers import Tokenizer
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "ASSISTANT_ROLE", "chat_segments", "tokenize_chat", "validate_messages"]
 
 ASSISTANT_ROLE = "assistant"
 

@@ -23,8 +23,6 @@ from dsv4.config import check_cp_length
 from dsv4.data.packer import PackedRows, pack_documents
 from dsv4.data.sources import Document
 
-__all__ = ["DistributedPackedSampler", "build_packed_dataset"]
-
 
 class DistributedPackedSampler(Sampler[int]):
     """Row indices for one data-parallel rank; resumable (see the module docstring).

@@ -37,8 +37,6 @@ from dsv4.batch import IGNORE_INDEX, TokenBatch
 from dsv4.data.sources import Document
 from dsv4.packing import build_layout, document_table
 
-__all__ = ["PackStats", "PackedRows", "first_fit_decreasing", "pack_documents"]
-
 
 @dataclass(frozen=True)
 class PackStats:

@@ -32,15 +32,6 @@ from typing import Any, Sequence
 from dsv4.data.chat import _compile, tokenize_chat, validate_messages
 from dsv4.data.tokenizers import Tokenizer, build_tokenizer
 
-__all__ = [
-    "DATA_KINDS",
-    "Document",
-    "build_documents",
-    "hf_documents",
-    "jsonl_documents",
-    "stdlib_corpus",
-    "stdlib_files",
-]
 
 DATA_KINDS = ("stdlib", "jsonl", "hf")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}

@@ -20,7 +20,6 @@ import os
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "build_tokenizer"]
 
 _INSTALL_HINT = "pip install datasets tokenizers"
 

@@ -59,11 +59,6 @@ class AttentionMetadata:
     full_padding: Tensor | None = None
 
 
-def cp_halo_rows(config: DSV4Config) -> int:
-    """K/V rows a rank needs from its predecessor: ``sliding_window - 1``."""
-    return config.sliding_window - 1
-
-
 def check_cp_layout(config: DSV4Config, local_len: int, cp) -> int:
     """Validate a CP forward before any collective runs; return the halo.
 
@@ -71,7 +66,7 @@ def check_cp_layout(config: DSV4Config, local_len: int, cp) -> int:
     """
     size = cp.size
     check_cp_length(local_len * size, size, config.shard_multiple, what="global sequence length")
-    halo = cp_halo_rows(config)
+    halo = config.sliding_window - 1  # K/V rows a rank needs from its predecessor
     if cp.halo is not None:
         if cp.halo < halo:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""Hyper-connections (spec section 5.1): ``hc_mult`` residual streams mixed by a Sinkhorn matrix.
+"""Hyper-connections: ``hc_mult`` residual streams mixed by a Sinkhorn matrix.
 
 The residual state of a DSV4 block is ``X`` of shape ``[B, L, hc, d]`` (``hc = hc_mult`` streams of width
 ``d = hidden_size``); the embeddings are copied into every stream. Every sub-layer site (attention, FFN) owns one
@@ -58,7 +58,7 @@ class HyperConnection(nn.Module):
     Args:
         hc_mult: number of residual streams ``hc``.
         hidden_size: stream width ``d``.
-        sinkhorn_iters: Sinkhorn iterations (spec: 20).
+        sinkhorn_iters: Sinkhorn iterations (the released models use 20).
         hc_eps: the epsilon added to ``pre`` and inside Sinkhorn.
         norm_eps: epsilon of the weight-less RMSNorm over the flattened streams.
         init_std: std of the normal init of ``fn``.

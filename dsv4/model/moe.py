@@ -1,4 +1,4 @@
-"""Mixture-of-experts FFN (spec section 5.2): routed experts + shared expert(s), clamped SwiGLU.
+"""Mixture-of-experts FFN: routed experts + shared expert(s), clamped SwiGLU.
 
 Shapes: ``MoE.forward(x [B, L, d], input_ids [B, L] | None, padding_mask [B, L] | None) -> [B, L, d]``.
 
@@ -19,7 +19,7 @@ expert, a non-persistent fp32 buffer, no autograd). After each optimizer step th
 applies ``bias += rate * sign(mean_load - load_e)`` (``rate`` = 1e-3) and clears the loads. There is no
 auxiliary loss.
 
-Padding (our choice, the spec is silent): tokens flagged in ``padding_mask`` skip the whole FFN. They are not
+Padding (our choice; the released model code is silent): tokens flagged in ``padding_mask`` skip the whole FFN. They are not
 routed, not counted in ``expert_load`` and their MoE output (routed + shared) is exactly zero. Pad tokens never
 carry a label, and real tokens never attend to them, so this only saves work and keeps the load statistics
 clean.

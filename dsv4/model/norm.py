@@ -2,7 +2,7 @@
 
 ``rms_norm(x) = x / sqrt(mean(x**2, dim=-1) + eps) * weight``, computed in fp32 and cast back to the input
 dtype. Shapes: any ``[..., dim]`` in, same shape out. The weight-less variant is used by hyper-connections
-(``RMSNorm_noweight`` in the spec) and by the per-head query norm.
+(``RMSNorm_noweight``) and by the per-head query norm.
 """
 
 from __future__ import annotations

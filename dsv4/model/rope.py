@@ -1,6 +1,6 @@
 """Interleaved-pair rotary position embedding (RoPE) with optional YaRN frequencies.
 
-Layout (dsv4-architecture.md 2.2): RoPE acts on the LAST ``rope_dim`` dims of a head; inside them dims
+Layout (as in the released model): RoPE acts on the LAST ``rope_dim`` dims of a head; inside them dims
 ``(2k, 2k+1)`` form pair ``k`` with frequency ``inv_freq[k] = theta ** (-2k / rope_dim)``, ``k < rope_dim/2``:
 
     out[2k]   = a * cos - b * sin          (a = x[2k], b = x[2k+1])

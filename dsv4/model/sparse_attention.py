@@ -1,4 +1,4 @@
-"""Reference sparse attention kernel in plain torch (dsv4-architecture.md 2.1, 2.3, 3).
+"""Reference sparse attention kernel in plain torch: window band + compressed rows, per-head sink.
 
 Every query ``i`` (kv row ``query_offset + i``) attends to
 

@@ -40,7 +40,14 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from dsv4.distributed import GroupMember, all_gather_into, group_size, resolve_group
+from dsv4.distributed import (
+    GroupMember,
+    all_gather_autograd,
+    all_gather_into,
+    group_size,
+    reduce_scatter_autograd,
+    resolve_group,
+)
 from dsv4.model.dispatch import ExpertGroup, LocalDispatcher, TokenDispatcher, sort_by_expert, weighted_sum
 
 DISPATCHERS: tuple[str, ...] = ("local", "alltoall", "allgather", "deepep", "hybridep")
@@ -66,7 +73,8 @@ def _check_name(name: str) -> str:
 
 
 def dispatcher_needs_uniform_tokens(name: str) -> bool:
-    """True when ``name`` wants the same token count on every rank (the recipe turns on ``sync_packed_length``)."""
+    """True when ``name`` wants the same token count on every rank (its dispatcher declares
+    ``needs_uniform_tokens``; DSpark capture then pads every rank's rows to the longest)."""
     return _check_name(name) in _UNIFORM_TOKENS
 
 
@@ -237,7 +245,7 @@ class AllGatherDispatcher(_GroupDispatcher):
         if self.strict_uniform and len(set(counts)) > 1:
             raise ValueError(
                 f"dispatcher='allgather' needs the same number of routed tokens on every rank of the EP group, "
-                f"got {counts} (EP ranks 0..{size - 1}); turn on sync_packed_length or use dispatcher=alltoall"
+                f"got {counts} (EP ranks 0..{size - 1}); pad the ranks to one count (strict_uniform=False) or use dispatcher=alltoall"
             )
         capacity = max(counts)
         pad = capacity - n_tokens
@@ -247,8 +255,8 @@ class AllGatherDispatcher(_GroupDispatcher):
         if size == 1:
             x_all, ids_all, w_all = x_p, ids_p, w_p
         else:
-            x_all = funcol.all_gather_single_autograd(x_p, 0, self.group)  # [P*C, d]
-            w_all = funcol.all_gather_single_autograd(w_p, 0, self.group)  # [P*C, k]
+            x_all = all_gather_autograd(x_p, 0, self.group)  # [P*C, d]
+            w_all = all_gather_autograd(w_p, 0, self.group)  # [P*C, k]
             ids_all = torch.empty(size * capacity, k, dtype=ids_p.dtype, device=ids_p.device)
             all_gather_into(ids_all, ids_p, self.group)
         lo, n_local = experts.expert_offset, experts.num_local_experts
@@ -261,7 +269,7 @@ class AllGatherDispatcher(_GroupDispatcher):
         x_sorted = x_all.index_select(0, token_idx)
         y = _stay_in_graph(experts(x_sorted, torch.bincount(local_expert, minlength=n_local)), x_sorted)
         partial = weighted_sum(size * capacity, token_idx, y, w_all.reshape(-1).index_select(0, pairs))
-        out = partial if size == 1 else funcol.reduce_scatter_single_autograd(partial, "sum", 0, self.group)
+        out = partial if size == 1 else reduce_scatter_autograd(partial, 0, self.group)
         return out[:n_tokens].to(x.dtype)
 
 

@@ -27,11 +27,10 @@ class ParallelDims:
 
     def resolved(self) -> "ParallelDims":
         """Validate and return the dims with ``dp`` filled in."""
-        self.validate()
-        dp = self.world_size // self.cp if self.dp in (-1, 0, None) else self.dp
-        return ParallelDims(world_size=self.world_size, cp=self.cp, dp=dp, ep=self.ep)
+        return ParallelDims(world_size=self.world_size, cp=self.cp, dp=self.validate(), ep=self.ep)
 
-    def validate(self, n_routed_experts: int | None = None) -> None:
+    def validate(self, n_routed_experts: int | None = None) -> int:
+        """Raise ValueError naming the sizes that do not fit; return the (derived) dp."""
         for name in ("world_size", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -53,6 +52,7 @@ class ParallelDims:
             )
         if n_routed_experts is not None and n_routed_experts % self.ep:
             raise ValueError(f"`ep`={self.ep} must divide model.n_routed_experts={n_routed_experts}")
+        return dp
 
 
 @dataclass

@@ -32,8 +32,7 @@ def apply_fsdp(model: nn.Module, meshes: Meshes, *, reshard_after_forward: bool 
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
-            if hasattr(module, "set_force_sum_reduction_for_comms"):  # not in every torch>=2.6; without it only NCCL works
-                module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no AVG/PREMUL_SUM)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no AVG/PREMUL_SUM)
     return model
 
 

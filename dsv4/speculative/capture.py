@@ -26,8 +26,6 @@ from torch import nn
 
 from dsv4.packing import SEQ_LENS_PAD
 
-__all__ = ["FeatureCapture", "backbone_of", "split_documents", "validate_layer_ids"]
-
 
 def backbone_of(model: nn.Module) -> nn.Module:
     """The ``DSV4Model`` of a causal LM (``model.model``) or the backbone itself (has ``layers`` and ``norm``)."""

@@ -27,20 +27,11 @@ from torch import nn
 from dsv4.packing import PackedSequenceLayout, aligned_packed_layout
 from dsv4.speculative.capture import FeatureCapture, split_documents
 
-__all__ = ["DSparkFeatures", "capture_dspark_features", "dspark_packed_forward", "model_needs_uniform_tokens"]
-
 
 def model_needs_uniform_tokens(model: nn.Module) -> bool:
     """True when any MoE layer of ``model`` uses a dispatcher that declares ``needs_uniform_tokens`` (the same token
     count on every rank: ``allgather``, ``hybridep``)."""
     return any(getattr(getattr(m, "dispatcher", None), "needs_uniform_tokens", False) for m in model.modules())
-
-
-def _config_of(model: nn.Module):
-    config = getattr(model, "config", None)
-    if config is None:
-        raise TypeError(f"{type(model).__name__} has no .config; pass a DSV4ForCausalLM")
-    return config
 
 
 def dspark_packed_forward(
@@ -68,7 +59,7 @@ def dspark_packed_forward(
     """
     if sync_across_ranks is None:
         sync_across_ranks = model_needs_uniform_tokens(model)
-    layout = aligned_packed_layout(seq_lens, input_ids.shape, _config_of(model).shard_multiple,
+    layout = aligned_packed_layout(seq_lens, input_ids.shape, model.config.shard_multiple,
                                    bool(sync_across_ranks), seq_lens_padded=seq_lens_padded, group=group)
     device = input_ids.device
     was_training = model.training

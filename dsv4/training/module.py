@@ -29,7 +29,7 @@ from dsv4.model import DSV4ForCausalLM
 from dsv4.model.moe import update_load_balancing_bias
 from dsv4.parallel.wrap import clip_grad_norm_
 from dsv4.training.loss import reduce_token_loss
-from dsv4.training.stats import DocumentFlops, StepStats, batch_statistics, step_stats_from
+from dsv4.training.stats import StepStats, batch_statistics, document_flops, step_stats_from
 from dsv4.training.step import forward_step
 from dsv4.training.strategy import DSV4Strategy, ParallelState
 
@@ -67,7 +67,7 @@ class DSV4LightningModule(L.LightningModule):
         self.export_dtype = export_dtype
         self.model: DSV4ForCausalLM | None = None
         self.last_step_stats: StepStats | None = None
-        self._flops = DocumentFlops(self.config)
+        self._flops = document_flops(self.config)
         self._batch_stats: torch.Tensor | None = None
         self._step_start = 0.0
 

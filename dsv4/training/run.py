@@ -43,11 +43,12 @@ def world_size_of(trainer_cfg: dict) -> int | None:
 
 
 def _instantiate(cfg: Any, key: str, *args: Any, **kwargs: Any) -> Any:
-    """``hydra.utils.instantiate`` with errors turned into a ValueError naming the config key."""
+    """``hydra.utils.instantiate`` (plain Python containers as arguments, e.g. AdamW's ``betas`` a tuple-like list,
+    never a ListConfig inside optimizer state) with errors turned into a ValueError naming the config key."""
     from hydra.utils import instantiate
 
     try:
-        return instantiate(cfg, *args, **kwargs)
+        return instantiate(cfg, *args, _convert_="all", **kwargs)
     except Exception as err:  # noqa: BLE001 - Hydra wraps import and call errors in several types
         cause = err.__cause__ or err
         raise ValueError(f"`{key}` cannot be instantiated: {type(cause).__name__}: {cause}") from None

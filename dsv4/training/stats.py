@@ -8,7 +8,9 @@ rank's CP exchange bytes for the step (forward and backward).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -56,23 +58,14 @@ class StepStats:
         return (self.pack_padding + self.alignment_padding) / max(self.slots, 1)
 
 
-class DocumentFlops:
-    """Training FLOPs of documents by length for one config (cached per length)."""
-
-    def __init__(self, config: DSV4Config) -> None:
-        self.config = config
-        self._cache: dict[int, float] = {}
-
-    def __call__(self, lengths: list[int]) -> float:
-        total = 0.0
-        for n in lengths:
-            if n not in self._cache:
-                self._cache[n] = document_training_flops(self.config, n)
-            total += self._cache[n]
-        return total
+def document_flops(config: DSV4Config) -> Callable[[list[int]], float]:
+    """``lengths -> training FLOPs`` of documents of those lengths (:func:`document_training_flops`, cached)."""
+    per_document = functools.cache(functools.partial(document_training_flops, config))
+    return lambda lengths: sum(map(per_document, lengths))
 
 
-def batch_statistics(batch: TokenBatch, shard_multiple: int, flops: DocumentFlops | None = None) -> torch.Tensor:
+def batch_statistics(batch: TokenBatch, shard_multiple: int, flops: Callable[[list[int]], float] | None = None,
+                     ) -> torch.Tensor:
     """``[rows, slots, real, labelled, pack padding, alignment padding, model FLOPs]`` (float64) of a whole batch.
 
     Padding is split by shard-multiple groups: a padding slot in a group that also holds a real token completes a

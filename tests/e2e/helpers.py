@@ -16,21 +16,25 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["seq_len=256", "logger=csv", "data.max_bytes=200000", "scheduler.warmup_steps=1"]
 _PORT_LOCKS = Path(tempfile.gettempdir()) / "dsv4-test-ports"
 
 
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextlib.contextmanager
-def reserved_port() -> Iterator[int]:
+def reserved_port(probe: Callable[[], int] = free_port) -> Iterator[int]:
     """A free TCP port that no other holder of this context manager (any process) gets until it exits."""
     _PORT_LOCKS.mkdir(exist_ok=True)
     while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = probe()
         lock = open(_PORT_LOCKS / f"{port}.lock", "w")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -24,12 +24,6 @@ import torch
 from dsv4.packing import take_tokens
 
 
-def _expand_like(index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """View a ``[B, N]`` index with singleton trailing dims matching ``values`` ``[B, *, ...]``, then expand."""
-    extra = values.shape[2:]
-    return index.view(*index.shape, *([1] * len(extra))).expand(*index.shape, *extra)
-
-
 @dataclass(frozen=True)
 class ShardLayout:
     local_token_global_indices: torch.Tensor | None = None
@@ -47,12 +41,10 @@ class ShardLayout:
         """Scatter a caller-coordinate ``[B, S_in, ...]`` tensor into ``[B, P, ...]`` padded rows filled with ``fill``."""
         if fill is None:
             raise ValueError("a repositioned layout requires `fill` to shard a caller-coordinate tensor")
-        pos = self.input_token_stream_positions.to(t.device)
-        padded = self.padded_seq_len
-        out = torch.full((t.shape[0], padded + 1, *t.shape[2:]), fill, dtype=t.dtype, device=t.device)
-        index = torch.where(pos >= 0, pos, torch.full_like(pos, padded))
-        out = out.scatter(1, _expand_like(index, t), t)
-        return out[:, :padded]
+        pos, padded = self.input_token_stream_positions.to(t.device), self.padded_seq_len
+        source = torch.full((pos.shape[0], padded + 1), -1, dtype=torch.long, device=t.device)  # padded -> caller
+        source.scatter_(1, torch.where(pos >= 0, pos, padded), torch.arange(pos.shape[1], device=t.device).expand_as(pos))
+        return take_tokens(t, source[:, :padded], fill)
 
     def restore(self, full: torch.Tensor, seq_dim: int = 1, fill=None) -> torch.Tensor:
         """Map a padded-coordinate tensor (length P on ``seq_dim``) back to caller coordinates.

@@ -18,6 +18,12 @@ def _as_2d_long(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device=device, dtype=torch.long)
 
 
+def _key_padding(padding_mask: torch.Tensor, device, cp_group) -> torch.Tensor:
+    """The all-gathered ``[B, S]`` key padding (True = pad) of a local ``[B, S_loc]`` / ``[S_loc]`` mask."""
+    pad = padding_mask.unsqueeze(0) if padding_mask.dim() == 1 else padding_mask
+    return dsv4_cp_all_gather_metadata(pad.to(device).bool(), 1, cp_group)
+
+
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     min_value = torch.finfo(dtype).min
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
@@ -48,8 +54,7 @@ def build_dsv4_cp_causal_padding_mask(
     if sliding_window is not None:
         allowed &= (q.unsqueeze(-1) - keys.view(1, 1, -1)) < sliding_window
     if padding_mask is not None:
-        pad = padding_mask.unsqueeze(0) if padding_mask.dim() == 1 else padding_mask
-        full_pad = dsv4_cp_all_gather_metadata(pad.to(q.device).bool(), 1, cp_group)
+        full_pad = _key_padding(padding_mask, q.device, cp_group)
         if full_pad.shape[-1] != key_len:
             raise ValueError(
                 f"`padding_mask` gathered over {dsv4_cp_size(cp_group)} ranks has width {full_pad.shape[-1]}, "
@@ -86,7 +91,5 @@ def build_dsv4_cp_packed_causal_padding_mask(
     if sliding_window is not None:
         allowed &= (qp - kp) < sliding_window
     if padding_mask is not None:
-        pad = padding_mask.unsqueeze(0) if padding_mask.dim() == 1 else padding_mask
-        full_pad = dsv4_cp_all_gather_metadata(pad.to(q_pos.device).bool(), 1, cp_group)
-        allowed &= ~full_pad.unsqueeze(1)
+        allowed &= ~_key_padding(padding_mask, q_pos.device, cp_group).unsqueeze(1)
     return _additive(allowed, dtype)

@@ -9,7 +9,7 @@ from callbacks import CPTrafficCallback, MemoryCallback, PaddingCallback, Throug
 from dsv4.batch import TokenBatch
 from dsv4.config import DSV4Config
 from dsv4.flops import document_training_flops, training_flops_per_token
-from dsv4.training.stats import DocumentFlops, StepStats, batch_statistics, step_stats_from
+from dsv4.training.stats import StepStats, batch_statistics, document_flops, step_stats_from
 
 
 class FakeModule:
@@ -96,7 +96,7 @@ def test_throughput_tflops_and_mfu_count_each_document_at_its_own_length():
     (the row length overstates them); MFU divides by the device peak."""
     cfg = DSV4Config.preset("tiny", sliding_window=2048, head_dim=64, num_attention_heads=8)
     batch = _two_document_row([1000, 1000], 2048)
-    stats = step_stats_from(batch_statistics(batch, cfg.shard_multiple, DocumentFlops(cfg)), step=1, cp=2, dp=1,
+    stats = step_stats_from(batch_statistics(batch, cfg.shard_multiple, document_flops(cfg)), step=1, cp=2, dp=1,
                             world_size=2, step_time_s=0.5)
     per_document = 2 * document_training_flops(cfg, 1000)
     assert stats.model_flops == pytest.approx(per_document)

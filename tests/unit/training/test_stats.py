@@ -8,7 +8,7 @@ import torch
 from dsv4.batch import TokenBatch
 from dsv4.config import DSV4Config
 from dsv4.flops import document_training_flops
-from dsv4.training.stats import DocumentFlops, batch_statistics, step_stats_from
+from dsv4.training.stats import batch_statistics, document_flops, step_stats_from
 
 
 def test_hand_case_padding_split_and_flops():
@@ -18,7 +18,7 @@ def test_hand_case_padding_split_and_flops():
     labels = torch.tensor([[7, 7, -100, -100, 7, 7, 7, 7, -100] + [-100] * 7])
     batch = TokenBatch(torch.ones_like(seq), labels, seq, pos)
     config = DSV4Config.preset("tiny")
-    stats = step_stats_from(batch_statistics(batch, 4, DocumentFlops(config)), step=3, cp=1, dp=1, world_size=1,
+    stats = step_stats_from(batch_statistics(batch, 4, document_flops(config)), step=3, cp=1, dp=1, world_size=1,
                             step_time_s=1.0)
     assert (stats.rows, stats.seq_len, stats.slots, stats.real_tokens, stats.label_tokens) == (1, 16, 16, 8, 6)
     assert (stats.alignment_padding, stats.pack_padding) == (4, 4)  # 1 + 3 slots complete groups; 1 empty group

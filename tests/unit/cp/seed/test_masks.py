@@ -1,4 +1,4 @@
-"""The seed's dense masks (cp-contract.md 2.4, 2.5), single process: hand-built expectations."""
+"""The seed's dense masks, single process: hand-built expectations."""
 
 import pytest
 import torch

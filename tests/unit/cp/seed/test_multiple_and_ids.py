@@ -1,4 +1,4 @@
-"""Shard multiple, length helpers and packed document ids (cp-contract.md 2.1, 2.3, 2.6)."""
+"""Shard multiple, length helpers and packed document ids of the seed API."""
 
 from types import SimpleNamespace
 

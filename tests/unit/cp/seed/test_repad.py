@@ -1,4 +1,4 @@
-"""Packed DSV4 repad + contiguous CP shard (cp-contract.md 2.7, 2.8, 6), single process with a pretend mesh."""
+"""Packed DSV4 repad + contiguous CP shard of the seed API, single process with a pretend mesh."""
 
 import copy
 import functools

@@ -1,4 +1,4 @@
-"""Non-packed contiguous shard, the CP=1 route, ShardLayout and ContextParallelSharder (cp-contract.md 1.3, 2.10, 2.13, 3)."""
+"""Non-packed contiguous shard, the CP=1 route, ShardLayout and ContextParallelSharder (seed API)."""
 
 import copy
 import functools
@@ -42,7 +42,7 @@ def test_non_packed_without_masks_creates_no_padding_mask_and_promotes_loss_mask
     batch = {"input_ids": torch.arange(4).view(1, 4)}
     loss_mask = torch.tensor([[1, 1, 0, 1]])
     _, out, _ = make_dsv4_contiguous_shard_cp_batch_and_ctx(FakeMesh(2, 1), None, batch, loss_mask=loss_mask)
-    assert "padding_mask" not in out  # seed behaviour (cp-contract 1.3)
+    assert "padding_mask" not in out  # seed behaviour
     assert out["labels"].tolist() == [[0, 1]]  # loss_mask promoted to labels on the non-packed path
 
 
