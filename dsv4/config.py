@@ -28,6 +28,7 @@ from typing import Any, Iterable
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 TOPK_METHODS = ("noaux_tc", "greedy")
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
+CHECKPOINTING_MODES = ("none", "block", "selective")  # dsv4.model.recompute
 
 # Flash checkpoint values (its config.json).
 FLASH_ROPE_SCALING: dict[str, Any] = {
@@ -124,6 +125,8 @@ class DSV4Config:
     mtp_loss_weight: float = 0.1  # weight of the MTP loss (the DeepSeek-V3/V4 reports' default)
     train_indexer: bool = False
     attention_chunk_size: int = 256
+    loss_chunk_size: int = 1024  # rows per [rows, vocab] logits block of the chunked loss (return_logits=False)
+    activation_checkpointing: str = "none"  # none | block | selective (dsv4.model.recompute)
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -143,7 +146,7 @@ class DSV4Config:
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
             "q_lora_rank", "o_lora_rank", "o_groups", "n_routed_experts", "num_experts_per_tok",
             "moe_intermediate_size", "max_position_embeddings", "sliding_window", "hc_mult",
-            "hc_sinkhorn_iters", "index_topk", "attention_chunk_size",
+            "hc_sinkhorn_iters", "index_topk", "attention_chunk_size", "loss_chunk_size",
         ):
             value = getattr(self, name)
             if int(value) != value or value < 1:
@@ -183,6 +186,9 @@ class DSV4Config:
             fail("topk_method", f"must be one of {TOPK_METHODS}, got {self.topk_method!r}")
         if self.hidden_act != "silu":
             fail("hidden_act", f"only 'silu' (clamped SwiGLU) is supported, got {self.hidden_act!r}")
+        if self.activation_checkpointing not in CHECKPOINTING_MODES:
+            fail("activation_checkpointing", f"must be one of {CHECKPOINTING_MODES}, got "
+                 f"{self.activation_checkpointing!r}")
         if self.torch_dtype not in TORCH_DTYPES:
             fail("torch_dtype", f"must be one of {TORCH_DTYPES}, got {self.torch_dtype!r}")
         if self.tie_word_embeddings:

@@ -22,6 +22,7 @@ from dsv4.model.attention_metadata import AttentionMetadata
 from dsv4.model.hyper_connections import HyperConnection
 from dsv4.model.moe import MoE
 from dsv4.model.norm import RMSNorm
+from dsv4.model.recompute import recomputed
 
 
 def make_hyper_connection(config) -> HyperConnection:
@@ -48,10 +49,27 @@ class DSV4Block(nn.Module):
         self.ffn_hc = make_hyper_connection(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoE(config, layer_idx)
+        self.activation_checkpointing = config.activation_checkpointing
 
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor | None, meta: AttentionMetadata, cp=None
     ) -> torch.Tensor:
-        """``x [B, L, hc, d]`` -> ``[B, L, hc, d]``; ``input_ids [B, L]`` feed the hash router (None: no hash layer)."""
-        x = self.attn_hc(x, lambda h: self.self_attn(self.input_layernorm(h), meta, cp))
-        return self.ffn_hc(x, lambda h: self.mlp(self.post_attention_layernorm(h), input_ids, meta.padding))
+        """``x [B, L, hc, d]`` -> ``[B, L, hc, d]``; ``input_ids [B, L]`` feed the hash router (None: no hash layer).
+
+        ``activation_checkpointing`` (:mod:`dsv4.model.recompute`) applies while autograd records."""
+        if self.activation_checkpointing == "block" and torch.is_grad_enabled():
+            return recomputed(self._forward, x, input_ids, meta, cp)
+        return self._forward(x, input_ids, meta, cp)
+
+    def _forward(self, x, input_ids, meta: AttentionMetadata, cp) -> torch.Tensor:
+        if self.activation_checkpointing == "selective" and torch.is_grad_enabled():
+            x = self.attn_hc(x, lambda h: recomputed(self._attention, h, meta, cp))
+            return self.ffn_hc(x, lambda h: recomputed(self._ffn, h, input_ids, meta.padding))
+        x = self.attn_hc(x, lambda h: self._attention(h, meta, cp))
+        return self.ffn_hc(x, lambda h: self._ffn(h, input_ids, meta.padding))
+
+    def _attention(self, h: torch.Tensor, meta: AttentionMetadata, cp) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(h), meta, cp)
+
+    def _ffn(self, h: torch.Tensor, input_ids: torch.Tensor | None, padding: torch.Tensor | None) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(h), input_ids, padding)

@@ -3,8 +3,8 @@
 Public contract::
 
     out = DSV4ForCausalLM(config)(input_ids [B, L], position_ids=None, packed_seq_ids=None,
-                                  padding_mask=None, cp=None, labels=None)
-    out.logits        [B, L, vocab] fp32, for this rank's L local tokens
+                                  padding_mask=None, cp=None, labels=None, return_logits=True)
+    out.logits        [B, L, vocab] fp32, for this rank's L local tokens (None with return_logits=False)
     out.mtp_logits    list of [B, L, vocab] fp32, one per MTP depth
     out.loss          (labels given) loss_sum / label_count
     out.loss_sum      CE_sum + mtp_loss_weight * mean_d(MTP_CE_sum_d)   (one scalar: reduce it over ranks)
@@ -36,6 +36,7 @@ from torch import nn
 
 from dsv4.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from dsv4.model.block import DSV4Block
+from dsv4.model.chunked_loss import linear_cross_entropy
 from dsv4.model.hyper_connections import HyperHead
 from dsv4.model.inputs import ModelInputs, resolve_inputs
 from dsv4.model.moe import GroupedExperts
@@ -45,9 +46,10 @@ from dsv4.model.norm import RMSNorm
 
 @dataclass
 class DSV4Output:
-    """Output of :class:`DSV4ForCausalLM`. Loss fields are ``None`` without labels."""
+    """Output of :class:`DSV4ForCausalLM`. Loss fields are ``None`` without labels; ``logits`` is None (and
+    ``mtp_logits`` empty) with ``return_logits=False``."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     mtp_logits: list[torch.Tensor] = field(default_factory=list)
     loss: torch.Tensor | None = None
     loss_sum: torch.Tensor | None = None
@@ -123,17 +125,24 @@ class DSV4ForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         *,
         logits_to_keep: int | torch.Tensor = 0,
+        return_logits: bool = True,
         **batch_keys,
     ) -> DSV4Output:
-        """Forward this rank's tokens (see the module docstring); ``batch_keys``: see :mod:`dsv4.model.inputs`."""
+        """Forward this rank's tokens (see the module docstring); ``batch_keys``: see :mod:`dsv4.model.inputs`.
+
+        ``return_logits=False`` (needs ``labels``) computes the loss with the chunked linear + cross-entropy of
+        :mod:`dsv4.model.chunked_loss` and returns no logits: no ``[L, vocab]`` tensor exists in forward or backward.
+        """
+        if not return_logits and labels is None:
+            raise ValueError("return_logits=False computes only the loss: pass labels")
         inputs = resolve_inputs(self.config, input_ids, position_ids, packed_seq_ids, padding_mask, cp, labels,
                                 batch_keys)
         hidden, mtp_hiddens, mtp_labels = self._hidden_states(inputs)
         layout = inputs.layout
         if layout is not None and inputs.labels is None:  # logits in caller coordinates (logits_to_keep selects there)
             hidden, mtp_hiddens = layout.restore(hidden), [layout.restore(h) for h in mtp_hiddens]
-        out = self._head_and_loss(hidden, mtp_hiddens, inputs.labels, mtp_labels, logits_to_keep)
-        if layout is not None and inputs.labels is not None:  # the loss is a sum: computed on the aligned rows
+        out = self._head_and_loss(hidden, mtp_hiddens, inputs.labels, mtp_labels, logits_to_keep, return_logits)
+        if layout is not None and out.logits is not None and inputs.labels is not None:  # loss on the aligned rows
             out.logits = layout.restore(out.logits)
             out.mtp_logits = [layout.restore(t) for t in out.mtp_logits]
         return out
@@ -146,7 +155,7 @@ class DSV4ForCausalLM(nn.Module):
                                            labels=inputs.labels, cp=inputs.cp)
         return backbone.hidden, mtp_hiddens, mtp_labels
 
-    def _head_and_loss(self, hidden, mtp_hiddens, labels, mtp_labels, logits_to_keep) -> DSV4Output:
+    def _head_and_loss(self, hidden, mtp_hiddens, labels, mtp_labels, logits_to_keep, return_logits) -> DSV4Output:
         keep = _keep_positions(logits_to_keep, hidden.shape[1])
         if keep is not None and labels is not None:
             raise ValueError(f"logits_to_keep={logits_to_keep!r} drops logits the loss needs; pass "
@@ -154,16 +163,24 @@ class DSV4ForCausalLM(nn.Module):
         if keep is not None:
             hidden = hidden.index_select(1, keep.to(hidden.device))
             mtp_hiddens = [h.index_select(1, keep.to(h.device)) for h in mtp_hiddens]
-        logits = self.logits_from_hidden(hidden)
-        out = DSV4Output(logits=logits, mtp_logits=[self.logits_from_hidden(h) for h in mtp_hiddens])
+        out = DSV4Output(logits=None)
+        if return_logits:
+            out.logits = self.logits_from_hidden(hidden)
+            out.mtp_logits = [self.logits_from_hidden(h) for h in mtp_hiddens]
         if labels is None:
             return out
 
-        out.ce_loss_sum, out.label_count = token_ce_sum(logits, labels)
+        def ce(h, logits, y):
+            if logits is not None:
+                return token_ce_sum(logits, y)
+            return linear_cross_entropy(h, self.lm_head.weight, y, self.config.loss_chunk_size)
+
+        out.ce_loss_sum, out.label_count = ce(hidden, out.logits, labels)
         loss_sum = out.ce_loss_sum
         if mtp_labels:
-            for mtp_logit, mtp_label in zip(out.mtp_logits, mtp_labels):
-                s, n = token_ce_sum(mtp_logit, mtp_label)
+            mtp_logits = out.mtp_logits or [None] * len(mtp_hiddens)
+            for h, mtp_logit, mtp_label in zip(mtp_hiddens, mtp_logits, mtp_labels):
+                s, n = ce(h, mtp_logit, mtp_label)
                 out.mtp_loss_sums.append(s)
                 out.mtp_label_counts.append(n)
             loss_sum = loss_sum + self.config.mtp_loss_weight * torch.stack(out.mtp_loss_sums).mean()

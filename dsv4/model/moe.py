@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.model.dispatch import LocalDispatcher, TokenDispatcher
+from dsv4.model.recompute import is_recomputing
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -182,7 +183,7 @@ class MoEGate(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         weights = weights * self.routed_scaling_factor
-        if self.expert_load is not None and self.training:
+        if self.expert_load is not None and self.training and not is_recomputing():  # count each token once
             with torch.no_grad():
                 self.expert_load += torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts).float()
         return topk_ids, weights

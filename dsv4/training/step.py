@@ -18,5 +18,5 @@ def forward_step(model: torch.nn.Module, batch: TokenBatch, cp=None) -> tuple[to
         raise ValueError(f"the batch is CP shard {batch.shard.rank} of {batch.shard.size} but the forward runs as "
                          f"rank {rank} of a CP group of {size}")
     out = model(batch.input_ids, position_ids=batch.positions, packed_seq_ids=batch.seq_ids,
-                padding_mask=batch.padding, labels=batch.labels, cp=cp)
+                padding_mask=batch.padding, labels=batch.labels, cp=cp, return_logits=False)
     return out.loss_sum, out.label_count

@@ -48,12 +48,12 @@ def _unpacked_batch():
     return {"input_ids": ids, "labels": labels, "attention_mask": attention_mask}
 
 
-def _model():
+def _model(activation_checkpointing="none"):
     from dsv4.config import DSV4Config
     from dsv4.model import DSV4ForCausalLM
 
     torch.manual_seed(0)
-    config = DSV4Config.preset("tiny")
+    config = DSV4Config.preset("tiny", activation_checkpointing=activation_checkpointing)
     assert {0, 4, 128} <= set(config.compress_ratios) and config.num_hash_layers >= 1
     assert config.hc_mult == 4 and config.num_nextn_predict_layers >= 1
     return DSV4ForCausalLM(config)
@@ -156,13 +156,13 @@ def _token_batch():
     return rows, TokenBatch.stack([rows[i] for i in range(len(rows))])
 
 
-def _training_step_body(rank, world_size):
+def _training_step_body(rank, world_size, recompute):
     from dsv4.cp import CPContext
     from dsv4.training.loss import reduce_token_loss
     from dsv4.training.step import forward_step
 
     group = dist.new_group(list(range(world_size)))
-    model = _model()
+    model = _model(recompute)
     _, batch = _token_batch()
     local = batch.cut(rank, world_size, model.config.shard_multiple)
     try:  # the batch knows which shard it is: a context of another rank or size is refused before the forward
@@ -174,17 +174,21 @@ def _training_step_body(rank, world_size):
     loss_sum, count = forward_step(model, local, cp=cp)
     loss = reduce_token_loss(loss_sum, count, group)
     loss.loss.backward()
-    return {"loss": loss.value, "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+    return {"loss": loss.value, "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+            "traffic": cp.traffic.as_dict()}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_training_path_cp_matches_single_rank(world_size):
-    """The training path (packer rows -> TokenBatch.cut -> forward_step with the CPContext) against one process."""
+@pytest.mark.parametrize("world_size, recompute", [(2, "none"), (4, "none"), (2, "block"), (4, "selective")])
+def test_training_path_cp_matches_single_rank(world_size, recompute):
+    """The training path (packer rows -> TokenBatch.cut -> forward_step with the CPContext) against one process
+    without recompute: a recomputed block exchanges again in backward, with the same data, on every rank."""
     from dsv4.training.step import forward_step
 
     rows, batch = _token_batch()
     assert len(rows) >= 2 and bool((batch.seq_ids == 0).any())  # several rows, padding present
-    results = run_on_ranks(_training_step_body, world_size)
+    results = run_on_ranks(_training_step_body, world_size, args=(recompute,))
+    if recompute != "none":  # the recompute really ran the exchanges a second time
+        assert results[1]["traffic"]["halo"]["calls"] > results[1]["traffic"]["halo.backward"]["calls"]
     torch.set_num_threads(1)
     model = _model()
     loss_sum, count = forward_step(model, batch)
