@@ -7,7 +7,8 @@ On disk there is no ``model.`` prefix. The renames, per block
     ffn_norm.weight             <-> post_attention_layernorm.weight
     hc_attn_{fn,base,scale}     <-> attn_hc.{fn,base,scale}
     hc_ffn_{fn,base,scale}      <-> ffn_hc.{fn,base,scale}
-    attn.<rest>                 <-> self_attn.<rest>      (wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, attn_sink,
+    attn.attn_sink              <-> self_attn.sink.logits
+    attn.<rest>                 <-> self_attn.<rest>      (wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b,
                                                             compressor.*, indexer.* incl. indexer.compressor.*)
     ffn.gate.bias               <-> mlp.gate.e_score_correction_bias
     ffn.experts.{e}.w{1,2,3}.weight <-> mlp.experts.w{1,2,3}[e - expert_offset]   (stacked, no transpose)
@@ -33,6 +34,7 @@ _BLOCK_RENAMES: list[tuple[str, str]] = [
     ("ffn_norm.weight", "post_attention_layernorm.weight"),
     ("hc_attn_", "attn_hc."),
     ("hc_ffn_", "ffn_hc."),
+    ("attn.attn_sink", "self_attn.sink.logits"),
     ("attn.", "self_attn."),
     ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
     ("ffn.", "mlp."),

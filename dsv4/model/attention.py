@@ -38,6 +38,19 @@ from dsv4.model.rope import apply_rope
 from dsv4.model.sparse_attention import sparse_attention
 
 
+class AttentionSink(nn.Module):
+    """The learned per-head sink logits ``[H]`` (fp32, zero-init); a module of its own so that mixed precision can
+    keep it fp32 (``dsv4.parallel.wrap``). ``forward()`` returns a copy: a sharded module's parameter storage is
+    released after its forward, so the parameter itself must not escape it."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.logits = nn.Parameter(torch.zeros(heads, dtype=torch.float32))
+
+    def forward(self) -> Tensor:
+        return self.logits.clone()
+
+
 class DSV4Attention(nn.Module):
     """One DSV4 attention layer; ``layer_idx`` selects its compress ratio (MTP layers beyond the list: 0)."""
 
@@ -59,7 +72,7 @@ class DSV4Attention(nn.Module):
         self.q_head_norm = RMSNorm(self.head_dim, eps, weight=False)
         self.wkv = nn.Linear(d_m, self.head_dim, bias=False)
         self.kv_norm = RMSNorm(self.head_dim, eps)
-        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.sink = AttentionSink(self.n_heads)
         self.wo_a = nn.Linear(group_in, self.n_groups * config.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(self.n_groups * config.o_lora_rank, d_m, bias=False)
         self.compressor = Compressor(d_m, self.head_dim, self.ratio, eps) if self.ratio > 0 else None
@@ -71,7 +84,7 @@ class DSV4Attention(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-        nn.init.zeros_(self.attn_sink)
+        nn.init.zeros_(self.sink.logits)
 
     # ---------------------------------------------------------------- CP exchanges (none on a single rank)
     @staticmethod
@@ -86,7 +99,7 @@ class DSV4Attention(nn.Module):
         """An overlap compressor's boundary features of the previous rank (None on a single rank)."""
         if not meta.halo or not module.overlap:
             return None
-        return cp.halo_exchange(module.boundary_features(x), module.ratio, dim=1, kind=kind)
+        return cp.halo_exchange(module(x, boundary=True), module.ratio, dim=1, kind=kind)
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: Tensor, meta: AttentionMetadata, cp: object | None = None) -> Tensor:
@@ -131,7 +144,7 @@ class DSV4Attention(nn.Module):
         out = sparse_attention(
             q,
             kv,
-            self.attn_sink,
+            self.sink(),
             window=self.window,
             query_seq_ids=meta.seq_ids,
             query_positions=meta.position_ids,

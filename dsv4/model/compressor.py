@@ -14,7 +14,7 @@ Shapes: input block ``x [B, L, d_m]`` (window-aligned: row 0 starts a window), o
 
 Correct per-document behaviour needs every document to start on a window boundary (the packer aligns documents to
 the shard multiple). The block's first window gets its predecessor from ``prev_features``: the previous block's
-:meth:`Compressor.boundary_features`. The single-rank path passes none (sequence start); a context-parallel rank
+``compressor(x, boundary=True)``. The single-rank path passes none (sequence start); a context-parallel rank
 receives them from its predecessor, so the compressor never needs an all-gather of raw rows.
 
 Projections (wkv, wgate) and ape are fp32 and the pooling runs in fp32.
@@ -137,27 +137,29 @@ class Compressor(nn.Module):
         xf = x.float()
         return F.linear(xf, self.wkv.weight.float()), F.linear(xf, self.wgate.weight.float())
 
-    def boundary_features(self, x: Tensor) -> Tensor:
-        """What the next block's first window needs from this block (overlap mode): ``[B, ratio, 2 * head_dim]``.
-
-        The first feature halves of the kv and gate projections (fp32, ape not added) of the last ``ratio`` rows.
-        Under context parallelism this is the compressor's halo: the next rank receives it instead of raw rows.
-        """
-        kv, gate = self._project(x[:, x.shape[1] - self.ratio :])
-        return torch.cat((kv[..., : self.head_dim], gate[..., : self.head_dim]), dim=-1)
-
-    def forward(self, x: Tensor, windows: WindowMetadata, prev_features: Tensor | None = None) -> Tensor:
-        """Pool the complete windows of the block ``x``.
+    def forward(
+        self, x: Tensor, windows: WindowMetadata | None = None, prev_features: Tensor | None = None,
+        *, boundary: bool = False,
+    ) -> Tensor:
+        """Pool the complete windows of the block ``x``; or, with ``boundary=True``, its boundary features.
 
         Args:
             x: ``[B, L, d_m]``, row 0 starts a window.
             windows: this block's window metadata for ``self.ratio`` (``seq_ids``/``positions``/``rope`` of the
                 ``L // ratio`` complete windows, ``prev_seq_ids`` of the window before the block).
-            prev_features: :meth:`boundary_features` of the block before (``[B, ratio, 2D]``, overlap mode only),
-                or None at the sequence start.
+            prev_features: the boundary features of the block before (``[B, ratio, 2D]``, overlap mode only), or
+                None at the sequence start.
+            boundary: return what the next block's first window needs from this one (overlap mode):
+                ``[B, ratio, 2 * head_dim]``, the first feature halves of the kv and gate projections (fp32, ape not
+                added) of the last ``ratio`` rows. Under context parallelism this is the compressor's halo: the next
+                rank receives it instead of raw rows. (A method call of its own would bypass the hooks of a sharded
+                module, hence a forward mode.)
         Returns:
             ``[B, P, head_dim]`` in ``x.dtype``: normalised, RoPE'd compressed K=V rows.
         """
+        if boundary:
+            kv, gate = self._project(x[:, x.shape[1] - self.ratio :])
+            return torch.cat((kv[..., : self.head_dim], gate[..., : self.head_dim]), dim=-1)
         b, length, _ = x.shape
         p = length // self.ratio
         if windows.seq_ids.shape != (b, p):

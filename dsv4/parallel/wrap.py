@@ -6,6 +6,10 @@
 * Gradients are SUMMED, not averaged, across ranks (``set_gradient_divide_factor(1.0)``): each rank
   backpropagates its share ``loss_sum / global_label_count`` (:mod:`dsv4.training.loss`), so the sum over ranks
   is the gradient of the global token mean.
+* Mixed precision (``compute_dtype`` bf16 / fp16): FSDP2 keeps fp32 master parameters (and so fp32 gradients and
+  optimizer state), all-gathers and computes in ``compute_dtype`` and reduces gradients in fp32. The modules the
+  released model keeps in fp32 (:data:`FP32_MODULES`: compressors with their gates, hyper-connections, the
+  attention sinks) are FSDP units of their own whose parameters are all-gathered and used in fp32.
 """
 
 from __future__ import annotations
@@ -13,22 +17,39 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from dsv4.model.attention import AttentionSink
+from dsv4.model.compressor import Compressor
+from dsv4.model.hyper_connections import HyperConnection, HyperHead
 from dsv4.model.moe import GroupedExperts
 from dsv4.parallel.mesh import Meshes
 
+FP32_MODULES = (Compressor, HyperConnection, HyperHead, AttentionSink)
 
-def apply_fsdp(model: nn.Module, meshes: Meshes, *, reshard_after_forward: bool = True) -> nn.Module:
-    """Shard ``model`` (a ``DSV4ForCausalLM``) in place: experts over ``edp``, blocks and root over ``dp_cp``."""
+
+def apply_fsdp(
+    model: nn.Module, meshes: Meshes, *, compute_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``model`` (a ``DSV4ForCausalLM``) in place: experts over ``edp``, blocks and root over ``dp_cp``,
+    computing in ``compute_dtype`` (see the module docstring)."""
+    # No unit casts its inputs: the embedding output is already in compute_dtype, the fp32 units upcast inside (so
+    # the residual streams stay in compute_dtype), and a cast would rebuild the CPContext argument (a dataclass).
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    mixed = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+                                 reduce_dtype=torch.float32, cast_forward_inputs=False)
+    if compute_dtype != torch.float32:
+        for module in model.modules():
+            if isinstance(module, FP32_MODULES):
+                fully_shard(module, mesh=meshes.dp_cp, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
     for module in model.modules():
         if isinstance(module, GroupedExperts):
-            fully_shard(module, mesh=meshes.edp, reshard_after_forward=reshard_after_forward)
-    blocks = list(model.model.layers) + list(model.mtp.layers)
-    for block in blocks:
-        fully_shard(block, mesh=meshes.dp_cp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=meshes.dp_cp, reshard_after_forward=False)
+            fully_shard(module, mesh=meshes.edp, mp_policy=mixed, reshard_after_forward=reshard_after_forward)
+    for block in list(model.model.layers) + list(model.mtp.layers):
+        fully_shard(block, mesh=meshes.dp_cp, mp_policy=mixed, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=meshes.dp_cp, mp_policy=mixed, reshard_after_forward=False)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from dsv4.config import DSV4Config, check_cp_length
 from dsv4.parallel.mesh import ParallelDims
 from dsv4.training.schema import model_config
+from dsv4.training.strategy import compute_dtype_for
 
 log = logging.getLogger("dsv4")
 
@@ -103,6 +104,7 @@ def validate(cfg: DictConfig) -> tuple[DSV4Config, int | None]:
         raise ValueError(f"`micro_batch_size` must be >= 1, got {cfg.micro_batch_size}")
     from dsv4.parallel.dispatch import check_dispatcher_available
 
+    compute_dtype_for(str(trainer_cfg.get("precision", "auto")), config.torch_dtype)
     accelerator = str(trainer_cfg.get("accelerator", "cpu"))
     check_dispatcher_available(cfg.dispatcher.name, "cuda" if accelerator in ("gpu", "cuda") else accelerator)
     if cfg.checkpoint.every_n_steps < 0:
@@ -226,14 +228,18 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
 
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     max_steps = int(trainer_cfg.get("max_steps", 100))
-    strategy = DSV4Strategy(cp=cfg.cp, dp=cfg.dp, ep=cfg.ep, dispatcher=cfg.dispatcher.name)
+    compute_dtype = compute_dtype_for(str(trainer_cfg.pop("precision", "auto")), config.torch_dtype)
+    log.info("compute dtype %s (fp32 master weights, optimizer state and gradient reduction)", compute_dtype)
+    strategy = DSV4Strategy(cp=cfg.cp, dp=cfg.dp, ep=cfg.ep, dispatcher=cfg.dispatcher.name,
+                            compute_dtype=compute_dtype)
     ckpt_dir = output_dir / "checkpoints"
     checkpointing = ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", save_last=True, save_top_k=-1,
                                     every_n_train_steps=cfg.checkpoint.every_n_steps or max_steps,
                                     save_on_train_epoch_end=False, auto_insert_metric_name=False)
     logger = build_logger(cfg, output_dir)
     trainer = L.Trainer(strategy=strategy, logger=logger, callbacks=[checkpointing, *build_callbacks(cfg)],
-                        use_distributed_sampler=False, default_root_dir=str(output_dir), **trainer_cfg)
+                        use_distributed_sampler=False, default_root_dir=str(output_dir), precision="32-true",
+                        **trainer_cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)  # every model value spelled out (the preset resolved)
     resolved["model"].update(config.to_dict())
     if trainer.global_rank == 0:

@@ -9,7 +9,8 @@
   rank's slice with :attr:`ParallelState.cp_rank` / ``cp_size``.
 * ``parallelize(model)`` (called by the module's ``configure_model``): expert parallelism and the MoE dispatcher
   (:func:`dsv4.parallel.expert_shard.apply_expert_parallel`), then FSDP2 with summed gradients
-  (:func:`dsv4.parallel.wrap.apply_fsdp`).
+  (:func:`dsv4.parallel.wrap.apply_fsdp`) in ``compute_dtype`` (FSDP2 mixed precision: fp32 master weights,
+  optimizer state and gradient reduction; :func:`compute_dtype_for` maps the trainer's precision).
 * Checkpoints: the parent's distributed (DCP) save/load of model and optimizer; loop, scheduler, data position and
   RNG travel in ``meta.pt``.
 """
@@ -31,6 +32,22 @@ from dsv4.parallel.mesh import Meshes, ParallelDims, build_meshes
 from dsv4.parallel.wrap import apply_fsdp
 
 
+PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compute_dtype_for(precision: str, torch_dtype: str) -> torch.dtype:
+    """The dtype the model computes in: ``precision`` ``auto`` follows ``model.torch_dtype`` (float32 -> fp32,
+    bfloat16 -> bf16 mixed, float16 -> fp16 mixed); ``32-true`` / ``bf16-mixed`` / ``16-mixed`` choose directly.
+    Lightning's own autocast is not used: mixed precision is FSDP2's, with fp32 master weights."""
+    if precision == "auto":
+        return _TORCH_DTYPES[torch_dtype]
+    if precision not in PRECISIONS:
+        raise ValueError(f"`trainer.precision`={precision!r} must be auto or one of {sorted(PRECISIONS)} (dsv4 keeps "
+                         "fp32 master weights; a *-true half precision would not)")
+    return PRECISIONS[precision]
+
+
 @dataclass(frozen=True)
 class ParallelState:
     """This rank's place in the run. ``cp``: the CP context handed to the model (None without CP);
@@ -49,13 +66,15 @@ class ParallelState:
 
 
 class DSV4Strategy(ModelParallelStrategy):
-    """Args: ``cp``, ``dp`` (-1 = world // cp), ``ep``, ``dispatcher`` name; the rest goes to
+    """Args: ``cp``, ``dp`` (-1 = world // cp), ``ep``, ``dispatcher`` name, ``compute_dtype``; the rest goes to
     ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``)."""
 
-    def __init__(self, cp: int = 1, dp: int = -1, ep: int = 1, dispatcher: str = "local", **kwargs: Any) -> None:
+    def __init__(self, cp: int = 1, dp: int = -1, ep: int = 1, dispatcher: str = "local",
+                 compute_dtype: torch.dtype = torch.float32, **kwargs: Any) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
         self.cp_size, self._dp, self.ep_size = cp, dp, ep
         self.dispatcher = dispatcher
+        self.compute_dtype = compute_dtype
         self.meshes: Meshes | None = None
         self.parallel = ParallelState()
 
@@ -89,4 +108,4 @@ class DSV4Strategy(ModelParallelStrategy):
         """Expert parallelism (when ``ep > 1`` or an EP dispatcher is chosen), then FSDP2."""
         if self.ep_size > 1 or self.dispatcher != "local":
             apply_expert_parallel(model, self.dispatcher, self.meshes.ep.get_group(), self.root_device.type)
-        apply_fsdp(model, self.meshes)
+        apply_fsdp(model, self.meshes, compute_dtype=self.compute_dtype)

@@ -36,7 +36,7 @@ def test_every_model_key_round_trips(tiny_model):
         ("layers.3.ffn_norm.weight", "model.layers.3.post_attention_layernorm.weight"),
         ("layers.3.hc_attn_fn", "model.layers.3.attn_hc.fn"),
         ("layers.3.hc_ffn_scale", "model.layers.3.ffn_hc.scale"),
-        ("layers.3.attn.attn_sink", "model.layers.3.self_attn.attn_sink"),
+        ("layers.3.attn.attn_sink", "model.layers.3.self_attn.sink.logits"),
         ("layers.3.attn.compressor.ape", "model.layers.3.self_attn.compressor.ape"),
         ("layers.3.attn.indexer.compressor.norm.weight", "model.layers.3.self_attn.indexer.compressor.norm.weight"),
         ("layers.3.attn.indexer.wq_b.weight", "model.layers.3.self_attn.indexer.wq_b.weight"),

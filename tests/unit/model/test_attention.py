@@ -14,7 +14,7 @@ def make_layer(layer_idx: int, seed: int = 0, config: DSV4Config = CONFIG) -> DS
     torch.manual_seed(seed)
     layer = DSV4Attention(config, layer_idx)
     with torch.no_grad():  # move the zero-initialised parameters off their trivial values
-        layer.attn_sink.normal_()
+        layer.sink.logits.normal_()
         for name, p in layer.named_parameters():
             if name.endswith("ape"):
                 p.normal_()
@@ -106,8 +106,8 @@ def test_layer_kinds_and_init():
     for i in range(5):
         layer = DSV4Attention(CONFIG, i)
         kinds.append((layer.ratio, layer.compressor is not None, layer.indexer is not None))
-        assert torch.equal(layer.attn_sink, torch.zeros(CONFIG.num_attention_heads))
-        assert layer.attn_sink.dtype == torch.float32
+        assert torch.equal(layer.sink.logits, torch.zeros(CONFIG.num_attention_heads))
+        assert layer.sink.logits.dtype == torch.float32
         assert layer.wo_a.weight.shape == (CONFIG.o_groups * CONFIG.o_lora_rank,
                                            CONFIG.num_attention_heads * CONFIG.head_dim // CONFIG.o_groups)
     assert kinds == [(0, False, False), (4, True, True), (128, True, False), (4, True, True), (0, False, False)]

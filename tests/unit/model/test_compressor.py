@@ -133,11 +133,11 @@ def test_block_with_previous_rows_equals_slice_of_whole(ratio):
     whole = comp(x, windows_for(seq, pos, ratio))
     cut = 2 * ratio
     prev_seq = window_metadata(seq[:, cut - ratio : cut], pos[:, cut - ratio : cut], ratio)[0][:, 0]
-    block = comp(x[:, cut:], windows_for(seq[:, cut:], pos[:, cut:], ratio, prev_seq), prev_features=comp.boundary_features(x[:, :cut]))
+    block = comp(x[:, cut:], windows_for(seq[:, cut:], pos[:, cut:], ratio, prev_seq), prev_features=comp(x[:, :cut], boundary=True))
     assert torch.allclose(block, whole[:, 2:], atol=1e-6)
     cut = 3 * ratio  # row 1: the block starts a new document -> its first window ignores the previous rows
     prev_seq = window_metadata(seq[:, cut - ratio : cut], pos[:, cut - ratio : cut], ratio)[0][:, 0]
-    block = comp(x[:, cut:], windows_for(seq[:, cut:], pos[:, cut:], ratio, prev_seq), prev_features=comp.boundary_features(x[:, :cut]))
+    block = comp(x[:, cut:], windows_for(seq[:, cut:], pos[:, cut:], ratio, prev_seq), prev_features=comp(x[:, :cut], boundary=True))
     assert torch.allclose(block, whole[:, 3:], atol=1e-6)
 
 

@@ -38,6 +38,7 @@ def _compose(overrides):
         (["dispatcher=deepep"], "DeepEP"),
         (["cp=0"], "`cp` must be a positive integer"),
         (["micro_batch_size=0"], "`micro_batch_size` must be >= 1, got 0"),
+        (["trainer.precision=bf16-true"], "`trainer.precision`='bf16-true' must be auto or one of"),
         (["checkpoint.every_n_steps=-1"], "`checkpoint.every_n_steps` must be >= 0, got -1"),
         (["model.checkpoint=/no/such/dir"], "`model.checkpoint`='/no/such/dir' is not a directory"),
         (["export.hf_dir=out", "export.dtype=fp7"], "`export.dtype`='fp7' must be one of"),
