@@ -84,11 +84,19 @@ class DSV4Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cp=None) -> BackboneOutput:
-        h = self.embed_tokens(input_ids)
-        x = h.unsqueeze(-2).expand(*h.shape[:-1], self.config.hc_mult, h.shape[-1])
+        x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, input_ids, meta, cp)
-        return BackboneOutput(hidden=self.norm(self.hc_head(x)), streams=x)
+        return BackboneOutput(hidden=self.finish(x), streams=x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids [B, L]`` -> the first block's input streams ``[B, L, hc, d]`` (the embedding, hc times)."""
+        h = self.embed_tokens(input_ids)
+        return h.unsqueeze(-2).expand(*h.shape[:-1], self.config.hc_mult, h.shape[-1])
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The last block's streams ``[B, L, hc, d]`` -> the final-normed hidden ``[B, L, d]``."""
+        return self.norm(self.hc_head(x))
 
 
 class DSV4ForCausalLM(nn.Module):

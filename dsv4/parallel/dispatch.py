@@ -72,6 +72,18 @@ def _check_name(name: str) -> str:
     return name
 
 
+def resolve_dispatcher(name: str, ep: int) -> str:
+    """The dispatcher a run uses: ``auto`` is ``local`` without expert parallelism (``ep == 1``) and ``alltoall``
+    with it; other names are kept. ``local`` with ``ep > 1`` raises ValueError (it holds every expert)."""
+    if name == "auto":
+        return "local" if ep == 1 else "alltoall"
+    _check_name(name)
+    if name == "local" and ep > 1:
+        raise ValueError(f"`dispatcher`=local keeps every expert on every rank and cannot run `ep`={ep}; use "
+                         "dispatcher=auto or alltoall (or allgather, deepep, hybridep)")
+    return name
+
+
 def dispatcher_needs_uniform_tokens(name: str) -> bool:
     """True when ``name`` wants the same token count on every rank (its dispatcher declares
     ``needs_uniform_tokens``; DSpark capture then pads every rank's rows to the longest)."""

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -29,27 +31,45 @@ from dsv4.parallel.mesh import Meshes
 FP32_MODULES = (Compressor, HyperConnection, HyperHead, AttentionSink)
 
 
+@dataclass(frozen=True)
+class FsdpUnit:
+    """One ``fully_shard`` call: ``module`` sharded over the mesh named ``mesh`` ("dp_cp" | "edp"), its
+    parameters all-gathered in ``param_dtype``; ``reshard_after_forward`` False keeps them gathered until backward."""
+
+    module: nn.Module
+    mesh: str
+    param_dtype: torch.dtype
+    reshard_after_forward: bool
+
+
+def fsdp_units(model: nn.Module, compute_dtype: torch.dtype = torch.float32,
+               reshard_after_forward: bool = True) -> list[FsdpUnit]:
+    """The FSDP units of ``model`` in the order :func:`apply_fsdp` shards them (innermost first; a unit owns the
+    parameters of its module that no earlier unit owns). The memory plan (:mod:`dsv4.plan`) reads the same list."""
+    units = []
+    if compute_dtype != torch.float32:
+        units += [FsdpUnit(m, "dp_cp", torch.float32, reshard_after_forward)
+                  for m in model.modules() if isinstance(m, FP32_MODULES)]
+    units += [FsdpUnit(m, "edp", compute_dtype, reshard_after_forward)
+              for m in model.modules() if isinstance(m, GroupedExperts)]
+    units += [FsdpUnit(block, "dp_cp", compute_dtype, reshard_after_forward)
+              for block in list(model.model.layers) + list(model.mtp.layers)]
+    return units + [FsdpUnit(model, "dp_cp", compute_dtype, False)]
+
+
 def apply_fsdp(
     model: nn.Module, meshes: Meshes, *, compute_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Shard ``model`` (a ``DSV4ForCausalLM``) in place: experts over ``edp``, blocks and root over ``dp_cp``,
-    computing in ``compute_dtype`` (see the module docstring)."""
+    computing in ``compute_dtype`` (see the module docstring and :func:`fsdp_units`)."""
     # No unit casts its inputs: the embedding output is already in compute_dtype, the fp32 units upcast inside (so
     # the residual streams stay in compute_dtype), and a cast would rebuild the CPContext argument (a dataclass).
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    mixed = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
-                                 reduce_dtype=torch.float32, cast_forward_inputs=False)
-    if compute_dtype != torch.float32:
-        for module in model.modules():
-            if isinstance(module, FP32_MODULES):
-                fully_shard(module, mesh=meshes.dp_cp, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
-    for module in model.modules():
-        if isinstance(module, GroupedExperts):
-            fully_shard(module, mesh=meshes.edp, mp_policy=mixed, reshard_after_forward=reshard_after_forward)
-    for block in list(model.model.layers) + list(model.mtp.layers):
-        fully_shard(block, mesh=meshes.dp_cp, mp_policy=mixed, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=meshes.dp_cp, mp_policy=mixed, reshard_after_forward=False)
+    for unit in fsdp_units(model, compute_dtype, reshard_after_forward):
+        policy = MixedPrecisionPolicy(param_dtype=None if unit.param_dtype == torch.float32 else unit.param_dtype,
+                                      reduce_dtype=torch.float32, cast_forward_inputs=False)
+        fully_shard(unit.module, mesh=getattr(meshes, unit.mesh), mp_policy=policy,
+                    reshard_after_forward=unit.reshard_after_forward)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

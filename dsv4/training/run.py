@@ -102,11 +102,12 @@ def validate(cfg: DictConfig) -> tuple[DSV4Config, int | None]:
     check_cp_length(cfg.seq_len, cfg.cp, config.shard_multiple)
     if cfg.micro_batch_size < 1:
         raise ValueError(f"`micro_batch_size` must be >= 1, got {cfg.micro_batch_size}")
-    from dsv4.parallel.dispatch import check_dispatcher_available
+    from dsv4.parallel.dispatch import check_dispatcher_available, resolve_dispatcher
 
     compute_dtype_for(str(trainer_cfg.get("precision", "auto")), config.torch_dtype)
     accelerator = str(trainer_cfg.get("accelerator", "cpu"))
-    check_dispatcher_available(cfg.dispatcher.name, "cuda" if accelerator in ("gpu", "cuda") else accelerator)
+    check_dispatcher_available(resolve_dispatcher(cfg.dispatcher.name, cfg.ep),
+                               "cuda" if accelerator in ("gpu", "cuda") else accelerator)
     if cfg.checkpoint.every_n_steps < 0:
         raise ValueError(f"`checkpoint.every_n_steps` must be >= 0, got {cfg.checkpoint.every_n_steps}")
     checkpoint = cfg.model.checkpoint
@@ -121,6 +122,9 @@ def validate(cfg: DictConfig) -> tuple[DSV4Config, int | None]:
             raise ValueError("`export.hf_dir` with ep > 1 is not supported yet (experts would need unsharding)")
     build_optimization(cfg, [torch.nn.Parameter(torch.zeros(1))])
     build_callbacks(cfg)
+    from dsv4.training.planning import plan_options
+
+    plan_options(cfg.get("plan"))
     if cfg.get("logger"):
         from hydra.utils import get_object
 
@@ -204,9 +208,13 @@ def build_module(cfg: DictConfig, config: DSV4Config):
 def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     """Validate, then train; returns the objective (the last ``train/loss``) for sweepers."""
     output_dir = Path(output_dir)
-    config, _ = validate(cfg)
+    config, world = validate(cfg)
     if is_multirun_job() and not os.environ.get("DSV4_SWEEP_CHILD"):
         return run_sweep_job(output_dir)
+    from dsv4.training.planning import check_memory
+
+    if check_memory(cfg, config, world, output_dir):  # plan only
+        return None
 
     import lightning as L
     import torch
@@ -214,6 +222,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     from lightning.pytorch.loggers import WandbLogger
 
     from dsv4.data.datamodule import DSV4DataModule
+    from dsv4.parallel.dispatch import resolve_dispatcher
     from dsv4.training.strategy import DSV4Strategy
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -230,7 +239,8 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     max_steps = int(trainer_cfg.get("max_steps", 100))
     compute_dtype = compute_dtype_for(str(trainer_cfg.pop("precision", "auto")), config.torch_dtype)
     log.info("compute dtype %s (fp32 master weights, optimizer state and gradient reduction)", compute_dtype)
-    strategy = DSV4Strategy(cp=cfg.cp, dp=cfg.dp, ep=cfg.ep, dispatcher=cfg.dispatcher.name,
+    strategy = DSV4Strategy(cp=cfg.cp, dp=cfg.dp, ep=cfg.ep,
+                            dispatcher=resolve_dispatcher(cfg.dispatcher.name, cfg.ep),
                             compute_dtype=compute_dtype)
     ckpt_dir = output_dir / "checkpoints"
     checkpointing = ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", save_last=True, save_top_k=-1,

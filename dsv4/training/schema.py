@@ -73,9 +73,10 @@ class DataConfig:
 
 @dataclass
 class DispatcherConfig:
-    """MoE token dispatcher: local | alltoall | allgather | deepep | hybridep."""
+    """MoE token dispatcher: auto (local when ep = 1, else alltoall) | local | alltoall | allgather | deepep |
+    hybridep."""
 
-    name: str = "local"
+    name: str = "auto"
 
 
 @dataclass
@@ -116,6 +117,9 @@ class FinetuneConfig:
     logger: Optional[Dict[str, Any]] = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    # true = plan only, false = no plan, or the options of dsv4.training.planning.PlanOptions
+    plan: Any = field(default_factory=lambda: {"enabled": True, "only": False, "enforce": True,
+                                               "device_memory_gib": None})
 
 
 @dataclass

@@ -51,3 +51,12 @@ def test_train_throughput_measures_only_the_steps_after_warmup():
     (speed,) = [r for r in rows if r["name"] == "train_throughput.tokens_per_s"]
     assert speed["shape"]["steps_measured"] == 2 and speed["value"] > 0
     assert all(set(r) == {"name", "shape", "value", "unit"} for r in rows)
+
+
+@pytest.mark.e2e
+def test_memory_plan_agrees_with_the_measured_step():
+    rows = _run("memory_plan.py", "--models", "tiny", "--cp", "1", "2", "--seq-len", "1024", "--variants", "block",
+                "logits", timeout=600)
+    ratios = [r for r in rows if r["name"] == "memory_plan.tensors_over_predicted"]
+    assert len(ratios) == 4 and all(0.9 <= r["value"] <= 1.1 for r in ratios), ratios
+    assert all(r["value"] > 0 for r in rows if r["name"] == "memory_plan.measured_rss")

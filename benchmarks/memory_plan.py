@@ -1,0 +1,171 @@
+"""The memory plan (``dsv4.plan``) against measurement: predicted vs measured peak memory per rank of a training step.
+
+For each model, CP size and variant, the plan's per-rank total is compared with a real run on gloo ranks (spawned
+processes, ``dp = 1``): the model is built and sharded with FSDP2 over the CP ranks (the recipe's ``apply_fsdp``),
+AdamW is created, one short step allocates the optimizer state (as every step after the first has it), then a full
+step (forward, backward, AdamW, ``zero_grad``) runs on one document of ``--seq-len`` tokens cut for the rank.
+Two measurements of that step, each the max over ranks:
+
+* ``measured_rss``: the peak resident set size during model construction and the steps, minus the resident size
+  before the model was built (a throw-away model ran first, so one-time imports and allocations are not counted).
+  Blocks of 64 KiB and more are ``mmap``-ed (``mallopt(M_MMAP_THRESHOLD)``) so that freed tensors leave the resident
+  set instead of lingering in the heap. On CPU the resident set also holds what a GPU keeps in host memory: the
+  autograd graph (about 1 KiB per recorded op) and the allocator's small-block heap.
+* ``measured_tensors``: the bytes of every tensor storage alive at the step's peak: the parameter shards, buffers
+  and optimizer state that exist between steps (summed from the real objects) plus the peak of what the step
+  allocates (:class:`dsv4.plan.trace.AllocationTracer` on the real run: real data, collectives, FSDP and AdamW).
+  This is what a GPU's memory holds (less the caching allocator's fragmentation).
+
+The plan (``predicted``) is built from the configuration alone: the model on the meta device, stand-ins for CP,
+routing and metadata, per-segment traces composed, the state terms from the sharding rules.
+
+Variants: ``none`` / ``block`` / ``selective`` (``model.activation_checkpointing``, chunked loss), ``logits``
+(no recompute, the loss through full ``[L, vocab]`` logits held until backward is done).
+
+    python benchmarks/memory_plan.py                                  # tiny and mid, S = 16384, CP 1 2 4
+    python benchmarks/memory_plan.py --models tiny --cp 1 2 --seq-len 4096 --variants none
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import current_rss_kib, emit, peak_rss_kib, reset_peak_rss
+from dsv4.launch import run_on_ranks
+
+MODELS: dict[str, dict] = {
+    "tiny": {},
+    # hidden 512, 8 layers (ratios 0/4/128), 16 experts, vocab 32768: activations dominate at S = 16K
+    "mid": dict(hidden_size=512, num_hidden_layers=8, compress_ratios=[0, 4, 128, 4, 128, 4, 128, 4],
+                num_attention_heads=8, head_dim=64, qk_rope_head_dim=32, q_lora_rank=128, o_lora_rank=128, o_groups=4,
+                n_routed_experts=16, moe_intermediate_size=256, num_experts_per_tok=2, index_head_dim=64,
+                index_n_heads=4, index_topk=32, vocab_size=32768, sliding_window=64, attention_chunk_size=256),
+}
+VARIANTS = ("none", "block", "selective", "logits")
+
+
+def model_config(model: str, variant: str):
+    from dsv4.config import DSV4Config
+
+    recompute = "none" if variant == "logits" else variant
+    return DSV4Config.preset("tiny", activation_checkpointing=recompute, **MODELS[model])
+
+
+def predicted_bytes(model: str, variant: str, seq_len: int, cp: int) -> int:
+    from dsv4.plan.plan import PlanSetup, memory_plan
+
+    setup = PlanSetup(model_config(model, variant), seq_len, cp=cp, dp=1, ep=1, chunked_loss=variant != "logits")
+    return memory_plan(setup).total
+
+
+def _mmap_large_blocks() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+
+
+def _build(config, meshes):
+    import torch
+
+    from dsv4.model import DSV4ForCausalLM
+    from dsv4.parallel.wrap import apply_fsdp
+
+    torch.manual_seed(0)
+    model = apply_fsdp(DSV4ForCausalLM(config), meshes)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _step(model, optimizer, meshes, cp, batch, variant: str) -> None:
+    """One training step: forward (the output held until backward is done), backward, AdamW, zero_grad."""
+    from dsv4.training.loss import reduce_token_loss
+
+    out = model(batch.input_ids, position_ids=batch.positions, packed_seq_ids=batch.seq_ids,
+                padding_mask=batch.padding, labels=batch.labels, cp=cp, return_logits=variant == "logits")
+    reduce_token_loss(out.loss_sum, out.label_count, meshes.dp_cp.get_group()).loss.backward()
+    del out
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _document(config, seq_len: int, rank: int, world_size: int):
+    import torch
+
+    from dsv4.data import pack_documents
+
+    ids = torch.randint(0, config.vocab_size, (seq_len,), generator=torch.Generator().manual_seed(1))
+    return pack_documents([ids.tolist()], seq_len, config.shard_multiple)[0].cut(rank, world_size,
+                                                                                 config.shard_multiple)
+
+
+def _state_bytes(model, optimizer) -> int:
+    """Bytes of the parameter shards, buffers and optimizer state that exist between steps."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.untyped_storage().nbytes()
+
+    tensors = [*model.parameters(), *model.buffers(),
+               *(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
+    return sum(nbytes(t) for t in tensors)
+
+
+def _rank_body(rank: int, world_size: int, model_name: str, variant: str, seq_len: int) -> tuple[float, float]:
+    """``(resident-set peak MiB, tensor peak MiB)`` of this rank: see the module docstring."""
+    import ctypes
+    import gc
+
+    import torch
+
+    from dsv4.cp import CPContext
+    from dsv4.parallel.mesh import ParallelDims, build_meshes
+    from dsv4.plan.trace import AllocationTracer
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks of 64 KiB and more are mmap-ed, unmapped when freed
+    torch.set_num_threads(max(1, 2 // world_size))
+    config = model_config(model_name, variant)
+    meshes = build_meshes(ParallelDims(world_size=world_size, cp=world_size), "cpu")
+    cp = CPContext(meshes.cp.get_group()) if world_size > 1 else None
+    short = _document(config, config.shard_multiple * world_size * 2, rank, world_size)
+    batch = _document(config, seq_len, rank, world_size)
+    # a throw-away model first: what the first step imports and allocates once (autograd engine, FSDP hooks, ...)
+    _step(*_build(config, meshes), meshes, cp, short, variant)
+    gc.collect()
+    libc.malloc_trim(0)
+    base = current_rss_kib()
+    reset_peak_rss()
+    model, optimizer = _build(config, meshes)
+    _step(model, optimizer, meshes, cp, short, variant)  # allocates the optimizer state, as every later step has it
+    _step(model, optimizer, meshes, cp, batch, variant)
+    rss = max(peak_rss_kib() - base, 0) / 1024
+    with AllocationTracer() as tracer:
+        _step(model, optimizer, meshes, cp, batch, variant)
+    return rss, (_state_bytes(model, optimizer) + tracer.peak) / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--cp", type=int, nargs="*", default=[1, 2, 4])
+    parser.add_argument("--seq-len", type=int, default=16384)
+    parser.add_argument("--variants", nargs="*", default=["none", "block", "logits"], choices=VARIANTS)
+    args = parser.parse_args()
+    for model in args.models:
+        for variant in args.variants:
+            for cp in args.cp:
+                predicted = predicted_bytes(model, variant, args.seq_len, cp) / 2**20
+                per_rank = run_on_ranks(_rank_body, cp, args=(model, variant, args.seq_len), timeout=7200)
+                rss, tensors = max(r[0] for r in per_rank), max(r[1] for r in per_rank)
+                shape = {"model": model, "seq_len": args.seq_len, "cp": cp, "tokens_per_rank": args.seq_len // cp,
+                         "variant": variant, "step": "forward+backward+AdamW", "dtype": "float32"}
+                emit("memory_plan.predicted", shape, round(predicted, 1), "MiB")
+                emit("memory_plan.measured_tensors", shape, round(tensors, 1), "MiB")
+                emit("memory_plan.measured_rss", shape, round(rss, 1), "MiB")
+                emit("memory_plan.tensors_over_predicted", shape, round(tensors / predicted, 3), "ratio")
+                emit("memory_plan.rss_over_predicted", shape, round(rss / predicted, 3), "ratio")
+
+
+if __name__ == "__main__":
+    main()

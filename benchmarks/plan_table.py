@@ -1,0 +1,60 @@
+"""The README's "what fits" table: memory plans (``dsv4.plan``) of full fine-tuning V4 Flash and V4 Pro.
+
+Layout per GPU count: CP 8 (the sequence split over 8 ranks), DP = GPUs / 8, EP 8 (all-to-all), FSDP2 over
+DP x CP with bf16 compute and fp32 master weights / AdamW state, block recompute, the chunked loss, one sequence
+per replica. Prints one JSON object per plan (per-rank total in GiB, with the terms in ``shape``); ``--markdown``
+also prints the table (per-rank GiB; a check mark where it fits 80 GiB and 141 GiB devices).
+
+    python benchmarks/plan_table.py --markdown
+    python benchmarks/plan_table.py --models flash --seq-lens 131072 --gpus 64
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common import emit
+from dsv4.config import DSV4Config
+from dsv4.plan.plan import GIB, PlanSetup, memory_plan
+
+DEVICES_GIB = (80, 141)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=["flash", "pro"])
+    parser.add_argument("--seq-lens", type=int, nargs="*", default=[32768, 65536, 131072])
+    parser.add_argument("--gpus", type=int, nargs="*", default=[8, 16, 32, 64])
+    parser.add_argument("--cp", type=int, default=8)
+    parser.add_argument("--ep", type=int, default=8)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    rows = {}
+    for model in args.models:
+        config = DSV4Config.preset(model, activation_checkpointing="block")
+        for seq_len in args.seq_lens:
+            for gpus in args.gpus:
+                plan = memory_plan(PlanSetup(config, seq_len, cp=args.cp, dp=gpus // args.cp, ep=args.ep,
+                                             compute_dtype=torch.bfloat16))
+                terms = {k: round(v / GIB, 2) for k, v in plan.per_rank_bytes.items()}
+                shape = {"model": model, "seq_len": seq_len, "gpus": gpus, "cp": args.cp, "dp": gpus // args.cp,
+                         "ep": args.ep, "recompute": "block", "per_rank_gib": terms, "peak": plan.peak_phase}
+                emit("plan_table.per_rank_total", shape, terms["total"], "GiB")
+                rows[(model, seq_len, gpus)] = terms["total"]
+    if args.markdown:
+        print("\n| model | sequence | " + " | ".join(f"{g} GPUs" for g in args.gpus) + " |")
+        print("|---|---|" + "---|" * len(args.gpus))
+        for model in args.models:
+            for seq_len in args.seq_lens:
+                cells = []
+                for gpus in args.gpus:
+                    total = rows[(model, seq_len, gpus)]
+                    marks = " / ".join(("fits" if total <= gib else "no") for gib in DEVICES_GIB)
+                    cells.append(f"{total:.0f} GiB ({marks})")
+                print(f"| {model} | {seq_len // 1024}K | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Activation memory of one training step on one rank, traced on the ``meta`` device and composed per segment.
+
+The step is cut into the segments it runs in order: the embedding, every decoder block, and the top (hyper-head,
+final norm, MTP depths, lm_head and loss). Each distinct segment is traced once, forward and backward, by
+:class:`~dsv4.plan.trace.AllocationTracer` with the real model code (parameters cast to the FSDP units' compute
+dtypes, :mod:`dsv4.plan.stand_ins` for CP, routing and metadata). A trace yields, for its segment ``s``:
+
+* ``forward_peak`` F_s: the most bytes live during its forward, its input included;
+* ``retained`` r_s: live after its forward minus its output (what its backward needs, its input if saved);
+* ``backward_peak`` B_s: the most bytes live during its backward, from ``r_s`` plus the incoming gradient, with
+  its parameters' unsharded gradients (FSDP reduces them after the unit's backward).
+
+Segments run one after another, so with ``R_s`` the retained bytes of the segments before ``s`` and ``M`` the
+attention metadata (built once per forward, kept all step), the phases of the step are ``M + R_s + F_s`` (forward
+of ``s``) and ``M + R_s + B_s + H`` (backward of ``s``), where ``H`` is the root unit's lm_head gradient, held
+until the end of backward (FSDP reduces the root last). Blocks of the same kind (compress ratio, hash routing, the
+first block's broadcast input) share one trace. Tests check the composition against a trace of the whole step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dsv4.config import DSV4Config
+from dsv4.model.attention import DSV4Attention
+from dsv4.model.block import DSV4Block
+from dsv4.model.indexer import Indexer
+from dsv4.model.model import DSV4ForCausalLM
+from dsv4.model.moe import MoE, set_dispatcher
+from dsv4.model.mtp import MTPLayer
+from dsv4.plan.stand_ins import PlanCP, PlanDispatcher, plan_metadata
+from dsv4.plan.trace import AllocationTracer
+
+BLOCK_COMPONENTS: dict[type, str] = {DSV4Block: "hyper_connections", DSV4Attention: "attention", Indexer: "indexer",
+                                     MoE: "moe"}
+TOP_COMPONENTS: dict[type, str] = {MTPLayer: "mtp"}
+
+
+@dataclass
+class SegmentTrace:
+    """One traced segment (bytes; see the module docstring). ``saved_by_component``: bytes saved for backward,
+    by the part of the model that created them."""
+
+    name: str
+    kind: str
+    forward_peak: int
+    retained: int
+    backward_peak: int
+    held_gradients: int = 0
+    saved_by_component: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A moment of the step: its live activation bytes (metadata included) and, in backward, the index of the
+    segment running (in forward order: 0 = embedding, 1.. = blocks, last = top); None in forward."""
+
+    name: str
+    activations: int
+    backward_of: int | None
+
+
+@dataclass
+class ActivationPlan:
+    """``metadata``: the per-forward attention metadata kept all step; ``segments``: the traces in forward order
+    (blocks of one kind share an object); ``phases``: every forward and backward phase, in execution order."""
+
+    metadata: int
+    segments: list[SegmentTrace]
+    phases: list[Phase]
+
+    @property
+    def peak(self) -> int:
+        return max(p.activations for p in self.phases)
+
+    @property
+    def phase(self) -> str:
+        return max(self.phases, key=lambda p: p.activations).name
+
+    def block_kinds(self) -> list[tuple[SegmentTrace, int]]:
+        """The distinct block traces and how many blocks of each the model has."""
+        counts: dict[int, list] = {}
+        for seg in self.segments:
+            if seg.name.startswith("block"):
+                counts.setdefault(id(seg), [seg, 0])[1] += 1
+        return [(seg, n) for seg, n in counts.values()]
+
+
+def trace_segment(name: str, kind: str, run: Callable[[torch.Tensor | None], torch.Tensor], source: torch.Tensor | None,
+                  modules: nn.Module, labels: dict[type, str], default_label: str,
+                  held: set | frozenset = frozenset()) -> SegmentTrace:
+    """Trace ``run(x)`` forward and backward. ``x`` stands for the previous segment's output: made from the
+    ``source`` leaf (created outside the trace, so only ``x`` itself counts) by its recorded view op
+    (``source._plan_view``), a non-leaf freed when the segment does not save it; None for the embedding.
+    ``held``: parameters whose gradients stay until the end of backward (their bytes: ``held_gradients``)."""
+    params = [p for p in modules.parameters() if p.requires_grad]
+    with AllocationTracer(default_label) as tracer:
+        tracer.label_modules(modules, labels)
+        x = None if source is None else source._plan_view(source.clone())
+        y = run(x)
+        del x
+        forward_peak, out_bytes = tracer.peak, y.untyped_storage().nbytes()
+        retained = tracer.live - out_bytes
+        tracer.forget(y)
+        tracer.reset_peak()
+        y.backward(torch.empty_like(y))
+        del y
+        backward_peak = tracer.peak
+        held_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None and p in held)
+    for p in params:
+        p.grad = None
+    if source is not None:
+        source.grad = None
+    return SegmentTrace(name, kind, forward_peak, retained, backward_peak, held_bytes, dict(tracer.saved_by_label))
+
+
+def cast_for_compute(model: nn.Module, dtypes: dict[nn.Parameter, torch.dtype]) -> None:
+    """Give every parameter of a ``meta`` model the dtype its FSDP unit all-gathers it in."""
+    for module in model.modules():
+        for pname, p in list(module.named_parameters(recurse=False)):
+            dtype = dtypes.get(p, p.dtype)
+            if dtype != p.dtype:
+                setattr(module, pname, nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
+
+
+class StepTracer:
+    """Traces the segments of a training step of ``model`` (on ``meta``, cast with :func:`cast_for_compute`)
+    for ``rows`` rows of ``local_len`` tokens on CP rank ``cp_size - 1`` of ``cp_size`` (the rank that receives
+    the most earlier rows of a document spanning the sequence)."""
+
+    def __init__(self, model: DSV4ForCausalLM, rows: int, local_len: int, cp_size: int,
+                 expert_parallel: bool, return_logits: bool = False, root_parameters: set | frozenset = frozenset()
+                 ) -> None:
+        self.model, self.config = model, model.config
+        self.root_parameters = root_parameters
+        self.rows, self.local_len = rows, local_len
+        self.return_logits = return_logits
+        self.cp = PlanCP(cp_size - 1, cp_size)
+        self.cp_arg = self.cp if cp_size > 1 else None
+        set_dispatcher(model, PlanDispatcher(expert_parallel))
+        model.eval()  # no expert-load statistics (a bincount over routed ids, which meta tensors do not have)
+        self.meta = plan_metadata(self.config, rows, local_len, self.cp)
+        self.ids = torch.zeros(rows, local_len, dtype=torch.long, device="meta")
+        dtype, hc, d = model.model.embed_tokens.weight.dtype, self.config.hc_mult, self.config.hidden_size
+        # a block's input streams; the first block's are the embedding broadcast over hc (one [B, L, d] storage)
+        self.streams = _leaf((rows, local_len, hc, d), dtype, lambda x: x)
+        self.embedded = _leaf((rows, local_len, d), dtype,
+                              lambda h: h.unsqueeze(-2).expand(rows, local_len, hc, d))
+
+    def metadata_bytes(self) -> int:
+        seen, total = set(), 0
+        for t in _tensors(self.meta):
+            key = t.untyped_storage()._cdata
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
+
+    def embed(self) -> SegmentTrace:
+        model = self.model.model
+        return trace_segment("embedding", "embedding", lambda _: model.embed(self.ids), None, model.embed_tokens, {}, "embedding")
+
+    def block(self, index: int) -> SegmentTrace:
+        layer = self.model.model.layers[index]
+        kind = f"ratio {layer.compress_ratio}{', hash' if layer.mlp.gate.is_hash else ''}{', first' if index == 0 else ''}"
+        return trace_segment(f"block {index} ({kind})", kind,
+                             lambda x: layer(x, self.ids, self.meta, self.cp_arg),
+                             self.embedded if index == 0 else self.streams, layer, BLOCK_COMPONENTS, "block input")
+
+    def top(self) -> SegmentTrace:
+        model, labels = self.model, self.ids
+
+        outputs = []
+
+        def run(x):  # the order of DSV4ForCausalLM.forward after the last block
+            hidden = model.model.finish(x)
+            mtp_hiddens, mtp_labels = model.mtp(x, model.model.embed_tokens, self.ids, self.meta, labels=labels,
+                                                cp=self.cp_arg)
+            out = model._head_and_loss(hidden, mtp_hiddens, labels, mtp_labels, 0, self.return_logits)
+            outputs.append(out)  # the step holds its output (logits, when returned) until backward is done
+            return out.loss_sum
+
+        top_modules = nn.ModuleList([model.model.hc_head, model.model.norm, model.mtp, model.lm_head])
+        trace = trace_segment("top (head, MTP, loss)", "top", run, self.streams, top_modules, TOP_COMPONENTS,
+                              "head and loss", held=self.root_parameters)
+        outputs.clear()
+        return trace
+
+    def whole_step(self) -> int:
+        """The activation peak of one forward + backward of the whole model, traced at once (the oracle of the
+        composition; slow for deep models)."""
+        model = self.model
+        with AllocationTracer() as tracer:
+            backbone = model.model(self.ids, self.meta, self.cp_arg)
+            mtp_hiddens, mtp_labels = model.mtp(backbone.streams, model.model.embed_tokens, self.ids, self.meta,
+                                                labels=self.ids, cp=self.cp_arg)
+            out = model._head_and_loss(backbone.hidden, mtp_hiddens, self.ids, mtp_labels, 0, self.return_logits)
+            del backbone, mtp_hiddens, mtp_labels
+            out.loss_sum.backward(torch.empty_like(out.loss_sum))
+            peak = tracer.peak
+        for p in model.parameters():
+            p.grad = None
+        return peak
+
+
+def _leaf(shape, dtype, view: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    leaf = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+    leaf._plan_view = view
+    return leaf
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:
+            yield from _tensors(getattr(value, name))
+
+
+def _block_kind(layer: DSV4Block) -> tuple:
+    return (type(layer), layer.compress_ratio, layer.mlp.gate.is_hash)
+
+
+def plan_activations(tracer: StepTracer) -> ActivationPlan:
+    """Trace each distinct segment once and compose the step's activation phases (see the module docstring)."""
+    kinds: dict[tuple, SegmentTrace] = {}
+    blocks = []
+    for i, layer in enumerate(tracer.model.model.layers):
+        kind = (i == 0, *_block_kind(layer))  # the first block's input is the broadcast embedding
+        if kind not in kinds:
+            kinds[kind] = tracer.block(i)
+        blocks.append(kinds[kind])
+    segments = [tracer.embed(), *blocks, tracer.top()]
+    names = ["embedding", *(f"block {i} ({seg.kind})" for i, seg in enumerate(blocks)), "top (head, MTP, loss)"]
+    metadata = tracer.metadata_bytes()
+    held = segments[-1].held_gradients  # the root unit's lm_head gradient, kept until backward ends
+    phases = []
+    before = 0
+    for i, seg in enumerate(segments):
+        phases.append(Phase(f"forward of {names[i]}", metadata + before + seg.forward_peak, None))
+        before += seg.retained
+    for i in reversed(range(len(segments))):
+        seg = segments[i]
+        before -= seg.retained
+        extra = 0 if i == len(segments) - 1 else held
+        phases.append(Phase(f"backward of {names[i]}", metadata + before + seg.backward_peak + extra, i))
+    return ActivationPlan(metadata=metadata, segments=segments, phases=phases)

@@ -1,0 +1,218 @@
+"""The memory plan of a fine-tuning configuration: what one rank needs, term by term, and whether it fits.
+
+:func:`memory_plan` builds the model on the ``meta`` device (nothing is allocated), applies the real expert
+sharding and the FSDP unit list (:mod:`dsv4.plan.states`), traces the step's activations with the real model
+code (:mod:`dsv4.plan.activations`) and adds up, per rank:
+
+    total = parameters + gradients + optimizer + activations + communication
+
+``activations`` is the step's peak of live activation bytes (the rank planned is the last CP rank, which receives
+the most earlier rows of a document spanning the sequence); ``communication`` is FSDP's gathered parameters and
+gradient reduce buffer (EP dispatch buffers are inside the MoE activations). What is not counted: the CUDA
+context and NCCL workspaces (about 1-2 GiB per GPU), allocator fragmentation, and the kernels' workspaces.
+
+``MemoryPlan.as_dict()`` is what ``memory_plan.json`` holds; ``report()`` the table the recipe prints.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dsv4.config import DSV4Config
+from dsv4.model.model import DSV4ForCausalLM
+from dsv4.parallel.expert_shard import shard_experts
+from dsv4.parallel.wrap import fsdp_units
+from dsv4.plan.activations import ActivationPlan, StepTracer, cast_for_compute, plan_activations
+from dsv4.plan.states import StateBytes, gradient_shard_bytes, parameter_owners, state_bytes
+
+GIB = 2**30
+TERMS = ("parameters", "gradients", "optimizer", "activations", "communication")
+
+
+@dataclass(frozen=True)
+class PlanSetup:
+    """What the plan is for: the model, the step shape, the parallel layout, the optimizer's bytes per trainable
+    element and the device memory judged against."""
+
+    config: DSV4Config
+    seq_len: int
+    micro_batch_size: int = 1
+    cp: int = 1
+    dp: int = 1
+    ep: int = 1
+    compute_dtype: torch.dtype = torch.float32
+    optimizer_bytes_per_element: float = 8.0
+    device_memory_bytes: int = 80 * GIB
+    chunked_loss: bool = True  # the training step's loss; False: through full [L, vocab] logits
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp
+
+    def check(self) -> None:
+        """ValueError naming the setting before anything is built."""
+        for name in ("seq_len", "micro_batch_size", "cp", "dp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"memory plan: `{name}` must be a positive integer, got {value!r}")
+        if self.world % self.ep:
+            raise ValueError(f"memory plan: `ep`={self.ep} must divide dp x cp = {self.world}")
+        if self.config.n_routed_experts % self.ep:
+            raise ValueError(f"memory plan: `ep`={self.ep} must divide model.n_routed_experts="
+                             f"{self.config.n_routed_experts}")
+        if self.seq_len % (self.cp * self.config.shard_multiple):
+            raise ValueError(f"memory plan: `seq_len`={self.seq_len} must be a multiple of cp x shard multiple = "
+                             f"{self.cp} x {self.config.shard_multiple}")
+        if self.device_memory_bytes <= 0:
+            raise ValueError(f"memory plan: the device memory must be positive, got {self.device_memory_bytes} bytes")
+
+
+@dataclass
+class MemoryPlan:
+    """Per-rank bytes by term (:data:`TERMS`), the activation detail and the verdict.
+
+    The terms do not all peak at once: a phase of the step holds the parameters, the optimizer state, the
+    communication buffers, that phase's activations and the gradient shards already reduced (FSDP reduces each
+    unit's gradients after its backward; the root unit's last), and the optimizer step holds every gradient plus
+    the update's temporary (one fp32 value per trainable element). ``total`` is the largest phase.
+    ``segment_gradients``: the gradient shard bytes each segment's units reduce, in forward order."""
+
+    setup: PlanSetup
+    states: StateBytes
+    activations: ActivationPlan
+    segment_gradients: list[int]
+    per_rank_bytes: dict[str, int] = field(init=False)
+    peak_phase: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.states
+        self.per_rank_bytes = {"parameters": s.parameters, "gradients": s.gradients, "optimizer": s.optimizer,
+                               "activations": self.activations.peak, "communication": s.communication}
+        fixed = s.parameters + s.optimizer
+        phases = [("optimizer step", fixed + s.gradients + s.gradients)]  # gradients + the update's temporary
+        for phase in self.activations.phases:
+            reduced = 0 if phase.backward_of is None else sum(self.segment_gradients[phase.backward_of + 1:])
+            phases.append((phase.name, fixed + s.communication + phase.activations + reduced))
+        self.peak_phase, self.per_rank_bytes["total"] = max(phases, key=lambda p: p[1])
+
+    @property
+    def total(self) -> int:
+        return self.per_rank_bytes["total"]
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.setup.device_memory_bytes
+
+    @property
+    def biggest_term(self) -> str:
+        return max(TERMS, key=lambda t: self.per_rank_bytes[t])
+
+    def summary(self) -> str:
+        """One line: the total against the device, the terms, the verdict."""
+        terms = ", ".join(f"{t} {_size(self.per_rank_bytes[t])}" for t in TERMS)
+        verdict = "fits" if self.fits else f"DOES NOT FIT (biggest term: {self.biggest_term})"
+        return (f"memory plan: {_size(self.total)} per rank at its peak ({self.peak_phase}) of "
+                f"{_size(self.setup.device_memory_bytes)} ({terms}): {verdict}")
+
+    def report(self) -> str:
+        """The per-rank table: each term, the activations per block kind by component, the total and verdict."""
+        s, setup, acts = self.states, self.setup, self.activations
+        c = setup.config
+        lines = [
+            f"memory plan per rank: seq_len {setup.seq_len} x micro_batch_size {setup.micro_batch_size}, cp "
+            f"{setup.cp} ({setup.seq_len // setup.cp} tokens per rank), dp {setup.dp}, ep {setup.ep} (world "
+            f"{setup.world}); compute {str(setup.compute_dtype).removeprefix('torch.')}, activation_checkpointing "
+            f"{c.activation_checkpointing}, loss chunk {c.loss_chunk_size} rows",
+            _row("parameters", s.parameters, "fp32 master shards + buffers"),
+            _row("gradients", s.gradients, "fp32 shards of the trainable parameters (filled during backward)"),
+            _row("optimizer", s.optimizer, f"{setup.optimizer_bytes_per_element:g} bytes per trainable element"),
+            _row("activations", acts.peak, f"peak, at the {acts.phase}"),
+        ]
+        for seg, count in acts.block_kinds():
+            parts = ", ".join(f"{k} {_size(v)}" for k, v in sorted(seg.saved_by_component.items()))
+            lines.append(f"    {count:>3} x block {seg.kind:<22} saved {_size(seg.retained)} each ({parts}); "
+                         f"backward peak {_size(seg.backward_peak)}")
+        top = acts.segments[-1]
+        parts = ", ".join(f"{k} {_size(v)}" for k, v in sorted(top.saved_by_component.items()))
+        lines.append(f"          top (head, MTP, loss)  saved {_size(top.retained)} ({parts}); backward peak "
+                     f"{_size(top.backward_peak)}")
+        rows = min(c.loss_chunk_size, setup.micro_batch_size * setup.seq_len // setup.cp)
+        lines.append(f"          loss chunk: one [{rows}, {c.vocab_size}] fp32 logits block, "
+                     f"{_size(rows * c.vocab_size * 4)}, and its gradient in place")
+        lines.append(f"          attention metadata: {_size(acts.metadata)}")
+        lines.append(_row("communication", s.communication,
+                          f"two gathered units {_size(s.gathered)} (largest: {s.largest_unit}), root kept gathered "
+                          f"{_size(s.root_gathered)}, fp32 gradient reduce {_size(s.reduce_buffer)}"))
+        verdict = "fits" if self.fits else f"DOES NOT FIT; biggest term: {self.biggest_term}"
+        lines.append(_row("total", self.total, f"at the peak ({self.peak_phase}) of "
+                                               f"{_size(setup.device_memory_bytes)}: {verdict}"))
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON of ``memory_plan.json``."""
+        setup = self.setup
+        return {
+            "per_rank_bytes": dict(self.per_rank_bytes),
+            "fits": self.fits,
+            "peak_phase": self.peak_phase,
+            "device_memory_bytes": setup.device_memory_bytes,
+            "biggest_term": self.biggest_term,
+            "setup": {"seq_len": setup.seq_len, "micro_batch_size": setup.micro_batch_size, "cp": setup.cp,
+                      "dp": setup.dp, "ep": setup.ep, "world": setup.world,
+                      "compute_dtype": str(setup.compute_dtype).removeprefix("torch."),
+                      "activation_checkpointing": setup.config.activation_checkpointing,
+                      "loss_chunk_size": setup.config.loss_chunk_size,
+                      "optimizer_bytes_per_element": setup.optimizer_bytes_per_element},
+            "communication_bytes": {"gathered": self.states.gathered, "root_gathered": self.states.root_gathered,
+                                    "reduce_buffer": self.states.reduce_buffer},
+            "activations": {
+                "peak_phase": self.activations.phase,
+                "metadata_bytes": self.activations.metadata,
+                "segments": [{"name": seg.name, "forward_peak": seg.forward_peak, "retained": seg.retained,
+                              "backward_peak": seg.backward_peak, "saved_by_component": seg.saved_by_component}
+                             for seg in self.activations.segments],
+            },
+        }
+
+
+def memory_plan(setup: PlanSetup) -> MemoryPlan:
+    """Build the model on ``meta``, shard it like rank 0 of ``setup`` and plan one training step."""
+    setup.check()
+    with torch.device("meta"):
+        model = DSV4ForCausalLM(setup.config)
+    shard_experts(model, ep_rank=0, ep_size=setup.ep)
+    states = state_bytes(model, world=setup.world, ep=setup.ep, compute_dtype=setup.compute_dtype,
+                         optimizer_bytes_per_element=setup.optimizer_bytes_per_element)
+    units = fsdp_units(model, setup.compute_dtype)
+    owners = parameter_owners(model, units)
+    mesh_size = {"dp_cp": setup.world, "edp": setup.world // setup.ep}
+    # the embedding is the root unit's (reduced when backward ends); blocks and MTP depths reduce after their backward
+    segment_gradients = [0, *(gradient_shard_bytes([m], owners, mesh_size, skip=units[-1])
+                              for m in [*model.model.layers, model.mtp])]
+    cast_for_compute(model, {p: unit.param_dtype for p, unit in owners.items()})
+    root = {p for p, unit in owners.items() if unit is units[-1]}
+    tracer = StepTracer(model, setup.micro_batch_size, setup.seq_len // setup.cp, setup.cp, setup.ep > 1,
+                        return_logits=not setup.chunked_loss, root_parameters=root)
+    return MemoryPlan(setup, states, plan_activations(tracer), segment_gradients)
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def _row(name: str, n: int, note: str) -> str:
+    return f"  {name:<14} {_size(n):>12}  {note}"
+
+
+def device_memory_bytes(accelerator: str, processes_per_node: int = 1) -> int:
+    """The default ``plan.device_memory_gib`` in bytes: a GPU's memory on GPU runs (80 GiB when none is visible
+    from this process); on CPU the host's memory divided among the ranks of this node."""
+    if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    if accelerator == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(processes_per_node, 1)
+    return 80 * GIB

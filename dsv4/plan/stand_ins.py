@@ -1,0 +1,99 @@
+"""Shape-true stand-ins for the parts of a training step that depend on data or on other ranks.
+
+The memory plan runs real model code on the ``meta`` device (:mod:`dsv4.plan.trace`); three things cannot run
+there as they do on a rank, so these replace them with what has the same shapes, dtypes and lifetimes:
+
+* :class:`PlanCP`: the ``CPContext`` of rank ``rank`` of ``size`` for one document spanning every rank (the worst
+  case: the last rank receives every earlier compressed row). Received tensors are new tensors of the received
+  shape; integer metadata all-gathers tile the local block (right shapes, window-aligned positions).
+* :class:`PlanDispatcher`: the MoE with every expert receiving the same number of (token, expert) pairs (the
+  balance the load-balancing bias aims for); with expert parallelism the all-to-all's receive buffers are new
+  tensors of the sent size (uniform routing sends and receives as many rows as it routes).
+* :func:`plan_metadata`: the attention metadata of that document, built by the real code on the CPU (it reads a
+  few integers) and moved to ``meta``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dsv4.config import DSV4Config
+from dsv4.model.attention_metadata import AttentionMetadata, build_attention_metadata
+from dsv4.model.dispatch import weighted_sum
+
+
+class PlanCP:
+    """A ``CPContext`` stand-in for rank ``rank`` of ``size`` (see the module docstring)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size, self.halo = rank, size, None
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def all_gather_metadata(self, tensor: torch.Tensor, dim: int = 1, kind: str = "") -> torch.Tensor:
+        """Every rank's block: this rank's tiled (on the CPU, where the metadata is built, only the document ids
+        decide shapes: every rank holds the same one document)."""
+        if tensor.device.type == "meta":
+            shape = list(tensor.shape)
+            shape[dim] *= self.size
+            return tensor.new_empty(shape)
+        return torch.cat([tensor] * self.size, dim=dim)
+
+    def halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "") -> torch.Tensor:
+        return tensor.narrow(dim, tensor.shape[dim] - rows, rows).clone()  # received: a new tensor, same shape
+
+    def gather_preceding(self, tensor: torch.Tensor, starts: list[int], dim: int = 1, kind: str = "") -> torch.Tensor:
+        received = self.rank * tensor.shape[dim] - starts[self.rank]
+        if received == 0:
+            return tensor
+        shape = list(tensor.shape)
+        shape[dim] = received
+        # received rows: a new tensor on the autograd path (their gradient goes back to their owners)
+        return torch.cat([tensor.narrow(dim, 0, 1).expand(shape).clone(), tensor], dim=dim)
+
+
+class PlanDispatcher:
+    """The routed experts with every local expert receiving the same number of pairs (see the module docstring)."""
+
+    needs_uniform_tokens = False
+
+    def __init__(self, expert_parallel: bool = False) -> None:
+        self.expert_parallel = expert_parallel
+
+    def run(self, experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        n, k = topk_ids.shape
+        pairs, local = n * k, experts.num_local_experts
+        counts = torch.full((local,), pairs // local, dtype=torch.long)
+        counts[: pairs % local] += 1
+        token_idx = torch.arange(pairs, device=x.device) // k
+        sent = x.index_select(0, token_idx)
+        received = sent.clone() if self.expert_parallel else sent  # the all-to-all's receive buffer
+        y = experts(received, counts)
+        if self.expert_parallel:
+            y = y.clone()  # and the return trip's
+        return weighted_sum(n, token_idx, y, topk_weights.reshape(-1)).to(x.dtype)
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, tuple):  # RoPE tables (cos, sin)
+        return tuple(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value, **{f.name: _to_meta(getattr(value, f.name))
+                                             for f in dataclasses.fields(value)})
+    return value
+
+
+def plan_metadata(config: DSV4Config, rows: int, local_len: int, cp: PlanCP) -> AttentionMetadata:
+    """The metadata of rank ``cp.rank``'s slice of ``rows`` rows, each one document over all ranks, on ``meta``."""
+    start = cp.rank * local_len
+    positions = torch.arange(start, start + local_len).expand(rows, local_len)
+    return _to_meta(build_attention_metadata(config, positions, torch.ones_like(positions), None,
+                                             cp if cp.size > 1 else None))

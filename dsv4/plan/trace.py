@@ -1,0 +1,111 @@
+"""Counting the memory a piece of model code allocates, without running it for real.
+
+:class:`AllocationTracer` is a ``TorchDispatchMode`` that follows every tensor an op creates: its storage's bytes
+count as live from the op until the last tensor viewing that storage is gone (PyTorch keeps a tensor's Python
+object alive while autograd still holds the tensor, so saved activations stay counted until backward frees
+them). It reports the live bytes now, the peak, and the bytes saved for backward (``saved_tensors_hooks``).
+Run the code on the ``meta`` device and nothing is allocated: shapes, dtypes and lifetimes are exactly those of
+the real run, at any size.
+
+Only tensors created while the tracer is active count (parameters and inputs made before are the caller's to
+add); ``reset_peak()`` restarts the peak from the current live bytes.
+
+Attribution: :meth:`AllocationTracer.label_modules` names the model parts (``{module class: label}``); every
+storage is charged to the innermost labelled module running when it was created (``default_label`` outside
+them, e.g. in backward), and :attr:`AllocationTracer.saved_by_label` splits the saved bytes accordingly.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class AllocationTracer(TorchDispatchMode):
+    """``with AllocationTracer() as t: ...``; then ``t.peak``, ``t.live``, ``t.saved`` (bytes)."""
+
+    def __init__(self, default_label: str = "other") -> None:
+        super().__init__()
+        self.default_label = default_label
+        self.live = 0
+        self.peak = 0
+        self.saved = 0
+        self.saved_by_label: dict[str, int] = defaultdict(int)
+        self._refs: dict[int, list] = {}  # storage key -> [bytes, tensors alive, label]
+        self._saved_keys: set[int] = set()
+        self._labels: list[str] = []
+        self._hooks: list = []
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def __enter__(self):
+        self._saved_hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        for hook in self._hooks:
+            hook.remove()
+        return self._saved_hooks.__exit__(*exc)
+
+    def label_modules(self, model: nn.Module, labels: dict[type, str]) -> None:
+        """Charge what each module of a type in ``labels`` creates to its label (until the tracer exits)."""
+        for module in model.modules():
+            label = next((name for kind, name in labels.items() if isinstance(module, kind)), None)
+            if label is not None:
+                self._hooks.append(module.register_forward_pre_hook(lambda *_, name=label: self._labels.append(name)))
+                self._hooks.append(module.register_forward_hook(lambda *_: self._labels.pop() and None))
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def forget(self, t: torch.Tensor) -> None:
+        """Stop counting ``t``'s storage (e.g. a segment's output, which the next segment accounts for)."""
+        entry = self._refs.get(self._storage_key(t))
+        if entry is not None:
+            self.live -= entry[0]
+            entry[0] = 0
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = self._storage_key(t)
+        if key in self._refs and key not in self._saved_keys:  # activations this code made, each storage once
+            self._saved_keys.add(key)
+            nbytes = t.untyped_storage().nbytes()
+            self.saved += nbytes
+            self.saved_by_label[self._refs[key][2]] += nbytes
+        return t
+
+    @staticmethod
+    def _storage_key(t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
+
+    def _release(self, key: int) -> None:
+        entry = self._refs[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live -= entry[0]
+            del self._refs[key]
+
+    def _track(self, t: torch.Tensor) -> None:
+        key = self._storage_key(t)
+        entry = self._refs.get(key)
+        if entry is None:
+            entry = self._refs[key] = [t.untyped_storage().nbytes(), 0, self._labels[-1] if self._labels else self.default_label]
+            self.live += entry[0]
+            self.peak = max(self.peak, self.live)
+        entry[1] += 1
+        weakref.finalize(t, self._release, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is not torch.Tensor and t is not nn.Parameter for t in types):
+            return NotImplemented  # a tensor subclass (DTensor): let it run its local ops, which come back here
+        inputs = {id(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and id(t) not in inputs:  # in-place ops return their input
+                self._track(t)
+        return out

@@ -1,0 +1,42 @@
+"""The per-segment composition of the activation peak equals a trace of the whole step (its oracle)."""
+
+import pytest
+import torch
+
+from dsv4.config import DSV4Config
+from dsv4.model.model import DSV4ForCausalLM
+from dsv4.plan.activations import StepTracer, plan_activations
+
+
+def _tracer(mode: str, cp: int, local_len: int = 512, return_logits: bool = False) -> StepTracer:
+    config = DSV4Config.preset("tiny", activation_checkpointing=mode)
+    with torch.device("meta"):
+        model = DSV4ForCausalLM(config)
+    return StepTracer(model, 1, local_len, cp, expert_parallel=False, return_logits=return_logits)
+
+
+@pytest.mark.parametrize("mode,cp,return_logits", [("none", 1, False), ("block", 1, False), ("selective", 1, False),
+                                                   ("none", 2, True), ("block", 4, False)])
+def test_composed_peak_matches_the_whole_step(mode, cp, return_logits):
+    tracer = _tracer(mode, cp, return_logits=return_logits)
+    plan = plan_activations(tracer)
+    whole = tracer.whole_step() + plan.metadata
+    assert plan.peak == pytest.approx(whole, rel=0.02), (plan.peak, whole, plan.phase)
+
+
+def test_recompute_saves_less_and_blocks_of_a_kind_share_a_trace():
+    none, block = plan_activations(_tracer("none", 1)), plan_activations(_tracer("block", 1))
+    assert block.peak < none.peak
+    kinds = {seg.kind: n for seg, n in none.block_kinds()}
+    assert kinds == {"ratio 0, hash, first": 1, "ratio 4": 2, "ratio 128": 1}  # tiny: ratios [0, 4, 128, 4]
+    for seg, _ in block.block_kinds():  # a recomputed block keeps only its input streams
+        assert set(seg.saved_by_component) == {"block input"}
+    for seg, _ in none.block_kinds():
+        assert {"attention", "moe", "hyper_connections"} <= set(seg.saved_by_component)
+
+
+def test_the_last_cp_rank_receives_more_than_an_even_share():
+    one, four = plan_activations(_tracer("none", 1, local_len=2048)), plan_activations(_tracer("none", 4))
+    attention = lambda plan: sum(seg.saved_by_component.get("attention", 0) for seg in plan.segments[1:-1])  # noqa: E731
+    assert attention(four) > attention(one) / 4  # halo and the earlier compressed rows come on top
+    assert four.peak < one.peak

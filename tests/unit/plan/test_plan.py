@@ -1,0 +1,60 @@
+"""The memory plan: totals from the terms and phases, the verdict, the JSON and report, and bad input."""
+
+import json
+
+import pytest
+import torch
+
+from dsv4.config import DSV4Config
+from dsv4.plan.plan import GIB, TERMS, PlanSetup, memory_plan
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    return memory_plan(PlanSetup(DSV4Config.preset("tiny"), seq_len=1024, cp=2, dp=2, ep=2,
+                                 device_memory_bytes=GIB))
+
+
+def test_total_is_the_largest_phase_and_never_more_than_the_terms(tiny_plan):
+    per_rank = tiny_plan.per_rank_bytes
+    fixed = per_rank["parameters"] + per_rank["optimizer"]
+    assert per_rank["total"] <= sum(per_rank[t] for t in TERMS)
+    assert per_rank["total"] >= fixed + per_rank["communication"] + per_rank["activations"]
+    assert per_rank["total"] >= fixed + 2 * per_rank["gradients"]  # the optimizer step
+    assert sum(tiny_plan.segment_gradients) < per_rank["gradients"]  # the root's are reduced last
+
+
+def test_verdict_and_biggest_term():
+    config = DSV4Config.preset("tiny")
+    small = memory_plan(PlanSetup(config, seq_len=1024, device_memory_bytes=1024))
+    assert not small.fits and small.biggest_term == "activations"
+    assert "DOES NOT FIT (biggest term: activations)" in small.summary()
+    assert memory_plan(PlanSetup(config, seq_len=1024, device_memory_bytes=GIB)).fits
+
+
+def test_json_and_report(tiny_plan):
+    data = json.loads(json.dumps(tiny_plan.as_dict()))
+    assert set(data["per_rank_bytes"]) == {*TERMS, "total"} and data["fits"] is True
+    assert data["setup"]["world"] == 4 and data["setup"]["ep"] == 2
+    report = tiny_plan.report()
+    for needle in ("parameters", "gradients", "optimizer", "activations", "communication", "total",
+                   "block ratio 4", "attention", "indexer", "moe", "hyper_connections", "mtp", "loss chunk"):
+        assert needle in report, needle
+
+
+def test_longer_sequences_need_more_and_cp_divides_the_activations():
+    config = DSV4Config.preset("tiny")
+    act = lambda **kw: memory_plan(PlanSetup(config, **kw)).per_rank_bytes["activations"]  # noqa: E731
+    one, two = act(seq_len=2048, cp=1), act(seq_len=2048, cp=2)
+    assert act(seq_len=1024, cp=1) < one and two < one
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"seq_len": 1000}, "`seq_len`=1000"),
+    ({"seq_len": 1024, "ep": 3}, "`ep`=3"),
+    ({"seq_len": 1024, "cp": 0}, "`cp`"),
+    ({"seq_len": 1024, "device_memory_bytes": 0}, "device memory"),
+])
+def test_bad_setups_raise_before_building(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        memory_plan(PlanSetup(DSV4Config.preset("tiny"), **kwargs))
