@@ -44,6 +44,12 @@ MODELS: dict[str, dict] = {
 VARIANTS = ("none", "block", "selective", "logits")
 
 
+def _adamw(params):
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-4, foreach=False)  # as conf/optim/adamw.yaml
+
+
 def model_config(model: str, variant: str):
     from dsv4.config import DSV4Config
 
@@ -53,8 +59,10 @@ def model_config(model: str, variant: str):
 
 def predicted_bytes(model: str, variant: str, seq_len: int, cp: int) -> int:
     from dsv4.plan.plan import PlanSetup, memory_plan
+    from dsv4.plan.states import optimizer_profile
 
-    setup = PlanSetup(model_config(model, variant), seq_len, cp=cp, dp=1, ep=1, chunked_loss=variant != "logits")
+    setup = PlanSetup(model_config(model, variant), seq_len, cp=cp, dp=1, ep=1, chunked_loss=variant != "logits",
+                      optimizer=optimizer_profile(_adamw))
     return memory_plan(setup).total
 
 
@@ -72,7 +80,7 @@ def _build(config, meshes):
 
     torch.manual_seed(0)
     model = apply_fsdp(DSV4ForCausalLM(config), meshes)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, _adamw(model.parameters())
 
 
 def _step(model, optimizer, meshes, cp, batch, variant: str) -> None:

@@ -28,6 +28,7 @@ from torch import nn
 from dsv4.config import DSV4Config
 from dsv4.model.attention import DSV4Attention
 from dsv4.model.block import DSV4Block
+from dsv4.model.hyper_connections import HyperConnection
 from dsv4.model.indexer import Indexer
 from dsv4.model.model import DSV4ForCausalLM
 from dsv4.model.moe import MoE, set_dispatcher
@@ -35,15 +36,18 @@ from dsv4.model.mtp import MTPLayer
 from dsv4.plan.stand_ins import PlanCP, PlanDispatcher, plan_metadata
 from dsv4.plan.trace import AllocationTracer
 
-BLOCK_COMPONENTS: dict[type, str] = {DSV4Block: "hyper_connections", DSV4Attention: "attention", Indexer: "indexer",
-                                     MoE: "moe"}
-TOP_COMPONENTS: dict[type, str] = {MTPLayer: "mtp"}
+# Labels by module type (the innermost labelled module wins). The sub-modules a recomputed block calls are listed
+# too: recompute reruns them, not the block's own forward, so their hooks are what attributes the recomputed bytes.
+BLOCK_COMPONENTS: dict[type, str] = {DSV4Block: "hyper_connections", HyperConnection: "hyper_connections",
+                                     DSV4Attention: "attention", Indexer: "indexer", MoE: "moe"}
+TOP_COMPONENTS: dict[type, str] = {MTPLayer: "mtp", HyperConnection: "mtp", DSV4Attention: "mtp", MoE: "mtp"}
 
 
 @dataclass
 class SegmentTrace:
     """One traced segment (bytes; see the module docstring). ``saved_by_component``: bytes saved for backward,
-    by the part of the model that created them."""
+    by the part of the model that created them; ``backward_peak_by_component``: what is live at the backward peak
+    (with recompute: the recomputed internals), by the same parts, ``gradients`` for what backward allocates."""
 
     name: str
     kind: str
@@ -52,6 +56,7 @@ class SegmentTrace:
     backward_peak: int
     held_gradients: int = 0
     saved_by_component: dict[str, int] = field(default_factory=dict)
+    backward_peak_by_component: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -106,16 +111,18 @@ def trace_segment(name: str, kind: str, run: Callable[[torch.Tensor | None], tor
         forward_peak, out_bytes = tracer.peak, y.untyped_storage().nbytes()
         retained = tracer.live - out_bytes
         tracer.forget(y)
+        tracer.default_label = "gradients"  # what backward allocates outside the modules' recomputed forwards
         tracer.reset_peak()
         y.backward(torch.empty_like(y))
         del y
-        backward_peak = tracer.peak
+        backward_peak, at_peak = tracer.peak, dict(tracer.peak_by_label)
         held_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None and p in held)
     for p in params:
         p.grad = None
     if source is not None:
         source.grad = None
-    return SegmentTrace(name, kind, forward_peak, retained, backward_peak, held_bytes, dict(tracer.saved_by_label))
+    return SegmentTrace(name, kind, forward_peak, retained, backward_peak, held_bytes, dict(tracer.saved_by_label),
+                        at_peak)
 
 
 def cast_for_compute(model: nn.Module, dtypes: dict[nn.Parameter, torch.dtype]) -> None:

@@ -27,7 +27,7 @@ from dsv4.model.model import DSV4ForCausalLM
 from dsv4.parallel.expert_shard import shard_experts
 from dsv4.parallel.wrap import fsdp_units
 from dsv4.plan.activations import ActivationPlan, StepTracer, cast_for_compute, plan_activations
-from dsv4.plan.states import StateBytes, gradient_shard_bytes, parameter_owners, state_bytes
+from dsv4.plan.states import OptimizerProfile, StateBytes, gradient_shard_bytes, parameter_owners, state_bytes
 
 GIB = 2**30
 TERMS = ("parameters", "gradients", "optimizer", "activations", "communication")
@@ -45,7 +45,7 @@ class PlanSetup:
     dp: int = 1
     ep: int = 1
     compute_dtype: torch.dtype = torch.float32
-    optimizer_bytes_per_element: float = 8.0
+    optimizer: OptimizerProfile = OptimizerProfile()
     device_memory_bytes: int = 80 * GIB
     chunked_loss: bool = True  # the training step's loss; False: through full [L, vocab] logits
 
@@ -78,7 +78,7 @@ class MemoryPlan:
     The terms do not all peak at once: a phase of the step holds the parameters, the optimizer state, the
     communication buffers, that phase's activations and the gradient shards already reduced (FSDP reduces each
     unit's gradients after its backward; the root unit's last), and the optimizer step holds every gradient plus
-    the update's temporary (one fp32 value per trainable element). ``total`` is the largest phase.
+    the update's temporary (see :class:`~dsv4.plan.states.OptimizerProfile`). ``total`` is the largest phase.
     ``segment_gradients``: the gradient shard bytes each segment's units reduce, in forward order."""
 
     setup: PlanSetup
@@ -93,7 +93,7 @@ class MemoryPlan:
         self.per_rank_bytes = {"parameters": s.parameters, "gradients": s.gradients, "optimizer": s.optimizer,
                                "activations": self.activations.peak, "communication": s.communication}
         fixed = s.parameters + s.optimizer
-        phases = [("optimizer step", fixed + s.gradients + s.gradients)]  # gradients + the update's temporary
+        phases = [("optimizer step", fixed + s.gradients + s.step_temporary)]
         for phase in self.activations.phases:
             reduced = 0 if phase.backward_of is None else sum(self.segment_gradients[phase.backward_of + 1:])
             phases.append((phase.name, fixed + s.communication + phase.activations + reduced))
@@ -129,17 +129,19 @@ class MemoryPlan:
             f"{c.activation_checkpointing}, loss chunk {c.loss_chunk_size} rows",
             _row("parameters", s.parameters, "fp32 master shards + buffers"),
             _row("gradients", s.gradients, "fp32 shards of the trainable parameters (filled during backward)"),
-            _row("optimizer", s.optimizer, f"{setup.optimizer_bytes_per_element:g} bytes per trainable element"),
+            _row("optimizer", s.optimizer, f"{setup.optimizer.state_bytes:g} bytes per trainable element; the step "
+                 f"allocates {_size(s.step_temporary)} ({setup.optimizer.step_temporary.replace('_', ' ')})"),
             _row("activations", acts.peak, f"peak, at the {acts.phase}"),
         ]
         for seg, count in acts.block_kinds():
-            parts = ", ".join(f"{k} {_size(v)}" for k, v in sorted(seg.saved_by_component.items()))
-            lines.append(f"    {count:>3} x block {seg.kind:<22} saved {_size(seg.retained)} each ({parts}); "
-                         f"backward peak {_size(seg.backward_peak)}")
+            lines.append(f"    {count:>3} x block {seg.kind:<22} saved {_size(seg.retained)} each "
+                         f"({_parts(seg.saved_by_component)})")
+            lines.append(f"          {'':<28} backward peak {_size(seg.backward_peak)} "
+                         f"({_parts(seg.backward_peak_by_component)})")
         top = acts.segments[-1]
-        parts = ", ".join(f"{k} {_size(v)}" for k, v in sorted(top.saved_by_component.items()))
-        lines.append(f"          top (head, MTP, loss)  saved {_size(top.retained)} ({parts}); backward peak "
-                     f"{_size(top.backward_peak)}")
+        lines.append(f"          top (head, MTP, loss)        saved {_size(top.retained)} ({_parts(top.saved_by_component)})")
+        lines.append(f"          {'':<28} backward peak {_size(top.backward_peak)} "
+                     f"({_parts(top.backward_peak_by_component)})")
         rows = min(c.loss_chunk_size, setup.micro_batch_size * setup.seq_len // setup.cp)
         lines.append(f"          loss chunk: one [{rows}, {c.vocab_size}] fp32 logits block, "
                      f"{_size(rows * c.vocab_size * 4)}, and its gradient in place")
@@ -166,14 +168,16 @@ class MemoryPlan:
                       "compute_dtype": str(setup.compute_dtype).removeprefix("torch."),
                       "activation_checkpointing": setup.config.activation_checkpointing,
                       "loss_chunk_size": setup.config.loss_chunk_size,
-                      "optimizer_bytes_per_element": setup.optimizer_bytes_per_element},
+                      "optimizer_state_bytes_per_element": setup.optimizer.state_bytes,
+                      "optimizer_step_temporary": setup.optimizer.step_temporary},
             "communication_bytes": {"gathered": self.states.gathered, "root_gathered": self.states.root_gathered,
                                     "reduce_buffer": self.states.reduce_buffer},
             "activations": {
                 "peak_phase": self.activations.phase,
                 "metadata_bytes": self.activations.metadata,
                 "segments": [{"name": seg.name, "forward_peak": seg.forward_peak, "retained": seg.retained,
-                              "backward_peak": seg.backward_peak, "saved_by_component": seg.saved_by_component}
+                              "backward_peak": seg.backward_peak, "saved_by_component": seg.saved_by_component,
+                              "backward_peak_by_component": seg.backward_peak_by_component}
                              for seg in self.activations.segments],
             },
         }
@@ -186,7 +190,7 @@ def memory_plan(setup: PlanSetup) -> MemoryPlan:
         model = DSV4ForCausalLM(setup.config)
     shard_experts(model, ep_rank=0, ep_size=setup.ep)
     states = state_bytes(model, world=setup.world, ep=setup.ep, compute_dtype=setup.compute_dtype,
-                         optimizer_bytes_per_element=setup.optimizer_bytes_per_element)
+                         optimizer=setup.optimizer)
     units = fsdp_units(model, setup.compute_dtype)
     owners = parameter_owners(model, units)
     mesh_size = {"dp_cp": setup.world, "edp": setup.world // setup.ep}
@@ -198,6 +202,11 @@ def memory_plan(setup: PlanSetup) -> MemoryPlan:
     tracer = StepTracer(model, setup.micro_batch_size, setup.seq_len // setup.cp, setup.cp, setup.ep > 1,
                         return_logits=not setup.chunked_loss, root_parameters=root)
     return MemoryPlan(setup, states, plan_activations(tracer), segment_gradients)
+
+
+def _parts(by_component: dict[str, int]) -> str:
+    """``name size, ...``, largest first."""
+    return ", ".join(f"{k} {_size(v)}" for k, v in sorted(by_component.items(), key=lambda kv: -kv[1]) if v)
 
 
 def _size(n: float) -> str:

@@ -8,8 +8,8 @@ ep`` for routed experts.
 
 * parameters: the fp32 shards (master weights) and the buffers (unsharded);
 * gradients: fp32 shards of the trainable parameters (frozen ones, ``requires_grad=False``, have none);
-* optimizer: ``optimizer_bytes_per_element`` per trainable shard element (:func:`optimizer_state_bytes` measures
-  it on the configured optimizer: AdamW keeps two fp32 moments, 8 bytes);
+* optimizer: bytes per trainable shard element (:func:`optimizer_profile` measures them on the configured
+  optimizer: AdamW keeps two fp32 moments, 8 bytes), and the step's temporary (its ``foreach`` / ``fused``);
 * communication buffers: the gathered parameters of the two largest units in their compute dtype (the running
   unit and the one FSDP prefetches), the root unit's (gathered once and kept until backward ends), and the fp32
   reduce-scatter input of the largest unit's gradients.
@@ -31,7 +31,8 @@ from dsv4.parallel.wrap import FsdpUnit, fsdp_units
 class StateBytes:
     """Per-rank bytes: ``parameters``, ``gradients``, ``optimizer``, ``gathered`` (largest units' gathered
     parameters, two at a time), ``root_gathered`` (kept all step), ``reduce_buffer`` (fp32 gradient
-    reduce-scatter input); ``units``: the FSDP units (for the report)."""
+    reduce-scatter input), ``step_temporary`` (what the optimizer step allocates); ``largest_unit``: the class of
+    the largest FSDP unit (for the report)."""
 
     parameters: int
     gradients: int
@@ -40,6 +41,7 @@ class StateBytes:
     root_gathered: int
     reduce_buffer: int
     largest_unit: str
+    step_temporary: int = 0
 
     @property
     def communication(self) -> int:
@@ -63,16 +65,35 @@ def parameter_owners(model: nn.Module, units: list[FsdpUnit]) -> dict[nn.Paramet
     return owners
 
 
-def optimizer_state_bytes(build_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> float:
-    """Bytes of optimizer state per fp32 parameter element: one step of the optimizer on a probe parameter, then
-    the bytes of its per-element state tensors (step counters and other scalars are not per element)."""
+@dataclass(frozen=True)
+class OptimizerProfile:
+    """What the optimizer keeps and what its step allocates, per trainable fp32 element: ``state_bytes`` (kept
+    between steps) and ``step_temporary``: ``"all"`` (a multi-tensor update: one fp32 value per element at once,
+    torch's ``foreach`` default on GPUs), ``"per_tensor"`` (one tensor at a time: two fp32 copies of the largest
+    shard) or ``"none"`` (a fused kernel)."""
+
+    state_bytes: float = 8.0
+    step_temporary: str = "all"
+
+
+def optimizer_profile(build_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> OptimizerProfile:
+    """Measure the state: one step of the optimizer on a probe parameter, then the bytes of its per-element state
+    tensors (step counters and other scalars are not per element). The step's temporary follows the optimizer's
+    ``fused`` / ``foreach`` settings."""
     probe = nn.Parameter(torch.zeros(64, 4))
     optimizer = build_optimizer([probe])
     probe.grad = torch.full_like(probe, 1e-3)
     optimizer.step()
     state = optimizer.state.get(probe, {})
     per_element = [t for t in state.values() if isinstance(t, torch.Tensor) and t.numel() == probe.numel()]
-    return sum(t.element_size() for t in per_element)
+    defaults = optimizer.defaults
+    if not per_element or defaults.get("fused"):
+        temporary = "none"
+    elif defaults.get("foreach") is False:
+        temporary = "per_tensor"
+    else:
+        temporary = "all"
+    return OptimizerProfile(float(sum(t.element_size() for t in per_element)), temporary)
 
 
 def gradient_shard_bytes(modules: list[nn.Module], owners: dict[nn.Parameter, FsdpUnit], mesh_size: dict[str, int],
@@ -89,18 +110,19 @@ def gradient_shard_bytes(modules: list[nn.Module], owners: dict[nn.Parameter, Fs
 
 
 def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.dtype,
-                optimizer_bytes_per_element: float) -> StateBytes:
+                optimizer: OptimizerProfile = OptimizerProfile()) -> StateBytes:
     """The state terms of the module docstring for ``model`` (on ``meta``, experts already sharded for EP)."""
     units = fsdp_units(model, compute_dtype)
     owners = parameter_owners(model, units)
     mesh_size = {"dp_cp": world, "edp": world // ep}
-    master, trainable = 0, 0
+    master, trainable, largest_shard = 0, 0, 0
     gathered: dict[int, int] = {}
     for p, unit in owners.items():
         local = shard_elements(p, mesh_size[unit.mesh])
         master += local * 4
         if p.requires_grad:
             trainable += local
+            largest_shard = max(largest_shard, local)
         gathered[id(unit)] = gathered.get(id(unit), 0) + local * mesh_size[unit.mesh] * unit.param_dtype.itemsize
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     root = units[-1]
@@ -111,7 +133,8 @@ def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.d
     return StateBytes(
         parameters=master + buffers,
         gradients=trainable * 4,
-        optimizer=int(trainable * optimizer_bytes_per_element),
+        optimizer=int(trainable * optimizer.state_bytes),
+        step_temporary={"all": trainable, "per_tensor": 2 * largest_shard, "none": 0}[optimizer.step_temporary] * 4,
         gathered=two_largest,
         root_gathered=gathered.get(id(root), 0),
         reduce_buffer=largest_elements * 4,

@@ -12,7 +12,8 @@ add); ``reset_peak()`` restarts the peak from the current live bytes.
 
 Attribution: :meth:`AllocationTracer.label_modules` names the model parts (``{module class: label}``); every
 storage is charged to the innermost labelled module running when it was created (``default_label`` outside
-them, e.g. in backward), and :attr:`AllocationTracer.saved_by_label` splits the saved bytes accordingly.
+them, e.g. in backward), and :attr:`AllocationTracer.saved_by_label` splits the saved bytes accordingly,
+:attr:`AllocationTracer.peak_by_label` the live bytes at the peak.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class AllocationTracer(TorchDispatchMode):
         self.peak = 0
         self.saved = 0
         self.saved_by_label: dict[str, int] = defaultdict(int)
+        self.live_by_label: dict[str, int] = defaultdict(int)
+        self.peak_by_label: dict[str, int] = {}
         self._refs: dict[int, list] = {}  # storage key -> [bytes, tensors alive, label]
         self._saved_keys: set[int] = set()
         self._labels: list[str] = []
@@ -62,12 +65,14 @@ class AllocationTracer(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.live
+        self.peak_by_label = {k: v for k, v in self.live_by_label.items() if v}
 
     def forget(self, t: torch.Tensor) -> None:
         """Stop counting ``t``'s storage (e.g. a segment's output, which the next segment accounts for)."""
         entry = self._refs.get(self._storage_key(t))
         if entry is not None:
             self.live -= entry[0]
+            self.live_by_label[entry[2]] -= entry[0]
             entry[0] = 0
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -88,15 +93,20 @@ class AllocationTracer(TorchDispatchMode):
         entry[1] -= 1
         if entry[1] == 0:
             self.live -= entry[0]
+            self.live_by_label[entry[2]] -= entry[0]
             del self._refs[key]
 
     def _track(self, t: torch.Tensor) -> None:
         key = self._storage_key(t)
         entry = self._refs.get(key)
         if entry is None:
-            entry = self._refs[key] = [t.untyped_storage().nbytes(), 0, self._labels[-1] if self._labels else self.default_label]
+            label = self._labels[-1] if self._labels else self.default_label
+            entry = self._refs[key] = [t.untyped_storage().nbytes(), 0, label]
             self.live += entry[0]
-            self.peak = max(self.peak, self.live)
+            self.live_by_label[label] += entry[0]
+            if self.live > self.peak:
+                self.peak = self.live
+                self.peak_by_label = {k: v for k, v in self.live_by_label.items() if v}
         entry[1] += 1
         weakref.finalize(t, self._release, key)
 

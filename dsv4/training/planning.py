@@ -82,7 +82,7 @@ def _device_memory(options: PlanOptions, trainer_cfg: dict, plan_only: bool) -> 
 def plan_setup(cfg: DictConfig, config: DSV4Config, world: int | None, device_memory: int):
     """The :class:`~dsv4.plan.plan.PlanSetup` of this run (dp from the world size; without one, from ``dp``, else 1)."""
     from dsv4.plan.plan import PlanSetup
-    from dsv4.plan.states import optimizer_state_bytes
+    from dsv4.plan.states import optimizer_profile
     from dsv4.training.run import build_optimization
     from dsv4.training.strategy import compute_dtype_for
 
@@ -103,7 +103,7 @@ def plan_setup(cfg: DictConfig, config: DSV4Config, world: int | None, device_me
     return PlanSetup(
         config=config, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, cp=cfg.cp, dp=dp, ep=cfg.ep,
         compute_dtype=compute_dtype_for(str(trainer_cfg.get("precision", "auto")), config.torch_dtype),
-        optimizer_bytes_per_element=optimizer_state_bytes(optimizer), device_memory_bytes=device_memory,
+        optimizer=optimizer_profile(optimizer), device_memory_bytes=device_memory,
     )
 
 

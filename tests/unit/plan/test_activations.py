@@ -29,8 +29,11 @@ def test_recompute_saves_less_and_blocks_of_a_kind_share_a_trace():
     assert block.peak < none.peak
     kinds = {seg.kind: n for seg, n in none.block_kinds()}
     assert kinds == {"ratio 0, hash, first": 1, "ratio 4": 2, "ratio 128": 1}  # tiny: ratios [0, 4, 128, 4]
-    for seg, _ in block.block_kinds():  # a recomputed block keeps only its input streams
+    for seg, _ in block.block_kinds():  # a recomputed block keeps only its input streams ...
         assert set(seg.saved_by_component) == {"block input"}
+        # ... and its recomputed internals are charged to their parts at the backward peak
+        assert {"attention", "moe", "hyper_connections"} <= set(seg.backward_peak_by_component)
+        assert sum(seg.backward_peak_by_component.values()) == seg.backward_peak
     for seg, _ in none.block_kinds():
         assert {"attention", "moe", "hyper_connections"} <= set(seg.saved_by_component)
 

@@ -20,7 +20,7 @@ def test_total_is_the_largest_phase_and_never_more_than_the_terms(tiny_plan):
     fixed = per_rank["parameters"] + per_rank["optimizer"]
     assert per_rank["total"] <= sum(per_rank[t] for t in TERMS)
     assert per_rank["total"] >= fixed + per_rank["communication"] + per_rank["activations"]
-    assert per_rank["total"] >= fixed + 2 * per_rank["gradients"]  # the optimizer step
+    assert per_rank["total"] >= fixed + per_rank["gradients"] + tiny_plan.states.step_temporary  # optimizer step
     assert sum(tiny_plan.segment_gradients) < per_rank["gradients"]  # the root's are reduced last
 
 
