@@ -26,6 +26,7 @@ from torch import Tensor
 
 from dsv4.config import DSV4Config, check_cp_length
 from dsv4.model.compressor import WindowMetadata, window_metadata
+from dsv4.model.moe import non_padding_tokens
 from dsv4.model.rope import RopeTable, rope_inv_freq, rope_table
 
 
@@ -42,6 +43,8 @@ class AttentionMetadata:
     ``key_windows[r]``: every compressed key a query may index (under CP: the needed earlier windows, then the
     block's); ``window_starts[r]``: per CP rank, the first global window it needs (empty on a single rank).
     ``full_seq_ids`` / ``full_padding``: ``[B, S]`` metadata of the whole row (the local tensors on one rank).
+    ``real_tokens``: ``[N]`` flat indices of the local non-padding tokens (None without padding): the tokens
+    every MoE layer routes, found once per forward (a host sync on GPUs) instead of once per layer.
     """
 
     position_ids: Tensor
@@ -57,6 +60,7 @@ class AttentionMetadata:
     window_starts: dict[int, list[int]] = field(default_factory=dict)
     full_seq_ids: Tensor | None = None
     full_padding: Tensor | None = None
+    real_tokens: Tensor | None = None
 
 
 def check_cp_layout(config: DSV4Config, local_len: int, cp) -> int:
@@ -218,4 +222,5 @@ def build_attention_metadata(
         window_starts=window_start_lists,
         full_seq_ids=full_seq,
         full_padding=full_pad,
+        real_tokens=None if padding_mask is None else non_padding_tokens(padding),
     )

@@ -3,7 +3,7 @@
 Residual state ``X [B, L, hc, d]`` (``hc = hc_mult`` streams). Per block:
 
     X = attn_hc(X, lambda h: self_attn(input_layernorm(h), meta, cp))
-    X = ffn_hc(X,  lambda h: mlp(post_attention_layernorm(h), input_ids, meta.padding))
+    X = ffn_hc(X,  lambda h: mlp(post_attention_layernorm(h), input_ids, real_tokens=meta.real_tokens))
 
 Attention kind follows ``config.ratio_for_layer(layer_idx)`` (0 SWA, 4 CSA, 128 HCA); the MoE uses hash
 routing when ``layer_idx < num_hash_layers``. Everything except attention is per token, so CP reaches the block
@@ -64,12 +64,12 @@ class DSV4Block(nn.Module):
     def _forward(self, x, input_ids, meta: AttentionMetadata, cp) -> torch.Tensor:
         if self.activation_checkpointing == "selective" and torch.is_grad_enabled():
             x = self.attn_hc(x, lambda h: recomputed(self._attention, h, meta, cp))
-            return self.ffn_hc(x, lambda h: recomputed(self._ffn, h, input_ids, meta.padding))
+            return self.ffn_hc(x, lambda h: recomputed(self._ffn, h, input_ids, meta.real_tokens))
         x = self.attn_hc(x, lambda h: self._attention(h, meta, cp))
-        return self.ffn_hc(x, lambda h: self._ffn(h, input_ids, meta.padding))
+        return self.ffn_hc(x, lambda h: self._ffn(h, input_ids, meta.real_tokens))
 
     def _attention(self, h: torch.Tensor, meta: AttentionMetadata, cp) -> torch.Tensor:
         return self.self_attn(self.input_layernorm(h), meta, cp)
 
-    def _ffn(self, h: torch.Tensor, input_ids: torch.Tensor | None, padding: torch.Tensor | None) -> torch.Tensor:
-        return self.mlp(self.post_attention_layernorm(h), input_ids, padding)
+    def _ffn(self, h: torch.Tensor, input_ids: torch.Tensor | None, real_tokens: torch.Tensor | None) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(h), input_ids, real_tokens=real_tokens)

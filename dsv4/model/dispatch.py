@@ -45,6 +45,15 @@ class TokenDispatcher(Protocol):
     ) -> torch.Tensor: ...
 
 
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``counts[e]`` = occurrences of ``e`` in ``ids`` (int64 ``[num_experts]``; ids in ``[0, num_experts)``).
+
+    A scatter-add into a fixed-size vector: unlike ``torch.bincount``, whose output size depends on the data,
+    it never waits for the device."""
+    flat = ids.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the ``N*k`` (token, expert) pairs by expert.
 
@@ -55,7 +64,7 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_idx = order // topk_ids.shape[-1]
-    tokens_per_expert = torch.bincount(flat, minlength=num_experts)
+    tokens_per_expert = expert_counts(flat, num_experts)
     return order, token_idx, tokens_per_expert
 
 

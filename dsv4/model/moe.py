@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.model.dispatch import LocalDispatcher, TokenDispatcher
+from dsv4.model.dispatch import LocalDispatcher, TokenDispatcher, expert_counts
 from dsv4.model.recompute import is_recomputing
 
 
@@ -64,6 +64,32 @@ def expert_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     raise ValueError(f"unknown scoring_func {scoring_func!r}; expected sqrtsoftplus, sigmoid or softmax")
 
 
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether :func:`grouped_linear` can run ``x`` against ``weights``: torch has ``F.grouped_mm`` (2.13 has), and on
+    CUDA the inputs are bf16 (its kernels' dtype); on CPU every row stride is a multiple of 16 bytes (the CPU
+    kernel's rule). Meta tensors (the memory plan) follow the CPU rule."""
+    if not hasattr(F, "grouped_mm") or any(w.dtype != x.dtype for w in weights):
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16
+    if x.device.type not in ("cpu", "meta"):
+        return False
+    dims = {x.shape[-1]} | {d for w in weights for d in w.shape[1:]}
+    return all(d * x.element_size() % 16 == 0 for d in dims)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``out[r] = x[r] @ weight[g].T`` for the rows ``r`` of group ``g`` (``offs[g-1] <= r < offs[g]``, ``offs``
+    int32 group ends): ``x [T, in]``, ``weight [G, out, in]`` -> ``[T, out]``, one grouped GEMM, no host sync.
+
+    On the meta device torch has the grouped kernel's shape function for bf16 only; other dtypes get one dense
+    GEMM against expert 0 (the same output, the same saved input and a full-size weight gradient), so the memory
+    plan traces the same bytes."""
+    if x.device.type == "meta" and x.dtype != torch.bfloat16:
+        return x @ weight[0].t()
+    return F.grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+
+
 class MLP(nn.Module):
     """Dense clamped-SwiGLU MLP (the shared expert): ``w2(swiglu(w1 x, w3 x))``. ``[..., d] -> [..., d]``."""
 
@@ -83,7 +109,8 @@ class GroupedExperts(nn.Module):
 
     Implements :class:`~dsv4.model.dispatch.ExpertGroup`: ``forward(x_sorted [T, d], tokens_per_expert
     [E_local]) -> [T, d]`` where rows are grouped by local expert in order. Global expert ids held here are
-    ``[expert_offset, expert_offset + num_local_experts)``.
+    ``[expert_offset, expert_offset + num_local_experts)``. The experts run as three grouped GEMMs
+    (:func:`grouped_linear`; no host sync) where :func:`grouped_mm_supported`, else one GEMM per expert.
     """
 
     def __init__(
@@ -113,15 +140,21 @@ class GroupedExperts(nn.Module):
             nn.init.normal_(w, std=self.init_std)
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        counts = tokens_per_expert.tolist()
+        if x_sorted.shape[0] == 0:
+            return x_sorted.new_zeros(x_sorted.shape)
+        if not grouped_mm_supported(x_sorted, self.w1, self.w2):
+            return self._expert_loop(x_sorted, tokens_per_expert)
+        offs = tokens_per_expert.to(device=x_sorted.device).cumsum(0).to(torch.int32)  # group ends, on device
+        h = clamped_swiglu(grouped_linear(x_sorted, self.w1, offs), grouped_linear(x_sorted, self.w3, offs),
+                           self.swiglu_limit)
+        return grouped_linear(h, self.w2, offs)
+
+    def _expert_loop(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """One GEMM per expert (reads the counts on the host): where grouped GEMMs are unavailable."""
         outs = []
-        for e, chunk in enumerate(torch.split(x_sorted, counts, dim=0)):
-            if chunk.shape[0] == 0:
-                continue
+        for e, chunk in enumerate(torch.split(x_sorted, tokens_per_expert.tolist(), dim=0)):
             h = clamped_swiglu(chunk @ self.w1[e].t(), chunk @ self.w3[e].t(), self.swiglu_limit)
             outs.append(h @ self.w2[e].t())
-        if not outs:
-            return x_sorted.new_zeros(x_sorted.shape)
         return torch.cat(outs, dim=0)
 
     def extra_repr(self) -> str:
@@ -185,7 +218,7 @@ class MoEGate(nn.Module):
         weights = weights * self.routed_scaling_factor
         if self.expert_load is not None and self.training and not is_recomputing():  # count each token once
             with torch.no_grad():
-                self.expert_load += torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts).float()
+                self.expert_load += expert_counts(topk_ids, self.num_experts).float()
         return topk_ids, weights
 
     @torch.no_grad()
@@ -200,6 +233,11 @@ class MoEGate(nn.Module):
         load = self.expert_load if load is None else load.to(self.expert_load)
         self.e_score_correction_bias += rate * torch.sign(load.mean() - load)
         self.expert_load.zero_()
+
+
+def non_padding_tokens(padding_mask: torch.Tensor) -> torch.Tensor:
+    """Flat (row-major) indices ``[N]`` of the tokens ``padding_mask`` does not flag (a host sync on GPUs)."""
+    return (~padding_mask.reshape(-1)).nonzero().squeeze(-1)
 
 
 class MoE(nn.Module):
@@ -223,14 +261,18 @@ class MoE(nn.Module):
         self.dispatcher: TokenDispatcher = LocalDispatcher()
 
     def forward(
-        self, x: torch.Tensor, input_ids: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, input_ids: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
+        *, real_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``real_tokens [N]``: flat indices of the non-padding tokens (``AttentionMetadata.real_tokens``, found
+        once per forward); given, ``padding_mask`` is not read. Finding them here costs a host sync on GPUs."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         ids = None if input_ids is None else input_ids.reshape(-1)
-        keep = None
-        if padding_mask is not None:
-            keep = (~padding_mask.reshape(-1)).nonzero().squeeze(-1)
+        keep = real_tokens
+        if keep is None and padding_mask is not None:
+            keep = non_padding_tokens(padding_mask)
+        if keep is not None:
             flat = flat.index_select(0, keep)
             ids = None if ids is None else ids.index_select(0, keep)
         topk_ids, topk_weights = self.gate(flat, ids)
