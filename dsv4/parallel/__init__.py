@@ -2,7 +2,7 @@
 
 * ``mesh.py``: ``ParallelDims`` and the dp x cp (+ ep borrowing ranks) device meshes.
 * ``dispatch.py``: the MoE token dispatchers selected by ``dispatcher=`` (``local``, ``alltoall``,
-  ``allgather``, ``deepep``, ``hybridep``), :func:`~dsv4.parallel.dispatch.build_dispatcher` and the start-up
+  ``allgather``, ``deepep``), :func:`~dsv4.parallel.dispatch.build_dispatcher` and the start-up
   checks.
 * ``expert_shard.py``: :func:`~dsv4.parallel.expert_shard.shard_experts` (keep this rank's slice of every
   ``GroupedExperts``) and its inverse for saving.

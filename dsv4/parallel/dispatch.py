@@ -13,9 +13,9 @@ for the ``N`` routed (non-padding) tokens of this rank, whatever rank holds the 
 * ``allgather``: :class:`AllGatherDispatcher`, all-gather of the EP group's tokens, local experts, reduce-scatter
   of the partial sums; every rank's block is padded to the group's largest token count
   (``needs_uniform_tokens``).
-* ``deepep`` / ``hybridep``: :class:`DeepEPDispatcher`, DeepEP's GPU dispatch/combine kernels (NVLink/RDMA).
-  They need CUDA and the ``deep_ep`` package; :func:`check_dispatcher_available` fails at start-up with what to
-  install. ``hybridep`` declares uniform token counts (HybridEP buffers are sized by the maximum per rank).
+* ``deepep``: :class:`DeepEPDispatcher`, DeepEP's normal (high-throughput) dispatch/combine kernels
+  (``deep_ep.Buffer``, NVLink/RDMA). It needs CUDA and the ``deep_ep`` package; :func:`check_dispatcher_available`
+  fails at start-up with what to install. HybridEP (``deep_ep.HybridEpBuffer``, a different API) is not supported.
 
 EP groups: an EP group of size ``ep`` is a set of consecutive global ranks (``[0, 1], [2, 3]`` for world 4,
 ep 2; the ``("edp", "ep")`` mesh of ``dsv4.parallel.mesh``) that together hold all ``E`` experts; EP rank
@@ -48,16 +48,22 @@ from dsv4.distributed import (
     reduce_scatter_autograd,
     resolve_group,
 )
-from dsv4.model.dispatch import ExpertGroup, LocalDispatcher, TokenDispatcher, sort_by_expert, weighted_sum
+from dsv4.model.dispatch import (ExpertGroup, LocalDispatcher, TokenDispatcher, expert_counts, sort_by_expert,
+                                 weighted_sum)
 
-DISPATCHERS: tuple[str, ...] = ("local", "alltoall", "allgather", "deepep", "hybridep")
-_UNIFORM_TOKENS = frozenset({"allgather", "hybridep"})
-_NEEDS_DEEP_EP = frozenset({"deepep", "hybridep"})
+DISPATCHERS: tuple[str, ...] = ("local", "alltoall", "allgather", "deepep")
+_UNIFORM_TOKENS = frozenset({"allgather"})
+_NEEDS_DEEP_EP = frozenset({"deepep"})
+# Names that once existed, with why they are gone (the error for them says so).
+_REMOVED = {
+    "hybridep": "it ran the same deep_ep.Buffer kernels as 'deepep'; real HybridEP (deep_ep.HybridEpBuffer) is "
+                "not supported, use dispatcher=deepep",
+}
 
 DEEP_EP_INSTALL_HINT = (
     "install the DeepEP library (import name `deep_ep`, github.com/deepseek-ai/DeepEP): build it on a CUDA machine "
-    "with `pip install .` in a DeepEP checkout (branch `hybrid_ep` for HybridEP) or install a prebuilt CUDA wheel "
-    "such as `pip install sgl-deep-ep`; dispatcher=alltoall needs no extra library"
+    "with `pip install .` in a DeepEP checkout or install a prebuilt CUDA wheel such as `pip install sgl-deep-ep`; "
+    "dispatcher=alltoall needs no extra library"
 )
 
 EPGroup = dist.ProcessGroup | DeviceMesh | None
@@ -66,9 +72,11 @@ EPGroup = dist.ProcessGroup | DeviceMesh | None
 # --------------------------------------------------------------------------------------------------- registry
 
 
-def _check_name(name: str) -> str:
-    if name not in DISPATCHERS:
-        raise ValueError(f"unknown MoE dispatcher {name!r}; expected one of {', '.join(DISPATCHERS)}")
+def _check_name(name: str, valid: tuple[str, ...] = DISPATCHERS, what: str = "unknown MoE dispatcher") -> str:
+    """``name`` if it is one of ``valid``, else ``ValueError`` listing them (and why, for a removed name)."""
+    if name not in valid:
+        why = f". {name!r} was removed: {_REMOVED[name]}" if name in _REMOVED else ""
+        raise ValueError(f"{what} {name!r}; expected one of {', '.join(valid)}{why}")
     return name
 
 
@@ -77,10 +85,10 @@ def resolve_dispatcher(name: str, ep: int) -> str:
     with it; other names are kept. ``local`` with ``ep > 1`` raises ValueError (it holds every expert)."""
     if name == "auto":
         return "local" if ep == 1 else "alltoall"
-    _check_name(name)
+    _check_name(name, ("auto", *DISPATCHERS), what="`dispatcher`: unknown MoE dispatcher")
     if name == "local" and ep > 1:
         raise ValueError(f"`dispatcher`=local keeps every expert on every rank and cannot run `ep`={ep}; use "
-                         "dispatcher=auto or alltoall (or allgather, deepep, hybridep)")
+                         "dispatcher=auto or alltoall (or allgather, deepep)")
     return name
 
 
@@ -93,8 +101,8 @@ def dispatcher_needs_uniform_tokens(name: str) -> bool:
 def check_dispatcher_available(name: str, device_type: str) -> None:
     """Fail at start-up (before any model is built) if dispatcher ``name`` cannot run on ``device_type``.
 
-    ``local``, ``alltoall`` and ``allgather`` run everywhere. ``deepep``/``hybridep`` need CUDA devices and the
-    ``deep_ep`` package: ``RuntimeError`` naming every missing piece and what to install. Unknown names:
+    ``local``, ``alltoall`` and ``allgather`` run everywhere. ``deepep`` needs CUDA devices and the ``deep_ep``
+    package: ``RuntimeError`` naming every missing piece and what to install. Unknown names:
     ``ValueError`` listing the valid ones.
     """
     _check_name(name)
@@ -127,7 +135,7 @@ def build_dispatcher(name: str, ep_group: EPGroup = None) -> TokenDispatcher:
         return AllToAllDispatcher(ep_group)
     if name == "allgather":
         return AllGatherDispatcher(ep_group)
-    return DeepEPDispatcher(ep_group, name=name)
+    return DeepEPDispatcher(ep_group)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -279,7 +287,7 @@ class AllGatherDispatcher(_GroupDispatcher):
         pairs = pairs.index_select(0, by_expert)
         token_idx = pairs // k
         x_sorted = x_all.index_select(0, token_idx)
-        y = _stay_in_graph(experts(x_sorted, torch.bincount(local_expert, minlength=n_local)), x_sorted)
+        y = _stay_in_graph(experts(x_sorted, expert_counts(local_expert, n_local)), x_sorted)
         partial = weighted_sum(size * capacity, token_idx, y, w_all.reshape(-1).index_select(0, pairs))
         out = partial if size == 1 else reduce_scatter_autograd(partial, 0, self.group)
         return out[:n_tokens].to(x.dtype)
@@ -332,27 +340,34 @@ class _DeepEPCombine(torch.autograd.Function):
 
 
 class DeepEPDispatcher(_GroupDispatcher):
-    """``deepep``/``hybridep``: DeepEP's normal (high-throughput) dispatch/combine kernels on CUDA.
+    """``deepep``: DeepEP's normal (high-throughput) dispatch/combine kernels (``deep_ep.Buffer``) on CUDA.
 
     DeepEP sends each token once to every rank that owns one of its experts, with its routing row
     (``recv_topk_ids`` local expert ids, ``-1`` where the expert lives elsewhere). The owner runs its experts on
     the valid (row, slot) pairs grouped by local expert, weights and sums them per received row in fp32, and
-    DeepEP's combine sums the rows back on the source rank. Autograd: dispatch <-> combine (the handle keeps
-    the layout). DeepEP moves bf16 activations, so ``x`` must be bf16.
+    DeepEP's combine sums the rows back on the source rank. Autograd: dispatch <-> combine (the handle cached by
+    the forward dispatch keeps the layout for both backward passes).
 
-    This path needs a GPU and the ``deep_ep`` package; it is exercised only where both exist (the CPU test
-    suite checks the start-up errors). ``hybridep`` shares it and differs in declaring uniform token counts.
+    Dtypes: DeepEP's combine kernel takes bf16 only (and its docs require bf16 for dispatch), so ``x`` of any
+    float dtype is cast to bf16 for the dispatch, the received rows are cast back to ``x.dtype`` for the experts
+    (whose weights are in the caller's compute dtype), the fp32 per-row sums are cast to bf16 for the combine,
+    and the result is returned in ``x.dtype``. The ``.to()`` casts are differentiable, so the backward
+    combine/dispatch see bf16 gradients too. With fp32 ``x`` the token rows and the combined sums are therefore
+    rounded to bf16 on the way (relative error ~2**-8); routing weights stay fp32. Routing ids are passed as
+    ``deep_ep.topk_idx_t`` (int64 unless DeepEP was built with ``EP_NUM_TOPK_IDX_BITS``).
+
+    A size-1 EP group runs :class:`~dsv4.model.dispatch.LocalDispatcher` (DeepEP has no single-rank config).
+    This path needs a GPU and the ``deep_ep`` package; ``tests/distributed/test_deepep_glue.py`` runs this glue
+    against a gloo stand-in of ``deep_ep.Buffer`` on CPU.
     """
 
-    def __init__(self, ep_group: EPGroup = None, name: str = "deepep") -> None:
-        if name not in _NEEDS_DEEP_EP:
-            raise ValueError(f"DeepEPDispatcher serves {sorted(_NEEDS_DEEP_EP)}, got {name!r}")
-        check_dispatcher_available(name, "cuda")
-        self.name = name
-        self.needs_uniform_tokens = dispatcher_needs_uniform_tokens(name)
+    name = "deepep"
+
+    def __init__(self, ep_group: EPGroup = None) -> None:
+        check_dispatcher_available(self.name, "cuda")
         super().__init__(ep_group)
         if self.group is None:
-            raise RuntimeError(f"dispatcher={name!r} needs torch.distributed (NCCL) to be initialised")
+            raise RuntimeError(f"dispatcher={self.name!r} needs torch.distributed (NCCL) to be initialised")
         self._buffer = None
 
     def _get_buffer(self, hidden_bytes: int):
@@ -372,21 +387,29 @@ class DeepEPDispatcher(_GroupDispatcher):
         self, experts: ExpertGroup, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         _check_expert_slice(experts, self.size, self.rank, f"dispatcher={self.name!r}")
-        if x.dtype != torch.bfloat16:
-            raise TypeError(f"dispatcher={self.name!r} moves bf16 activations, got {x.dtype}; use bf16 or alltoall")
-        buffer = self._get_buffer(x.shape[-1] * max(x.element_size(), 2))
+        if self.size == 1:
+            return LocalDispatcher().run(experts, x, topk_ids, topk_weights)
+        import deep_ep  # noqa: PLC0415
+
+        x_bf16 = x.to(torch.bfloat16).contiguous()
+        if (x_bf16.shape[-1] * x_bf16.element_size()) % 16:
+            raise ValueError(f"dispatcher={self.name!r}: DeepEP needs hidden * 2 bytes to be a multiple of 16, got "
+                             f"hidden={x.shape[-1]}; use dispatcher=alltoall")
+        buffer = self._get_buffer(x_bf16.shape[-1] * x_bf16.element_size())
         state: dict = {}
         recv_x, recv_weights, recv_ids = _DeepEPDispatch.apply(
-            x.contiguous(), topk_weights.float().contiguous(), topk_ids.contiguous(), buffer,
-            experts.num_experts, state,
+            x_bf16, topk_weights.float().contiguous(),
+            topk_ids.to(getattr(deep_ep, "topk_idx_t", torch.int64)).contiguous(), buffer, experts.num_experts, state,
         )
+        recv_x = recv_x.to(x.dtype)  # the experts compute in the caller's dtype
         rows, slots = (recv_ids >= 0).nonzero(as_tuple=True)
         local_expert = recv_ids[rows, slots].long()
         by_expert = torch.argsort(local_expert, stable=True)
         rows, slots, local_expert = rows[by_expert], slots[by_expert], local_expert[by_expert]
         x_sorted = recv_x.index_select(0, rows)
         y = _stay_in_graph(
-            experts(x_sorted, torch.bincount(local_expert, minlength=experts.num_local_experts)), x_sorted
+            experts(x_sorted, expert_counts(local_expert, experts.num_local_experts)), x_sorted
         )
-        y_rows = weighted_sum(recv_x.shape[0], rows, y, recv_weights[rows, slots])
-        return _DeepEPCombine.apply(y_rows.to(x.dtype), buffer, state["handle"])
+        y_rows = weighted_sum(recv_x.shape[0], rows, y, recv_weights[rows, slots])  # fp32 [recv rows, d]
+        combined = _DeepEPCombine.apply(y_rows.to(torch.bfloat16), buffer, state["handle"])
+        return combined.to(x.dtype)

@@ -9,7 +9,7 @@ final-norm output); it never uses the target's logits. So the target forward her
 * runs under ``torch.no_grad()`` in eval mode (the previous mode is restored afterwards);
 * projects only the last position through the output head (``logits_to_keep=1``): the head still runs, so
   hooks and wrappers see the same call order, but no ``[B, S, vocab]`` logits are materialised;
-* with a MoE dispatcher that needs uniform token counts (``allgather``, ``hybridep``), every rank pads its
+* with a MoE dispatcher that needs uniform token counts (``allgather``), every rank pads its
   aligned rows to the longest aligned row of all ranks (one MAX all-reduce), so all ranks run the same width.
 
 The hidden states themselves are read by hooks (:class:`dsv4.speculative.capture.FeatureCapture`) on the
@@ -30,7 +30,7 @@ from dsv4.speculative.capture import FeatureCapture, split_documents
 
 def model_needs_uniform_tokens(model: nn.Module) -> bool:
     """True when any MoE layer of ``model`` uses a dispatcher that declares ``needs_uniform_tokens`` (the same token
-    count on every rank: ``allgather``, ``hybridep``)."""
+    count on every rank: ``allgather``)."""
     return any(getattr(getattr(m, "dispatcher", None), "needs_uniform_tokens", False) for m in model.modules())
 
 

@@ -73,8 +73,7 @@ class DataConfig:
 
 @dataclass
 class DispatcherConfig:
-    """MoE token dispatcher: auto (local when ep = 1, else alltoall) | local | alltoall | allgather | deepep |
-    hybridep."""
+    """MoE token dispatcher: auto (local when ep = 1, else alltoall) | local | alltoall | allgather | deepep."""
 
     name: str = "auto"
 

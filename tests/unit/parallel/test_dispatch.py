@@ -15,6 +15,7 @@ from dsv4.parallel.dispatch import (
     build_dispatcher,
     check_dispatcher_available,
     dispatcher_needs_uniform_tokens,
+    resolve_dispatcher,
 )
 from dsv4.parallel.expert_shard import apply_expert_parallel, shard_experts
 
@@ -24,7 +25,7 @@ def _experts(n=4, d=8, inter=6):
 
 
 def test_registry_names_and_types():
-    assert DISPATCHERS == ("local", "alltoall", "allgather", "deepep", "hybridep")
+    assert DISPATCHERS == ("local", "alltoall", "allgather", "deepep")
     assert isinstance(build_dispatcher("local"), LocalDispatcher)
     assert isinstance(build_dispatcher("alltoall"), AllToAllDispatcher)
     assert isinstance(build_dispatcher("allgather"), AllGatherDispatcher)
@@ -43,8 +44,31 @@ def test_unknown_name_lists_the_valid_ones():
 
 def test_uniform_token_requirement():
     assert {n: dispatcher_needs_uniform_tokens(n) for n in DISPATCHERS} == {
-        "local": False, "alltoall": False, "allgather": True, "deepep": False, "hybridep": True,
+        "local": False, "alltoall": False, "allgather": True, "deepep": False,
     }
+
+
+def test_hybridep_is_removed_with_a_clear_error():
+    """``hybridep`` built the same deep_ep.Buffer path as ``deepep``; it is gone, and asking for it says so."""
+    for call in (lambda: resolve_dispatcher("hybridep", 2), lambda: build_dispatcher("hybridep"),
+                 lambda: check_dispatcher_available("hybridep", "cuda"),
+                 lambda: dispatcher_needs_uniform_tokens("hybridep")):
+        with pytest.raises(ValueError) as info:
+            call()
+        msg = str(info.value)
+        assert "unknown MoE dispatcher 'hybridep'; expected one of " in msg
+        assert all(name in msg for name in DISPATCHERS)
+        assert "'hybridep' was removed" in msg and "use dispatcher=deepep" in msg
+    with pytest.raises(ValueError, match=r"^`dispatcher`: unknown MoE dispatcher 'hybridep'; expected one of auto, "
+                                         r"local, alltoall, allgather, deepep\. "):
+        resolve_dispatcher("hybridep", 1)
+
+
+def test_resolve_dispatcher():
+    assert resolve_dispatcher("auto", 1) == "local" and resolve_dispatcher("auto", 2) == "alltoall"
+    assert resolve_dispatcher("deepep", 2) == "deepep"
+    with pytest.raises(ValueError, match="expected one of auto, local, alltoall, allgather, deepep$"):
+        resolve_dispatcher("nccl", 2)
 
 
 @pytest.mark.parametrize("name", ["local", "alltoall", "allgather"])
@@ -52,8 +76,8 @@ def test_torch_dispatchers_are_available_on_cpu(name):
     assert check_dispatcher_available(name, "cpu") is None
 
 
-@pytest.mark.parametrize("name", ["deepep", "hybridep"])
-def test_deepep_fails_at_start_up_with_install_hint(name):
+def test_deepep_fails_at_start_up_with_install_hint():
+    name = "deepep"
     with pytest.raises(RuntimeError) as info:
         check_dispatcher_available(name, "cpu")
     msg = str(info.value)

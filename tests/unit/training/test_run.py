@@ -36,6 +36,8 @@ def _compose(overrides):
         (["ep=3", "cp=2"], "`ep`=3 must divide dp x cp = 2"),
         (["ep=2", "model.n_routed_experts=9", "cp=2"], "`ep`=2 must divide model.n_routed_experts=9"),
         (["dispatcher=deepep"], "DeepEP"),
+        (["dispatcher.name=hybridep"], "`dispatcher`: unknown MoE dispatcher 'hybridep'; expected one of auto, local, "
+                                       "alltoall, allgather, deepep. 'hybridep' was removed"),
         (["ep=2", "cp=2", "dispatcher=local"], "`dispatcher`=local keeps every expert on every rank and cannot run"),
         (["plan.device_memory_gib=-1"], "`plan.device_memory_gib` must be a positive number of GiB, got -1"),
         (["plan.only=maybe"], "`plan.only` must be true or false, got 'maybe'"),
@@ -56,6 +58,15 @@ def test_validate_names_the_bad_key(overrides, message):
     with pytest.raises((ValueError, RuntimeError)) as err:  # RuntimeError: a dispatcher this machine cannot run
         validate(_compose([*FAST, *overrides]))
     assert message in str(err.value)
+
+
+def test_removed_dispatcher_group_lists_the_options():
+    """``dispatcher=hybridep`` (removed, no conf/dispatcher/hybridep.yaml) fails while Hydra composes, listing the
+    dispatcher options; ``dispatcher.name=hybridep`` reaches :func:`validate` (ValueError, case above)."""
+    with pytest.raises(Exception, match="Could not find 'dispatcher/hybridep'") as err:
+        _compose([*FAST, "dispatcher=hybridep"])
+    for name in ("auto", "local", "alltoall", "allgather", "deepep"):
+        assert f"\t{name}\n" in str(err.value)
 
 
 def _losses(run: Path) -> dict[int, float]:
