@@ -10,7 +10,8 @@
   rank selects the same windows as the document run alone.
 
 Memory: scores are computed per query chunk, so the largest intermediate is ``[B, chunk, H_I, P]``; nothing of
-size ``[L, P]`` in fp32 besides the ``[B, L, k]`` int64 result.
+size ``[L, P]`` in fp32 besides the ``[B, L, k]`` int64 result. Given ``local_windows``, a chunk scores only the
+causal prefix of the keys (on average half of them in a single-document row).
 
 The indexer receives no gradient from the LM loss (top-k is discrete). Its parameters are frozen
 (``requires_grad=False``) and it runs under ``no_grad`` unless ``config.train_indexer``.
@@ -61,6 +62,7 @@ class Indexer(nn.Module):
         keys: Tensor,
         key_seq_ids: Tensor,
         key_positions: Tensor,
+        local_windows: int | None = None,
     ) -> Tensor:
         """Top-k compressed-key indices ``[B, L, min(index_topk, P)]`` (int64, ``-1`` = invalid).
 
@@ -69,6 +71,11 @@ class Indexer(nn.Module):
                 positions ``[B, L, rope/2]``; query_seq_ids/query_positions: ``[B, L]`` (doc-local positions).
             keys: ``[B, P, index_head_dim]`` (all compressed windows visible to this rank);
                 key_seq_ids/key_positions: ``[B, P]`` their window ids and doc-local window indices.
+            local_windows: when the last ``local_windows`` keys are this block's own windows in order (window ``j``
+                pools rows ``[4j, 4j + 4)``; :class:`~dsv4.model.attention.DSV4Attention` passes it), a chunk of
+                queries ending at row ``end`` scores only the causal prefix ``P - local_windows + end // 4``: the
+                later keys are future windows, which no query of the chunk may select (documents start on multiples
+                of 4, as the model's metadata guarantees). None: every key.
         """
         b, length, _ = x.shape
         p = keys.shape[1]
@@ -81,19 +88,22 @@ class Indexer(nn.Module):
             out = []
             for start in range(0, length, self.chunk_size):
                 end = min(start + self.chunk_size, length)
-                # [B, C, H_I, P] -> weighted sum over heads -> [B, C, P]
-                logits = torch.einsum("bchd,bpd->bchp", q[:, start:end], keys_f).relu()
+                hi = p if local_windows is None else max(0, min(p, p - local_windows + end // INDEX_RATIO))
+                # [B, C, H_I, hi] -> weighted sum over heads -> [B, C, hi]
+                logits = torch.einsum("bchd,bpd->bchp", q[:, start:end], keys_f[:, :hi]).relu()
                 scores = torch.einsum("bchp,bch->bcp", logits, w[:, start:end]) * self.head_dim**-0.5
                 allowed = compressed_key_allowed(
-                    query_seq_ids[:, start:end], query_positions[:, start:end], key_seq_ids, key_positions,
-                    INDEX_RATIO,
+                    query_seq_ids[:, start:end], query_positions[:, start:end], key_seq_ids[:, :hi],
+                    key_positions[:, :hi], INDEX_RATIO,
                 )
                 scores = scores.masked_fill(~allowed, float("-inf"))
                 # Stable descending sort: equal scores (e.g. all heads ReLU'd to 0) pick the lowest window index,
                 # so the choice does not depend on how many other keys (documents, ranks) sit in the row.
                 values, idx = scores.sort(dim=-1, descending=True, stable=True)
-                values, idx = values[..., :k], idx[..., :k]
-                out.append(idx.masked_fill(torch.isneginf(values), -1))
+                idx = idx[..., :k].masked_fill(torch.isneginf(values[..., :k]), -1)
+                if idx.shape[-1] < k:  # a short causal prefix: the rest selects nothing
+                    idx = torch.nn.functional.pad(idx, (0, k - idx.shape[-1]), value=-1)
+                out.append(idx)
         if not out:
             return torch.empty(b, 0, k, dtype=torch.long, device=x.device)
         return torch.cat(out, dim=1)

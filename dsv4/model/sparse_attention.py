@@ -3,7 +3,9 @@
 Every query ``i`` (kv row ``query_offset + i``) attends to
 
 * the window band: kv rows ``j`` with ``q - W < j <= q`` (linear row indices), ``key_seq[j] == q_seq > 0`` and
-  ``not key_padding[j]``; the W rows are GATHERED per query (``[chunk, W]``), never masked out of ``[L, L]``;
+  ``not key_padding[j]``. A chunk of ``C`` queries scores the contiguous slice of the ``C + W - 1`` kv rows
+  their bands cover with one GEMM (BLAS) and masks it to each query's band: ``(C + W - 1) / W`` times the band's
+  FLOPs, but no per-query gather, and never anything of ``[L, L]``;
 * compressed rows (``ratio > 0``): either the CSA top-k list ``[chunk, k]`` (``-1`` = none) or, for HCA, all
   ``P`` rows; both under the compressed rule ``q_seq > 0 and comp_seq[p] == q_seq and
   comp_pos[p] < (q_pos + 1) // ratio`` (``q_pos`` document-local).
@@ -13,8 +15,9 @@ Softmax in fp32 with the per-head sink in the denominator only:
 Output ``out[b, i, h] = sum_j p_j kv_j`` (K = V). A query without any allowed key outputs exactly 0 with finite
 gradients.
 
-Memory: queries run in chunks of ``chunk_size``; the largest intermediate is ``[B, chunk, H, W + k]`` (CSA) or
-``[B, chunk, H, W + P]`` (HCA) plus the gathered ``[B, chunk, W (+k), D]`` keys. With ``checkpoint`` (default
+Memory: queries run in chunks of ``chunk_size``; the largest intermediate is ``[B, chunk, H, chunk + W - 1 + k]``
+(CSA, plus the gathered ``[B, chunk, k, D]`` selected rows) or ``[B, chunk, H, chunk + W - 1 + P]`` (HCA: the
+compressed rows are one dense GEMM too). With ``checkpoint`` (default
 when grads are needed) each chunk is recomputed in backward, so the saved activations are O(L * H * D), not
 O(L * (W + P)).
 
@@ -52,19 +55,22 @@ def _chunk_attention(
     device = q.device
     qf = q.float()
 
-    # Window band: rows (q_row - W + 1 .. q_row), gathered per query -> [C, W].
-    q_rows = query_offset + start + torch.arange(c, device=device)
-    rows = q_rows[:, None] - torch.arange(window - 1, -1, -1, device=device)[None, :]
-    in_range = rows >= 0
-    rows = rows.clamp(min=0)
-    keys = kv[:, rows]  # [B, C, W, D]
+    # Window band: the contiguous kv rows [lo, hi) that cover every query's band, scored as one GEMM [C*H, R]
+    # (R <= C + W - 1) and masked to (q_row - W, q_row] per query.
+    first = query_offset + start
+    lo, hi = max(0, first - window + 1), first + c
+    keys = kv[:, lo:hi]  # [B, R, D], a view
+    q_rows = first + torch.arange(c, device=device)
+    k_rows = torch.arange(lo, hi, device=device)
+    band = (k_rows[None, :] <= q_rows[:, None]) & (q_rows[:, None] - k_rows[None, :] < window)  # [C, R]
     allowed = (
-        in_range[None]
-        & (kv_seq[:, rows] == q_seq[:, :, None])
+        band[None]
+        & (kv_seq[:, lo:hi, None].transpose(1, 2) == q_seq[:, :, None])
         & (q_seq[:, :, None] > 0)
-        & ~kv_pad[:, rows]
-    )  # [B, C, W]
-    logits = torch.einsum("bchd,bcwd->bchw", qf, keys.float()) * scale
+        & ~kv_pad[:, None, lo:hi]
+    )  # [B, C, R]
+    keys_f = keys.float()
+    logits = torch.matmul(qf.reshape(b, c * h, d), keys_f.transpose(1, 2)).view(b, c, h, hi - lo) * scale
     parts = [logits.masked_fill(~allowed[:, :, None, :], float("-inf"))]
 
     if comp is not None:  # also with P == 0, so the compressor stays in the graph (zero grads, not None)
@@ -85,8 +91,8 @@ def _chunk_attention(
     # Sink column: adds exp(sink) to the denominator; its value slot is dropped (value 0).
     sink_col = sink.float().view(1, 1, h, 1).expand(b, c, h, 1)
     probs = torch.softmax(torch.cat(parts + [sink_col], dim=-1), dim=-1)
-    w = keys.shape[2]
-    out = torch.einsum("bchw,bcwd->bchd", probs[..., :w], keys.float())
+    w = hi - lo
+    out = torch.matmul(probs[..., :w].reshape(b, c * h, w), keys_f).view(b, c, h, d)
     if comp is not None:
         p_comp = probs[..., w:-1]
         if topk is not None:
@@ -130,6 +136,7 @@ def sparse_attention(
     chunk_size: int = 256,
     scale: float | None = None,
     checkpoint: bool | None = None,
+    compressed_local_rows: int | None = None,
 ) -> Tensor:
     """Sliding-window + compressed sparse attention. Returns ``[B, L, H, D]`` in ``q.dtype``.
 
@@ -146,6 +153,11 @@ def sparse_attention(
         topk_indices: ``[B, L, k]`` CSA selection (``-1`` = none); None with ``compressed`` means HCA (all P).
         chunk_size: queries per chunk; scale: defaults to ``D ** -0.5``;
         checkpoint: recompute each chunk in backward (default: when autograd is recording).
+        compressed_local_rows: when the last ``compressed_local_rows`` compressed rows are this block's own windows
+            in order (window ``j`` pools query rows ``[r j, r (j + 1))``), an HCA chunk of queries ending at row
+            ``end`` scores only the causal prefix ``P - compressed_local_rows + end // r`` (later rows are future
+            windows no query of the chunk may see; documents start on multiples of ``r``, as the model's metadata
+            guarantees). None: every row.
     """
     b, length, h, d = q.shape
     l_kv = kv.shape[1]
@@ -158,8 +170,6 @@ def sparse_attention(
     if kv_padding is None:
         kv_padding = torch.zeros(b, l_kv, dtype=torch.bool, device=kv.device)
     scale = d**-0.5 if scale is None else scale
-    # Never gather more band rows than exist before the last query.
-    band = max(1, min(window, query_offset + length))
     if checkpoint is None:
         checkpoint = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, kv, sink, compressed)
@@ -167,11 +177,16 @@ def sparse_attention(
     outs = []
     for start in range(0, length, chunk_size):
         end = min(start + chunk_size, length)
+        comp, comp_seq, comp_pos = compressed, compressed_seq_ids, compressed_positions
+        if comp is not None and topk_indices is None and compressed_local_rows is not None:
+            p = comp.shape[1]
+            hi = max(0, min(p, p - compressed_local_rows + end // ratio))
+            comp, comp_seq, comp_pos = comp[:, :hi], comp_seq[:, :hi], comp_pos[:, :hi]
         args = (
             q[:, start:end], kv, sink, query_seq_ids[:, start:end], query_positions[:, start:end], kv_seq_ids,
-            kv_padding, compressed, compressed_seq_ids, compressed_positions,
+            kv_padding, comp, comp_seq, comp_pos,
             None if topk_indices is None else topk_indices[:, start:end],
-            start, query_offset, band, ratio, scale,
+            start, query_offset, window, ratio, scale,
         )
         if checkpoint:
             outs.append(_checkpoint(_chunk_attention, *args, use_reentrant=False))

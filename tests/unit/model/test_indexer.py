@@ -118,3 +118,24 @@ def test_no_graph_when_frozen():
     assert not keys.requires_grad
     idx = indexer(x, q_lat, meta.rope_compress, meta.seq_ids, meta.position_ids, keys, w4.seq_ids, w4.positions)
     assert idx.grad_fn is None
+
+
+@pytest.mark.parametrize("chunk", [5, 16])
+def test_causal_prefix_selects_exactly_what_the_full_scoring_selects(chunk):
+    """With ``local_windows`` a chunk scores only the windows before its last query: the same selections (and
+    order), packed documents and earlier (CP-style) windows included."""
+    config, indexer = make(chunk=chunk)
+    lengths = [16, 28]
+    seq = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)] + [torch.zeros(4, dtype=torch.long)])
+    pos = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(4, dtype=torch.long)])
+    x, q_lat, meta, keys, full = run(config, indexer, 48, seq[None], pos[None])
+    w4 = meta.windows[4]
+    args = (x, q_lat, meta.rope_compress, meta.seq_ids, meta.position_ids)
+    prefix = indexer(*args, keys, w4.seq_ids, w4.positions, local_windows=w4.seq_ids.shape[1])
+    assert torch.equal(prefix, full)
+    # three earlier windows of another document in front (what CP prepends): still the same selections
+    earlier = (torch.randn(1, 3, keys.shape[-1]), torch.full((1, 3), 9), torch.arange(3)[None])
+    cat = [torch.cat((e, k), 1) for e, k in zip(earlier, (keys, w4.seq_ids, w4.positions))]
+    full_cp = indexer(*args, *cat)
+    assert torch.equal(indexer(*args, *cat, local_windows=w4.seq_ids.shape[1]), full_cp)
+    assert torch.equal(torch.where(full_cp >= 0, full_cp - 3, -1), full)

@@ -241,3 +241,23 @@ def test_window_and_document_rule_equals_seed_dense_mask():
     real = seq[0] > 0  # pack-padding queries have no key at all (the dense mask gives them only the sink too)
     torch.testing.assert_close(out[:, real], dense[:, real], atol=1e-6, rtol=1e-5)
     assert torch.equal(out[:, ~real], torch.zeros_like(out[:, ~real]))
+
+
+@pytest.mark.parametrize("ratio, packed", [(8, True), (16, False)])  # documents start on multiples of r
+def test_hca_causal_prefix_equals_every_row(ratio, packed):
+    """``compressed_local_rows``: an HCA chunk scores only the compressed rows before its last query; same output
+    and gradients as scoring every row."""
+    base = make_case(45, packed, ratio, False, seed=4)
+    results = []
+    for local in (None, base["comp"].shape[1]):
+        case = {k: (v.clone().requires_grad_(True) if k in ("q", "kv", "sink", "comp") else v) for k, v in base.items()}
+        out = sparse_attention(
+            case["q"], case["kv"], case["sink"], window=5, query_seq_ids=case["q_seq"], query_positions=case["q_pos"],
+            kv_seq_ids=case["kv_seq"], kv_padding=case["kv_pad"], compressed=case["comp"],
+            compressed_seq_ids=case["comp_seq"], compressed_positions=case["comp_pos"], ratio=ratio, chunk_size=7,
+            compressed_local_rows=local,
+        )
+        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        results.append([out.detach()] + [case[k].grad for k in ("q", "kv", "sink", "comp")])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
