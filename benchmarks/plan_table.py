@@ -1,8 +1,9 @@
 """The README's "what fits" table: memory plans (``dsv4.plan``) of full fine-tuning V4 Flash and V4 Pro.
 
 Layout per GPU count: CP 8 (the sequence split over 8 ranks), DP = GPUs / 8, EP 8 (all-to-all), FSDP2 over
-DP x CP with bf16 compute and fp32 master weights / AdamW state (``conf/optim/adamw.yaml``), block recompute, the chunked loss, one sequence
-per replica. Prints one JSON object per plan (per-rank total in GiB, with the terms in ``shape``); ``--markdown``
+DP x CP with bf16 compute and fp32 master weights / AdamW state (``conf/optim/adamw.yaml``), block recompute, the
+chunked loss, one sequence per replica, the attention kernel a GPU run of this install uses (``auto``: Triton
+where it imports). Prints one JSON object per plan (per-rank total in GiB, with the terms in ``shape``); ``--markdown``
 also prints the table (per-rank GiB; a check mark where it fits 80 GiB and 141 GiB devices).
 
     python benchmarks/plan_table.py --markdown
@@ -21,6 +22,7 @@ from omegaconf import OmegaConf
 
 from common import emit
 from dsv4.config import DSV4Config
+from dsv4.model.attention_backend import resolve_attention_backend
 from dsv4.plan.plan import GIB, PlanSetup, memory_plan
 from dsv4.plan.states import optimizer_profile
 
@@ -39,16 +41,18 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     optimizer = optimizer_profile(instantiate(OmegaConf.load(ADAMW), _convert_="all"))  # the recipe's AdamW
+    backend = resolve_attention_backend("auto", "cuda")  # what a GPU run of this install uses
     rows = {}
     for model in args.models:
-        config = DSV4Config.preset(model, activation_checkpointing="block")
+        config = DSV4Config.preset(model, activation_checkpointing="block", attention_backend=backend)
         for seq_len in args.seq_lens:
             for gpus in args.gpus:
                 plan = memory_plan(PlanSetup(config, seq_len, cp=args.cp, dp=gpus // args.cp, ep=args.ep,
                                              compute_dtype=torch.bfloat16, optimizer=optimizer))
                 terms = {k: round(v / GIB, 2) for k, v in plan.per_rank_bytes.items()}
                 shape = {"model": model, "seq_len": seq_len, "gpus": gpus, "cp": args.cp, "dp": gpus // args.cp,
-                         "ep": args.ep, "recompute": "block", "per_rank_gib": terms, "peak": plan.peak_phase}
+                         "ep": args.ep, "recompute": "block", "attention": backend, "per_rank_gib": terms,
+                         "peak": plan.peak_phase}
                 emit("plan_table.per_rank_total", shape, terms["total"], "GiB")
                 rows[(model, seq_len, gpus)] = terms["total"]
     if args.markdown:

@@ -18,7 +18,8 @@ from dsv4.config import DSV4Config
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 # dsv4 training knobs that are not part of the release format.
-_DSV4_ONLY_FIELDS = ("mtp_loss_weight", "train_indexer", "attention_chunk_size")
+_DSV4_ONLY_FIELDS = ("mtp_loss_weight", "train_indexer", "attention_chunk_size", "loss_chunk_size",
+                     "activation_checkpointing", "attention_backend")
 QUANTIZATION_CONFIG: dict[str, Any] = {
     "quant_method": "fp8",
     "fmt": "e4m3",

@@ -6,7 +6,9 @@ Per layer with compress ratio ``r`` (0 = SWA, 4 = CSA, other = HCA-style full co
 * K = V: ``kv = RMSNorm_kv(x @ Wkv) -> [B, L, D]`` (one shared head), RoPE.
 * RoPE table: main theta for ``r == 0``; compress theta (+ YaRN) for ``r > 0`` (main Q/KV, compressor, indexer).
 * Keys: sliding window over raw kv; ``r > 0`` adds compressed rows (``Compressor``); ``r == 4`` restricts them to
-  the ``Indexer`` top-k. ``sparse_attention`` does the softmax with the learned per-head sink (zero-init, fp32).
+  the ``Indexer`` top-k. The sparse-attention kernel (``config.attention_backend``: the torch reference or the
+  Triton kernels, :mod:`dsv4.model.attention_backend`) does the softmax with the learned per-head sink (zero-init,
+  fp32).
 * Output: inverse RoPE, grouped low-rank ``wo_a`` (block-diagonal, ``o_groups`` groups of ``H/G`` heads each
   ``H/G*D -> o_lora_rank``), then ``wo_b: G*o_lora_rank -> d_m``.
 
@@ -30,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from dsv4.config import DSV4Config
+from dsv4.model.attention_backend import attention_kernel
 from dsv4.model.attention_metadata import AttentionMetadata
 from dsv4.model.compressor import Compressor
 from dsv4.model.indexer import Indexer
@@ -138,10 +141,17 @@ class DSV4Attention(nn.Module):
                     self.indexer.keys(x, windows, prev_features=prev_i), meta, self.ratio, cp, "index_key_gather"
                 )
                 topk = self.indexer(
-                    x, q_lat, meta.rope_compress, meta.seq_ids, meta.position_ids, index_keys, comp_seq, comp_pos
+                    x, q_lat, meta.rope_compress, meta.seq_ids, meta.position_ids, index_keys, comp_seq, comp_pos,
+                    local_windows=windows.seq_ids.shape[1],
                 )
 
-        out = sparse_attention(
+        kernel = attention_kernel(self.config.attention_backend, q.device)
+        tuning = {}
+        if kernel is sparse_attention:
+            tuning["chunk_size"] = self.config.attention_chunk_size
+            if self.ratio > 0:
+                tuning["compressed_local_rows"] = meta.windows[self.ratio].seq_ids.shape[1]
+        out = kernel(
             q,
             kv,
             self.sink(),
@@ -156,7 +166,7 @@ class DSV4Attention(nn.Module):
             compressed_positions=comp_pos,
             ratio=self.ratio,
             topk_indices=topk,
-            chunk_size=self.config.attention_chunk_size,
+            **tuning,
         )
         out = apply_rope(out, rope, inverse=True)
         return self.wo_b(self._grouped_wo_a(out))

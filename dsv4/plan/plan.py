@@ -126,7 +126,7 @@ class MemoryPlan:
             f"memory plan per rank: seq_len {setup.seq_len} x micro_batch_size {setup.micro_batch_size}, cp "
             f"{setup.cp} ({setup.seq_len // setup.cp} tokens per rank), dp {setup.dp}, ep {setup.ep} (world "
             f"{setup.world}); compute {str(setup.compute_dtype).removeprefix('torch.')}, activation_checkpointing "
-            f"{c.activation_checkpointing}, loss chunk {c.loss_chunk_size} rows",
+            f"{c.activation_checkpointing}, loss chunk {c.loss_chunk_size} rows, attention {c.attention_backend}",
             _row("parameters", s.parameters, "fp32 master shards + buffers"),
             _row("gradients", s.gradients, "fp32 shards of the trainable parameters (filled during backward)"),
             _row("optimizer", s.optimizer, f"{setup.optimizer.state_bytes:g} bytes per trainable element; the step "
@@ -168,6 +168,7 @@ class MemoryPlan:
                       "compute_dtype": str(setup.compute_dtype).removeprefix("torch."),
                       "activation_checkpointing": setup.config.activation_checkpointing,
                       "loss_chunk_size": setup.config.loss_chunk_size,
+                      "attention_backend": setup.config.attention_backend,
                       "optimizer_state_bytes_per_element": setup.optimizer.state_bytes,
                       "optimizer_step_temporary": setup.optimizer.step_temporary},
             "communication_bytes": {"gathered": self.states.gathered, "root_gathered": self.states.root_gathered,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,8 @@ def plan_setup(cfg: DictConfig, config: DSV4Config, world: int | None, device_me
     """The :class:`~dsv4.plan.plan.PlanSetup` of this run (dp from the world size; without one, from ``dp``, else 1)."""
     from dsv4.plan.plan import PlanSetup
     from dsv4.plan.states import optimizer_profile
-    from dsv4.training.run import build_optimization
+    from dsv4.model.attention_backend import resolve_attention_backend
+    from dsv4.training.run import build_optimization, device_type_of
     from dsv4.training.strategy import compute_dtype_for
 
     if world is None and os.environ.get("WORLD_SIZE", "").isdigit():
@@ -100,6 +101,9 @@ def plan_setup(cfg: DictConfig, config: DSV4Config, world: int | None, device_me
     import torch
 
     optimizer, _ = build_optimization(cfg, [torch.nn.Parameter(torch.zeros(1))])
+    # trace the attention kernel the run will use (auto: Triton on GPUs where it imports)
+    backend = resolve_attention_backend(config.attention_backend, device_type_of(trainer_cfg))
+    config = replace(config, attention_backend=backend)
     return PlanSetup(
         config=config, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, cp=cfg.cp, dp=dp, ep=cfg.ep,
         compute_dtype=compute_dtype_for(str(trainer_cfg.get("precision", "auto")), config.torch_dtype),

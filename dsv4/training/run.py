@@ -88,6 +88,12 @@ def build_logger(cfg: DictConfig, output_dir: Path):
     return _instantiate(cfg.logger, "logger", save_dir=str(output_dir))
 
 
+def device_type_of(trainer_cfg: dict) -> str:
+    """The torch device type a trainer config runs on (``trainer.accelerator``: gpu / cuda -> ``cuda``)."""
+    accelerator = str(trainer_cfg.get("accelerator", "cpu"))
+    return "cuda" if accelerator in ("gpu", "cuda") else accelerator
+
+
 def validate(cfg: DictConfig) -> tuple[DSV4Config, int | None]:
     """Semantic checks that need no process group; raises ValueError naming the key and the value."""
     import torch
@@ -102,12 +108,13 @@ def validate(cfg: DictConfig) -> tuple[DSV4Config, int | None]:
     check_cp_length(cfg.seq_len, cfg.cp, config.shard_multiple)
     if cfg.micro_batch_size < 1:
         raise ValueError(f"`micro_batch_size` must be >= 1, got {cfg.micro_batch_size}")
+    from dsv4.model.attention_backend import resolve_attention_backend
     from dsv4.parallel.dispatch import check_dispatcher_available, resolve_dispatcher
 
     compute_dtype_for(str(trainer_cfg.get("precision", "auto")), config.torch_dtype)
-    accelerator = str(trainer_cfg.get("accelerator", "cpu"))
-    check_dispatcher_available(resolve_dispatcher(cfg.dispatcher.name, cfg.ep),
-                               "cuda" if accelerator in ("gpu", "cuda") else accelerator)
+    device_type = device_type_of(trainer_cfg)
+    check_dispatcher_available(resolve_dispatcher(cfg.dispatcher.name, cfg.ep), device_type)
+    resolve_attention_backend(config.attention_backend, device_type)
     if cfg.checkpoint.every_n_steps < 0:
         raise ValueError(f"`checkpoint.every_n_steps` must be >= 0, got {cfg.checkpoint.every_n_steps}")
     checkpoint = cfg.model.checkpoint
