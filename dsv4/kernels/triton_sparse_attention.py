@@ -47,6 +47,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from dsv4.model.sparse_attention import checked_query_offset
+
 __all__ = ["triton_sparse_attention"]
 
 
@@ -358,17 +360,11 @@ def triton_sparse_attention(
     """
     b, length, h, d = q.shape
     l_kv = kv.shape[1]
-    if query_offset is None:
-        query_offset = l_kv - length
-    if query_offset < 0 or query_offset + length > l_kv:
-        raise ValueError(
-            f"triton_sparse_attention: queries [{query_offset}, {query_offset + length}) outside kv rows {l_kv}")
+    query_offset = checked_query_offset("triton_sparse_attention", length, l_kv, query_offset, compressed, ratio)
     if kv.dtype != q.dtype or (compressed is not None and compressed.dtype != q.dtype):
         raise ValueError(f"triton_sparse_attention: q, kv and compressed need one dtype, got {q.dtype}, {kv.dtype}"
                          f"{'' if compressed is None else ', ' + str(compressed.dtype)}")
     if compressed is not None:
-        if ratio < 1:
-            raise ValueError(f"triton_sparse_attention: compressed rows need ratio >= 1, got {ratio}")
         if compressed_seq_ids is None or compressed_positions is None:
             raise ValueError("triton_sparse_attention: compressed rows need compressed_seq_ids and _positions")
     elif topk_indices is not None:

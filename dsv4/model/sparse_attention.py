@@ -117,6 +117,19 @@ def compressed_key_allowed(
     return (q_seq > 0) & (key_seq_ids == q_seq) & (key_positions < limit)
 
 
+def checked_query_offset(who: str, length: int, l_kv: int, query_offset: int | None, compressed: Tensor | None,
+                         ratio: int) -> int:
+    """The kv row of query 0 (default ``l_kv - length``: halo rows first); ``ValueError`` naming ``who`` when the
+    queries fall outside the kv rows or compressed rows come without a ratio. Every kernel checks its call here."""
+    if query_offset is None:
+        query_offset = l_kv - length
+    if query_offset < 0 or query_offset + length > l_kv:
+        raise ValueError(f"{who}: queries [{query_offset}, {query_offset + length}) outside kv rows {l_kv}")
+    if compressed is not None and ratio < 1:
+        raise ValueError(f"{who}: compressed rows need ratio >= 1, got {ratio}")
+    return query_offset
+
+
 def sparse_attention(
     q: Tensor,
     kv: Tensor,
@@ -161,12 +174,7 @@ def sparse_attention(
     """
     b, length, h, d = q.shape
     l_kv = kv.shape[1]
-    if query_offset is None:
-        query_offset = l_kv - length
-    if query_offset < 0 or query_offset + length > l_kv:
-        raise ValueError(f"sparse_attention: queries [{query_offset}, {query_offset + length}) outside kv rows {l_kv}")
-    if compressed is not None and ratio < 1:
-        raise ValueError(f"sparse_attention: compressed rows need ratio >= 1, got {ratio}")
+    query_offset = checked_query_offset("sparse_attention", length, l_kv, query_offset, compressed, ratio)
     if kv_padding is None:
         kv_padding = torch.zeros(b, l_kv, dtype=torch.bool, device=kv.device)
     scale = d**-0.5 if scale is None else scale
