@@ -74,9 +74,12 @@ def _sync(device: str) -> None:
 def time_backend(fn, inputs: dict, repeats: int, device: str) -> tuple[float, float]:
     """Median forward and backward seconds."""
     fwd, bwd = [], []
+    extra = {}
+    if fn is sparse_attention:  # as DSV4Attention calls it: one document, every compressed row is this block's
+        extra["compressed_local_rows"] = inputs["compressed"].shape[1]
     for i in range(repeats + 1):
         leaves = {k: (v.detach().requires_grad_(True) if k in ("q", "kv", "sink", "compressed") else v)
-                  for k, v in inputs.items()}
+                  for k, v in inputs.items()} | extra
         _sync(device)
         start = time.perf_counter()
         out = fn(**leaves)
