@@ -1,7 +1,9 @@
 """``python -m dsv4.checkpoint inspect DIR [--json]``: what a checkpoint directory holds, from the headers only.
 
 Prints the ``config.json`` summary (and whether ``DSV4Config`` accepts it), the tensor count, a per-dtype census
-(tensors and bytes), the shard count and the total size. No tensor data is read.
+(tensors and bytes), the shard count and the total size. No tensor data is read. A bad directory or file
+(missing, unreadable, a refused header or index, see :mod:`dsv4.checkpoint.safetensors_io`) prints one
+``error: ...`` line naming it on stderr and exits with status 2.
 """
 
 from __future__ import annotations
@@ -80,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         info = inspect(args.dir)
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (OSError, ValueError, KeyError) as e:  # a bad file or directory: one line naming it, no traceback
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print("error: " + " ".join(str(msg).split()), file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(info))

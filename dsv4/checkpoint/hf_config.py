@@ -17,6 +17,7 @@ from dsv4.config import DSV4Config
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
+MAX_CONFIG_BYTES = 1 << 20  # a release config.json is a few KB
 # dsv4 training knobs that are not part of the release format.
 _DSV4_ONLY_FIELDS = ("mtp_loss_weight", "train_indexer", "attention_chunk_size", "loss_chunk_size",
                      "activation_checkpointing", "attention_backend")
@@ -34,8 +35,18 @@ def read_hf_config_dict(path: str) -> dict[str, Any]:
     file = os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path
     if not os.path.exists(file):
         raise FileNotFoundError(f"no {CONFIG_FILE} at {file}")
-    with open(file) as f:
-        return json.load(f)
+    size = os.path.getsize(file)
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{file}: {size} bytes, more than a config.json may have ({MAX_CONFIG_BYTES})")
+    with open(file, "rb") as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{file}: not a valid UTF-8 JSON config: {' '.join(str(e).split())}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def config_from_hf(source: str | os.PathLike | dict[str, Any], **overrides: Any) -> DSV4Config:

@@ -71,9 +71,10 @@ _GLOBALS_HF_TO_OURS = {
 }
 _GLOBALS_OURS_TO_HF = {v: k for k, v in _GLOBALS_HF_TO_OURS.items()}
 
-_HF_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+# Indices are ASCII digits without leading zeros, so that one number has one key ("experts.07" is unexpected).
+_HF_EXPERT = re.compile(r"^ffn\.experts\.(0|[1-9][0-9]*)\.(w1|w2|w3)\.weight$")
 _OURS_EXPERT = re.compile(r"^mlp\.experts\.(w1|w2|w3)$")
-_HF_BLOCK = re.compile(r"^(layers|mtp)\.(\d+)\.(.+)$")
+_HF_BLOCK = re.compile(r"^(layers|mtp)\.(0|[1-9][0-9]*)\.(.+)$")
 _OURS_BLOCK = re.compile(r"^(model\.layers|mtp\.layers)\.(\d+)\.(.+)$")
 
 

@@ -7,7 +7,8 @@ Order of work (nothing is read before every check passed):
 
 1. Plan from the shard headers only (:class:`~dsv4.checkpoint.safetensors_io.CheckpointDir`): map every on-disk
    key through :mod:`dsv4.checkpoint.keys`; check that every key the model needs is there (``KeyError`` naming
-   the missing keys), that no key is unknown to the model (``KeyError``: unexpected key), and each tensor's dtype
+   the missing keys), that no key is unknown to the model (``KeyError``: unexpected key, also a routed expert
+   index >= ``n_routed_experts``), that no two keys fill one model tensor (``ValueError``), and each tensor's dtype
    tag and shape against the model (``ValueError`` naming the key, expected and actual shape/dtype). MTP keys of
    depths the config does not build (``num_nextn_predict_layers``) are skipped, as are scales of skipped keys.
 2. Stream shard by shard (files in name order, keys in file order): read one weight (and its ``.scale``, which
@@ -59,8 +60,11 @@ class _Item:
     scale_key: str | None
 
 
-def _expert_ranges(model: nn.Module, targets: dict[str, torch.Tensor], ep_rank, ep_size) -> dict[str, tuple[int, int, int]]:
-    """``name -> (first global expert, count, offset of row 0)`` for every stacked expert tensor."""
+def _expert_ranges(
+    model: nn.Module, targets: dict[str, torch.Tensor], ep_rank, ep_size
+) -> dict[str, tuple[int, int, int, int]]:
+    """``name -> (first global expert, count, offset of row 0, n_routed_experts)`` for every stacked expert
+    tensor."""
     if (ep_rank is None) != (ep_size is None):
         raise ValueError("give both ep_rank and ep_size, or neither")
     out = {}
@@ -75,17 +79,18 @@ def _expert_ranges(model: nn.Module, targets: dict[str, torch.Tensor], ep_rank, 
                 raise ValueError(f"n_routed_experts={total} is not divisible by ep_size={ep_size}")
             count = total // ep_size
             first = ep_rank * count
-        out[name] = (first, count, offset)
+        out[name] = (first, count, offset, total)
     return out
 
 
 def _check_and_plan(
-    ckpt: CheckpointDir, targets: dict[str, torch.Tensor], ranges: dict[str, tuple[int, int, int]], mtp_depths: int
+    ckpt: CheckpointDir, targets: dict[str, torch.Tensor], ranges: dict[str, tuple[int, int, int, int]], mtp_depths: int
 ) -> tuple[list[_Item], list[str]]:
     items: list[_Item] = []
     skipped: list[str] = []
-    seen_targets: set[tuple[str, int | None]] = set()
+    seen_targets: dict[tuple[str, int | None], str] = {}  # (target, expert) -> the on-disk key that fills it
     unexpected: list[str] = []
+    beyond: dict[str, int] = {}  # routed-expert key with an expert index >= n_routed_experts -> n_routed_experts
     scales = {k for k in ckpt.tensors if K.is_scale_key(k)}
     for key, info in ckpt.tensors.items():
         if key in scales:
@@ -100,8 +105,17 @@ def _check_and_plan(
             continue
         target = targets[mapped.name]
         row = None
+        if (mapped.name, mapped.expert) in seen_targets:  # e.g. attn.attn_sink and attn.sink.logits
+            raise ValueError(
+                f"{key}: fills {mapped.name}" + ("" if mapped.expert is None else f"[expert {mapped.expert}]")
+                + f" like {seen_targets[(mapped.name, mapped.expert)]} (two keys in {ckpt.path} for one model tensor)"
+            )
         if mapped.expert is not None:
-            first, count, offset = ranges[mapped.name]
+            first, count, offset, total = ranges[mapped.name]
+            if mapped.expert >= total:
+                unexpected.append(key)
+                beyond[key] = total
+                continue
             if not first <= mapped.expert < first + count:
                 skipped.append(key)
                 continue
@@ -116,7 +130,7 @@ def _check_and_plan(
         has_scale = scale_key in scales
         fmt = _validate(info, ckpt.tensors.get(scale_key) if has_scale else None, expected_shape, target.dtype)
         items.append(_Item(key, mapped.name, row, fmt, scale_key if has_scale else None))
-        seen_targets.add((mapped.name, mapped.expert))
+        seen_targets[(mapped.name, mapped.expert)] = key
     for s in sorted(scales):
         w = K.weight_key_of_scale(s)
         if w not in ckpt.tensors:
@@ -125,11 +139,12 @@ def _check_and_plan(
         raise KeyError(
             f"unexpected key(s) in {ckpt.path} that the model does not hold: {sorted(unexpected)[:10]}"
             + (f" (+{len(unexpected) - 10} more)" if len(unexpected) > 10 else "")
+            + "".join(f"; {k}: expert index >= n_routed_experts ({n})" for k, n in sorted(beyond.items())[:10])
         )
     missing = []
     for name in targets:
         if name in ranges:
-            first, count, _ = ranges[name]
+            first, count, _, _ = ranges[name]
             missing += [K.ours_to_hf(name, e) for e in range(first, first + count) if (name, e) not in seen_targets]
         elif (name, None) not in seen_targets:
             missing.append(K.ours_to_hf(name) or name)
