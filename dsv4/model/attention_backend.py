@@ -7,6 +7,10 @@
   plan traces what they allocate).
 * ``auto``: ``triton`` for CUDA tensors when Triton imports, else ``torch``.
 
+The CSA indexer follows the same choice (:func:`indexer_kernel`): on ``triton`` its scoring + top-k runs as
+:func:`dsv4.kernels.triton_indexer.triton_indexer_topk` where the installed Triton has ``tl.topk`` and
+``tl.bitonic_merge`` (3.9 has them), else in torch.
+
 Both compute the same function (``tests/unit/kernels``); the choice changes speed and memory, never results
 beyond floating-point rounding.
 """
@@ -58,3 +62,20 @@ def attention_kernel(backend: str, device: torch.device) -> Callable[..., torch.
     from dsv4.kernels.triton_sparse_attention import triton_sparse_attention  # noqa: PLC0415 - optional
 
     return triton_sparse_attention
+
+
+@functools.lru_cache(maxsize=None)
+def triton_has_topk() -> bool:
+    """True when the installed Triton has the sorting primitives the indexer kernel uses."""
+    import triton.language as tl  # noqa: PLC0415 - optional
+
+    return hasattr(tl, "topk") and hasattr(tl, "bitonic_merge")
+
+
+def indexer_kernel(backend: str, device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """The Triton indexer top-k for ``backend`` on ``device``, or None for the torch scoring loop."""
+    if resolve_attention_backend(backend, device.type) == "torch" or not triton_has_topk():
+        return None
+    from dsv4.kernels.triton_indexer import triton_indexer_topk  # noqa: PLC0415 - optional
+
+    return triton_indexer_topk

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from dsv4.config import DSV4Config
+from dsv4.model.attention_backend import indexer_kernel
 from dsv4.model.compressor import Compressor, WindowMetadata
 from dsv4.model.rope import RopeTable, apply_rope
 from dsv4.model.sparse_attention import compressed_key_allowed
@@ -39,6 +40,7 @@ class Indexer(nn.Module):
         self.head_dim = config.index_head_dim
         self.topk = config.index_topk
         self.chunk_size = config.attention_chunk_size
+        self.backend = config.attention_backend  # torch loop or the Triton kernel (dsv4.model.attention_backend)
         self.train_indexer = config.train_indexer
         self.compressor = Compressor(config.hidden_size, self.head_dim, INDEX_RATIO, config.rms_norm_eps)
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
@@ -81,9 +83,13 @@ class Indexer(nn.Module):
         p = keys.shape[1]
         k = min(self.topk, p)
         with torch.set_grad_enabled(self.train_indexer and torch.is_grad_enabled()):
-            q = self.wq_b(q_lat).view(b, length, self.n_heads, self.head_dim)
-            q = apply_rope(q, rope).float()
+            q = apply_rope(self.wq_b(q_lat).view(b, length, self.n_heads, self.head_dim), rope)
             w = torch.nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
+            kernel = indexer_kernel(self.backend, x.device)
+            if kernel is not None:  # the same selection, fused (scores exact in fp32 from the same inputs)
+                return kernel(q, w, keys, query_seq_ids, query_positions, key_seq_ids, key_positions, self.topk,
+                              local_windows)
+            q = q.float()
             keys_f = keys.float()
             out = []
             for start in range(0, length, self.chunk_size):

@@ -1,5 +1,6 @@
-"""``model.attention_backend``: a DSV4Attention layer on the Triton kernels equals the same layer on the torch
-reference (same weights; under the Triton interpreter on CPU tensors), and the backend choice fails clearly."""
+"""``model.attention_backend``: a DSV4Attention layer on the Triton kernels (sparse attention and, for CSA, the
+indexer) equals the same layer on the torch path (same weights; under the Triton interpreter on CPU tensors), and
+the backend choice fails clearly."""
 
 import os
 
@@ -15,7 +16,8 @@ pytest.importorskip("triton")
 from dsv4.config import DSV4Config  # noqa: E402
 from dsv4.kernels.triton_sparse_attention import triton_sparse_attention  # noqa: E402
 from dsv4.model import attention_backend  # noqa: E402
-from dsv4.model.attention_backend import attention_kernel, resolve_attention_backend  # noqa: E402
+from dsv4.kernels.triton_indexer import triton_indexer_topk  # noqa: E402
+from dsv4.model.attention_backend import attention_kernel, indexer_kernel, resolve_attention_backend  # noqa: E402
 from dsv4.model.attention_metadata import build_attention_metadata  # noqa: E402
 from dsv4.model.sparse_attention import sparse_attention  # noqa: E402
 from tests.unit.model.test_attention import make_layer  # noqa: E402
@@ -59,6 +61,8 @@ def test_backend_resolution(monkeypatch):
     assert resolve_attention_backend("auto", "cuda") == "triton"  # triton imports here
     assert attention_kernel("auto", torch.device("cpu")) is sparse_attention
     assert attention_kernel("triton", torch.device("cpu")) is triton_sparse_attention  # TRITON_INTERPRET=1
+    assert indexer_kernel("triton", torch.device("cpu")) is triton_indexer_topk  # the CSA layer's indexer too
+    assert indexer_kernel("auto", torch.device("cpu")) is None
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         resolve_attention_backend("triton", "cpu")
