@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Triton kernels run on CPU tensors under Triton's interpreter; set before anything imports triton (Lightning and
+# torch import it, and Triton reads the setting once). On a GPU, TRITON_INTERPRET=0 tests the compiled kernels.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dsv4.cp import SimulatedMesh
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dsv4.cp import SimulatedMesh  # noqa: E402
 
 os.environ.setdefault("WANDB_MODE", "offline")
 
