@@ -127,9 +127,10 @@ class DSV4Attention(nn.Module):
         if meta.halo:
             kv = torch.cat((cp.halo_exchange(kv, meta.halo, dim=1, kind="halo"), kv), dim=1)  # [B, halo + L, D]
 
-        compressed = comp_seq = comp_pos = topk = None
+        compressed = comp_seq = comp_pos = topk = local_windows = None
         if self.ratio > 0:
             windows, key_windows = meta.windows[self.ratio], meta.key_windows[self.ratio]
+            local_windows = windows.seq_ids.shape[1]  # this block's own windows, the last rows of key_windows
             prev = self._prev_features(self.compressor, x, meta, cp, "compressor_halo")
             compressed = self._preceding(
                 self.compressor(x, windows, prev_features=prev), meta, self.ratio, cp, "compressed_gather"
@@ -142,15 +143,14 @@ class DSV4Attention(nn.Module):
                 )
                 topk = self.indexer(
                     x, q_lat, meta.rope_compress, meta.seq_ids, meta.position_ids, index_keys, comp_seq, comp_pos,
-                    local_windows=windows.seq_ids.shape[1],
+                    local_windows=local_windows,
                 )
 
         kernel = attention_kernel(self.config.attention_backend, q.device)
         tuning = {}
         if kernel is sparse_attention:
             tuning["chunk_size"] = self.config.attention_chunk_size
-            if self.ratio > 0:
-                tuning["compressed_local_rows"] = meta.windows[self.ratio].seq_ids.shape[1]
+            tuning["compressed_local_rows"] = local_windows
         out = kernel(
             q,
             kv,

@@ -26,7 +26,7 @@ from dsv4.config import DSV4Config
 from dsv4.model.attention_backend import indexer_kernel
 from dsv4.model.compressor import Compressor, WindowMetadata
 from dsv4.model.rope import RopeTable, apply_rope
-from dsv4.model.sparse_attention import compressed_key_allowed
+from dsv4.model.sparse_attention import causal_prefix, compressed_key_allowed
 
 INDEX_RATIO = 4
 
@@ -94,7 +94,7 @@ class Indexer(nn.Module):
             out = []
             for start in range(0, length, self.chunk_size):
                 end = min(start + self.chunk_size, length)
-                hi = p if local_windows is None else max(0, min(p, p - local_windows + end // INDEX_RATIO))
+                hi = causal_prefix(p, local_windows, end, INDEX_RATIO)
                 # [B, C, H_I, hi] -> weighted sum over heads -> [B, C, hi]
                 logits = torch.einsum("bchd,bpd->bchp", q[:, start:end], keys_f[:, :hi]).relu()
                 scores = torch.einsum("bchp,bch->bcp", logits, w[:, start:end]) * self.head_dim**-0.5

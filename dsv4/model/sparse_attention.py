@@ -117,6 +117,15 @@ def compressed_key_allowed(
     return (q_seq > 0) & (key_seq_ids == q_seq) & (key_positions < limit)
 
 
+def causal_prefix(rows: int, local_rows: int | None, end: int, ratio: int) -> int:
+    """How many of ``rows`` compressed rows a chunk of queries ending at local row ``end`` may see, when the last
+    ``local_rows`` are this block's own windows in order (window ``j`` pools rows ``[r j, r (j + 1))``; documents
+    start on multiples of ``r``): the earlier rows, then the block's complete windows before ``end``. None: all."""
+    if local_rows is None:
+        return rows
+    return max(0, min(rows, rows - local_rows + end // ratio))
+
+
 def checked_query_offset(who: str, length: int, l_kv: int, query_offset: int | None, compressed: Tensor | None,
                          ratio: int) -> int:
     """The kv row of query 0 (default ``l_kv - length``: halo rows first); ``ValueError`` naming ``who`` when the
@@ -188,7 +197,7 @@ def sparse_attention(
         comp, comp_seq, comp_pos = compressed, compressed_seq_ids, compressed_positions
         if comp is not None and topk_indices is None and compressed_local_rows is not None:
             p = comp.shape[1]
-            hi = max(0, min(p, p - compressed_local_rows + end // ratio))
+            hi = causal_prefix(p, compressed_local_rows, end, ratio)
             comp, comp_seq, comp_pos = comp[:, :hi], comp_seq[:, :hi], comp_pos[:, :hi]
         args = (
             q[:, start:end], kv, sink, query_seq_ids[:, start:end], query_positions[:, start:end], kv_seq_ids,
