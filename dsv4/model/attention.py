@@ -54,6 +54,24 @@ class AttentionSink(nn.Module):
         return self.logits.clone()
 
 
+def block_diagonal_linear(x: Tensor, weight: Tensor, groups: int) -> Tensor:
+    """``x [..., G, in_g]`` times block ``g`` of ``weight [G * out_g, in_g]`` (rows ``g*out_g .. (g+1)*out_g``) ->
+    ``[..., G, out_g]``: the grouped low-rank output projection ``wo_a``."""
+    return torch.einsum("...gi,goi->...go", x, weight.view(groups, -1, weight.shape[-1]).to(x.dtype))
+
+
+class BlockDiagonalLinear(nn.Linear):
+    """``wo_a``: ``groups`` independent blocks stored as one ``[G * out_g, in_g]`` weight (the released layout);
+    ``forward(x [..., G, in_g]) -> [..., G, out_g]``."""
+
+    def __init__(self, in_features: int, out_features: int, groups: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.groups = groups
+
+    def forward(self, x: Tensor) -> Tensor:
+        return block_diagonal_linear(x, self.weight, self.groups)
+
+
 class DSV4Attention(nn.Module):
     """One DSV4 attention layer; ``layer_idx`` selects its compress ratio (MTP layers beyond the list: 0)."""
 
@@ -76,7 +94,7 @@ class DSV4Attention(nn.Module):
         self.wkv = nn.Linear(d_m, self.head_dim, bias=False)
         self.kv_norm = RMSNorm(self.head_dim, eps)
         self.sink = AttentionSink(self.n_heads)
-        self.wo_a = nn.Linear(group_in, self.n_groups * config.o_lora_rank, bias=False)
+        self.wo_a = BlockDiagonalLinear(group_in, self.n_groups * config.o_lora_rank, self.n_groups)
         self.wo_b = nn.Linear(self.n_groups * config.o_lora_rank, d_m, bias=False)
         self.compressor = Compressor(d_m, self.head_dim, self.ratio, eps) if self.ratio > 0 else None
         self.indexer = Indexer(config) if self.ratio == 4 else None
@@ -174,6 +192,4 @@ class DSV4Attention(nn.Module):
     def _grouped_wo_a(self, out: Tensor) -> Tensor:
         """Block-diagonal ``wo_a``: ``[B, L, H, D] -> [B, L, G * o_lora_rank]``, group g uses heads of group g."""
         b, length = out.shape[:2]
-        grouped = out.reshape(b, length, self.n_groups, -1)  # [B, L, G, H/G * D]
-        weight = self.wo_a.weight.view(self.n_groups, -1, grouped.shape[-1])  # [G, o_lora, H/G * D]
-        return torch.einsum("blgi,goi->blgo", grouped, weight.to(grouped.dtype)).reshape(b, length, -1)
+        return self.wo_a(out.reshape(b, length, self.n_groups, -1)).reshape(b, length, -1)  # heads of group g

@@ -90,6 +90,17 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) ->
     return F.grouped_mm(x, weight.transpose(-2, -1), offs=offs)
 
 
+def expert_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
+                  offs: torch.Tensor | None) -> torch.Tensor:
+    """``x [T, in]`` rows grouped by expert (``tokens_per_expert [G]`` rows each) times each group's
+    ``weight[g].T`` (``weight [G, out, in]``) -> ``[T, out]``: one grouped GEMM when ``offs`` (the int32 group ends
+    on the device) is given, else one GEMM per expert (reads the counts on the host)."""
+    if offs is not None:
+        return grouped_linear(x, weight, offs)
+    chunks = torch.split(x, tokens_per_expert.tolist(), dim=0)
+    return torch.cat([chunk @ weight[e].t() for e, chunk in enumerate(chunks)], dim=0)
+
+
 class MLP(nn.Module):
     """Dense clamped-SwiGLU MLP (the shared expert): ``w2(swiglu(w1 x, w3 x))``. ``[..., d] -> [..., d]``."""
 
@@ -142,20 +153,34 @@ class GroupedExperts(nn.Module):
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         if x_sorted.shape[0] == 0:
             return x_sorted.new_zeros(x_sorted.shape)
-        if not grouped_mm_supported(x_sorted, self.w1, self.w2):
+        if not grouped_mm_supported(x_sorted, *self.expert_weights(x_sorted.dtype)):
             return self._expert_loop(x_sorted, tokens_per_expert)
         offs = tokens_per_expert.to(device=x_sorted.device).cumsum(0).to(torch.int32)  # group ends, on device
-        h = clamped_swiglu(grouped_linear(x_sorted, self.w1, offs), grouped_linear(x_sorted, self.w3, offs),
-                           self.swiglu_limit)
-        return grouped_linear(h, self.w2, offs)
+        return self._ffn(x_sorted, tokens_per_expert, offs)
 
     def _expert_loop(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """One GEMM per expert (reads the counts on the host): where grouped GEMMs are unavailable."""
-        outs = []
-        for e, chunk in enumerate(torch.split(x_sorted, tokens_per_expert.tolist(), dim=0)):
-            h = clamped_swiglu(chunk @ self.w1[e].t(), chunk @ self.w3[e].t(), self.swiglu_limit)
-            outs.append(h @ self.w2[e].t())
-        return torch.cat(outs, dim=0)
+        return self._ffn(x_sorted, tokens_per_expert, None)
+
+    def _ffn(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        h = clamped_swiglu(self.project("w1", x, tokens_per_expert, offs),
+                           self.project("w3", x, tokens_per_expert, offs), self.swiglu_limit)
+        return self.project("w2", h, tokens_per_expert, offs)
+
+    def expert_weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+        """The weights the projections multiply by for inputs of ``dtype`` (what decides between grouped GEMMs
+        and the loop)."""
+        return self.w1, self.w3, self.w2
+
+    def stacked_names(self) -> tuple[str, ...]:
+        """Names of every tensor with one row per local expert (what expert parallelism slices)."""
+        return "w1", "w3", "w2"
+
+    def project(self, name: str, x: torch.Tensor, tokens_per_expert: torch.Tensor,
+                offs: torch.Tensor | None) -> torch.Tensor:
+        """``x [T, in]`` (rows grouped by local expert) through each row's expert weight ``name`` (w1 / w3 / w2)
+        -> ``[T, out]``. A subclass (LoRA, a frozen quantized base: :mod:`dsv4.peft`) changes only this."""
+        return expert_linear(x, getattr(self, name), tokens_per_expert, offs)
 
     def extra_repr(self) -> str:
         return (

@@ -3,7 +3,8 @@
 A model is built with all ``E`` routed experts on every rank (same seed -> same weights everywhere). EP rank
 ``r`` of ``ep`` then keeps global experts ``[r * E / ep, (r + 1) * E / ep)``:
 
-    w1, w3 [E, I, d] -> [E / ep, I, d]      w2 [E, d, I] -> [E / ep, d, I]
+    w1, w3 [E, I, d] -> [E / ep, I, d]      w2 [E, d, I] -> [E / ep, d, I]   (every ``stacked_names()`` tensor,
+                                                                       LoRA adapters and kept scales too)
     expert_offset = r * E / ep              num_local_experts = E / ep        num_experts = E (unchanged)
 
 The slices are copies of the unsharded weights, so the sharded model holds exactly the unsharded model's
@@ -29,7 +30,16 @@ from dsv4.model.moe import GroupedExperts, set_dispatcher
 from dsv4.distributed import all_gather_into, group_rank, group_size, resolve_group
 from dsv4.parallel.dispatch import EPGroup, build_dispatcher, check_dispatcher_available
 
-_EXPERT_WEIGHTS = ("w1", "w3", "w2")
+
+
+def _replace_stacked(experts: GroupedExperts, name: str, value: torch.Tensor) -> None:
+    """Put ``value`` in place of the stacked tensor ``name``: a parameter stays a parameter (same
+    ``requires_grad``), a buffer (a kept quantized base, :mod:`dsv4.peft`) a buffer."""
+    old = getattr(experts, name)
+    if isinstance(old, nn.Parameter):
+        setattr(experts, name, nn.Parameter(value, requires_grad=old.requires_grad))
+    else:
+        experts.register_buffer(name, value)
 
 
 def _grouped_experts(model: nn.Module) -> list[GroupedExperts]:
@@ -73,10 +83,8 @@ def shard_experts(
     for experts in modules:
         local = experts.num_experts // size
         offset = rank * local
-        for name in _EXPERT_WEIGHTS:
-            full = getattr(experts, name)
-            piece = nn.Parameter(full.detach()[offset : offset + local].clone(), requires_grad=full.requires_grad)
-            setattr(experts, name, piece)
+        for name in experts.stacked_names():
+            _replace_stacked(experts, name, getattr(experts, name).detach()[offset : offset + local].clone())
         experts.expert_offset = offset
         experts.num_local_experts = local
     return len(modules)
@@ -98,11 +106,11 @@ def unshard_experts(model: nn.Module, ep_group: EPGroup = None) -> int:
                 f"unshard_experts: this rank holds experts [{experts.expert_offset}, {experts.expert_offset + local}) "
                 f"of {experts.num_experts}, which is not EP rank {rank}'s slice for an EP group of size {size}"
             )
-        for name in _EXPERT_WEIGHTS:
+        for name in experts.stacked_names():
             piece = getattr(experts, name)
             full = torch.empty((experts.num_experts, *piece.shape[1:]), dtype=piece.dtype, device=piece.device)
             all_gather_into(full, piece.detach().contiguous(), group)
-            setattr(experts, name, nn.Parameter(full, requires_grad=piece.requires_grad))
+            _replace_stacked(experts, name, full)
         experts.expert_offset = 0
         experts.num_local_experts = experts.num_experts
     return len(modules)
