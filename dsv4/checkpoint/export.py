@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -51,9 +51,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu()
 
 
-def iter_hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(on-disk key, full tensor)`` for every persistent tensor of ``model``, experts split per expert."""
-    for name, t in model.state_dict().items():
+def iter_hf_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(on-disk key, full tensor)`` for every persistent tensor of ``model`` (or for the ``(state-dict name,
+    tensor)`` pairs of ``tensors``, e.g. a LoRA model's merged weights), experts split per expert."""
+    for name, t in (model.state_dict().items() if tensors is None else tensors):
         if K.is_stacked_expert(name):
             module = model.get_submodule(name.rsplit(".", 1)[0])
             if module.num_local_experts != module.num_experts:
@@ -96,8 +98,11 @@ def export_hf_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     config=None,
     write: bool = True,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> ExportReport:
-    """Write ``model`` to ``path`` (see the module docstring). ``config`` defaults to ``model.config``."""
+    """Write ``model`` to ``path`` (see the module docstring). ``config`` defaults to ``model.config``;
+    ``tensors`` replaces ``model.state_dict()`` as the source (``dsv4.peft.merged_tensors`` for a merged LoRA
+    model)."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
     config = config if config is not None else getattr(model, "config", None)
@@ -118,7 +123,7 @@ def export_hf_checkpoint(
         temp_files.append((name, list(pending)))
         pending, pending_bytes = {}, 0
 
-    for hf_key, tensor in iter_hf_tensors(model):
+    for hf_key, tensor in iter_hf_tensors(model, tensors):
         for key, t in convert_for_export(hf_key, tensor, dtype):
             size = t.numel() * t.element_size()
             if pending and pending_bytes + size > max_shard_bytes:

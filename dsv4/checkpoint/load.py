@@ -15,6 +15,13 @@ Order of work (nothing is read before every check passed):
    may live in another shard), dequantise (FP8 block / FP4 packed, :mod:`dsv4.checkpoint.quant`) or cast to the
    target's dtype, copy into the parameter or buffer, drop it. Peak extra memory is about one tensor.
 
+Kept quantized targets (a LoRA model with ``peft.base_dtype=fp8``, :mod:`dsv4.peft`): a model tensor of dtype
+``float8_e4m3fn`` (FP8 block) or ``int8`` (packed FP4) receives the checkpoint's bytes as they are and its scale
+goes to the model's kept scale (``<module>.scale``, or ``w1_scale`` beside stacked experts): nothing is
+dequantised. A checkpoint that stores such a tensor unquantised (bf16 / fp32) is quantised on the way in; one
+stored in the other format is an error. Adapter parameters (``*lora_A`` / ``*lora_B``) are not checkpoint keys
+and keep their values.
+
 Routed experts: a ``GroupedExperts`` holding experts ``[offset, offset + local)`` (after ``shard_experts``) reads
 only those experts' keys. With ``ep_rank``/``ep_size`` on a model that still holds all experts, only the rank's
 range ``[r*E/n, (r+1)*E/n)`` is read (the other rows are left as they are; ``shard_experts`` drops them next).
@@ -30,12 +37,31 @@ import torch
 from torch import nn
 
 from dsv4.checkpoint import keys as K
-from dsv4.checkpoint.quant import dequantize_fp4_packed, dequantize_fp8_block, fp4_scale_shape, fp8_scale_shape
+from dsv4.checkpoint.quant import (
+    dequantize_fp4_packed,
+    dequantize_fp8_block,
+    fp4_scale_shape,
+    fp8_scale_shape,
+    quantize_fp4_packed,
+    quantize_fp8_block,
+)
 from dsv4.checkpoint.safetensors_io import DTYPES, CheckpointDir, TensorInfo, TensorReader
 
 _FLOAT_TAGS = ("F64", "F32", "F16", "BF16")
 _INT_TAGS = ("I64", "I32")
 _SCALE_TAGS = ("F8_E8M0", "U8", "F32")
+_KEPT = {torch.float8_e4m3fn: "fp8", torch.int8: "fp4"}  # target dtype -> the kept format it holds
+_ADAPTER_SUFFIXES = ("lora_A", "lora_B")
+
+
+def kept_scale_name(name: str) -> str:
+    """The model's scale tensor beside a kept weight: ``<module>.scale``, or ``w1_scale`` beside stacked experts."""
+    return f"{name}_scale" if K.is_stacked_expert(name) else name[: -len("weight")] + "scale"
+
+
+def _logical_shape(target: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The float shape a model tensor of ``shape`` stands for (a kept FP4 target packs two columns per byte)."""
+    return (*shape[:-1], 2 * shape[-1]) if _KEPT.get(target.dtype) == "fp4" else tuple(shape)
 
 
 @dataclass
@@ -58,6 +84,7 @@ class _Item:
     expert_row: int | None  # row of a stacked expert tensor
     fmt: str  # "fp8" | "fp4" | "plain"
     scale_key: str | None
+    keep: str | None = None  # the target's kept format ("fp8" | "fp4"), None for a float target
 
 
 def _expert_ranges(
@@ -120,16 +147,21 @@ def _check_and_plan(
                 skipped.append(key)
                 continue
             row = mapped.expert - offset
-            expected_shape = tuple(target.shape[1:])
+            expected_shape = _logical_shape(target, tuple(target.shape[1:]))
         elif mapped.name in ranges:
             unexpected.append(key)
             continue
         else:
-            expected_shape = tuple(target.shape)
+            expected_shape = _logical_shape(target, tuple(target.shape))
         scale_key = K.scale_key_of_weight(key)
         has_scale = scale_key in scales
-        fmt = _validate(info, ckpt.tensors.get(scale_key) if has_scale else None, expected_shape, target.dtype)
-        items.append(_Item(key, mapped.name, row, fmt, scale_key if has_scale else None))
+        keep = _KEPT.get(target.dtype)
+        fmt = _validate(info, ckpt.tensors.get(scale_key) if has_scale else None, expected_shape,
+                        torch.float32 if keep else target.dtype)
+        if keep and fmt not in ("plain", keep):
+            raise ValueError(f"{key}: stored as {fmt} but the model keeps this tensor as {keep} "
+                             f"(peft.base_dtype=fp8 keeps the release's formats)")
+        items.append(_Item(key, mapped.name, row, fmt, scale_key if has_scale else None, keep))
         seen_targets[(mapped.name, mapped.expert)] = key
     for s in sorted(scales):
         w = K.weight_key_of_scale(s)
@@ -210,7 +242,9 @@ def load_hf_checkpoint(
     :class:`LoadReport`. See the module docstring for the checks, the EP behaviour and the streaming order."""
     start = time.perf_counter()
     ckpt = CheckpointDir.open(path)
-    targets = model.state_dict(keep_vars=True)
+    state = model.state_dict(keep_vars=True)
+    kept_scales = {kept_scale_name(n) for n, t in state.items() if t.dtype in _KEPT}
+    targets = {n: t for n, t in state.items() if n not in kept_scales and not n.endswith(_ADAPTER_SUFFIXES)}
     if mtp_depths is None:
         mtp = getattr(model, "mtp", None)
         mtp_depths = len(mtp.layers) if mtp is not None and hasattr(mtp, "layers") else 0
@@ -227,7 +261,7 @@ def load_hf_checkpoint(
             report.shards.append(name)
             group = sorted(by_file[name], key=lambda it: ckpt.tensors[it.hf_key].begin)
             for it in group:
-                _load_item(reader, it, targets)
+                _load_item(reader, it, state)
                 report.loaded.append(it.target if it.expert_row is None else f"{it.target}[{it.expert_row}]")
     finally:
         reader.close()
@@ -237,20 +271,38 @@ def load_hf_checkpoint(
     return report
 
 
-def _load_item(reader: TensorReader, it: _Item, targets: dict[str, torch.Tensor]) -> None:
-    target = targets[it.target]
+def _load_item(reader: TensorReader, it: _Item, state: dict[str, torch.Tensor]) -> None:
+    target = state[it.target]
     dest = target if it.expert_row is None else target[it.expert_row]
     weight = reader.read(it.hf_key)
-    if it.fmt == "plain":
-        value = weight
+    scale = reader.read(it.scale_key) if it.scale_key else None  # may sit in another shard
+    if it.keep:
+        _load_kept(it, weight, scale, dest, state)
+        return
+    if it.fmt == "fp8":
+        value = dequantize_fp8_block(weight, scale, dtype=torch.float32)
+    elif it.fmt == "fp4":
+        value = dequantize_fp4_packed(weight, scale, dtype=torch.float32)
     else:
-        # the scale may sit in another shard: read it, then come back to this shard's file
-        scale = reader.read(it.scale_key)
-        if it.fmt == "fp8":
-            value = dequantize_fp8_block(weight, scale, dtype=torch.float32)
-        else:
-            value = dequantize_fp4_packed(weight, scale, dtype=torch.float32)
+        value = weight
     dest.copy_(value.to(device=dest.device, dtype=dest.dtype))
+
+
+def _load_kept(it: _Item, weight: torch.Tensor, scale: torch.Tensor | None, dest: torch.Tensor,
+               state: dict[str, torch.Tensor]) -> None:
+    """A kept target: the checkpoint's bytes and e8m0 scale as they are; an unquantised tensor (or a float32
+    scale) is quantised into the kept format."""
+    scale_target = state[kept_scale_name(it.target)]
+    scale_dest = scale_target if it.expert_row is None else scale_target[it.expert_row]
+    if it.fmt == it.keep and scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        q, s = weight, scale.view(torch.float8_e8m0fnu)
+    else:
+        value = weight.float() if it.fmt == "plain" else (
+            dequantize_fp8_block(weight, scale, torch.float32) if it.fmt == "fp8"
+            else dequantize_fp4_packed(weight, scale, torch.float32))
+        q, s = quantize_fp8_block(value) if it.keep == "fp8" else quantize_fp4_packed(value)
+    dest.copy_(q.view(dest.dtype).to(dest.device))
+    scale_dest.copy_(s.to(scale_dest.device))
 
 
 def load_model_from_hf(path: str, *, device: str | torch.device = "cpu", **overrides):

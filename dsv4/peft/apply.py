@@ -1,0 +1,152 @@
+"""Turn a ``DSV4ForCausalLM`` into a LoRA model (:func:`apply_lora`) and read the merged weights back out.
+
+:func:`apply_lora` (in place, before expert parallelism and FSDP, after or before loading a checkpoint):
+
+1. every ``nn.Linear`` whose released name is a target of ``lora.targets`` becomes a :class:`LoRALinear` with an
+   adapter; with ``base_dtype=fp8`` every other linear the release stores in FP8 (the indexer's ``wq_b``, MTP's
+   ``e_proj``/``h_proj``, non-target projections) becomes a :class:`LoRALinear` without one, holding its kept form;
+2. every ``GroupedExperts`` becomes a :class:`LoRAGroupedExperts` (adapters when ``routed_experts`` is a target,
+   kept FP4 when ``base_dtype=fp8``);
+3. every parameter that is not an adapter is frozen (``requires_grad=False``): no gradient, no optimizer state,
+   no gradient reduction. Buffers (the kept base, router biases) are never trained; the trainer does not update
+   the router bias in LoRA mode, so the base stays bit-identical.
+
+State-dict names of the base are unchanged (``...wq_a.weight``), so :func:`dsv4.checkpoint.load_hf_checkpoint`
+fills a LoRA model like a plain one (kept targets receive the checkpoint's FP8 / FP4 bytes and scales as they are).
+:func:`merged_tensors` yields the plain model's state dict with every adapter merged (``W + s B A``, fp32), what
+``export.merge`` writes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from dsv4.checkpoint import keys as K
+from dsv4.model.moe import GroupedExperts
+from dsv4.peft.config import LoRAConfig
+from dsv4.peft.lora import LoRAGroupedExperts, LoRALinear, _full, is_adapter_name
+
+_TARGET_OF = [
+    ("attention", re.compile(r"(^|\.)attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$")),
+    ("shared_experts", re.compile(r"(^|\.)ffn\.shared_experts\.(w1|w2|w3)\.weight$")),
+]
+
+
+def target_group(hf_weight_key: str) -> str | None:
+    """The :data:`~dsv4.peft.config.TARGET_GROUPS` entry a linear's released weight name belongs to (None: never
+    adapted)."""
+    for group, pattern in _TARGET_OF:
+        if pattern.search(hf_weight_key):
+            return group
+    return None
+
+
+def is_lora_model(model: nn.Module) -> bool:
+    return any(isinstance(m, (LoRALinear, LoRAGroupedExperts)) for m in model.modules())
+
+
+def apply_lora(model: nn.Module, lora: LoRAConfig) -> dict[str, int]:
+    """Make ``model`` a LoRA model in place (see the module docstring); returns counts of what changed:
+    ``adapted`` linears, ``kept`` quantized linears, ``experts`` modules, ``adapter_parameters`` elements."""
+    if is_lora_model(model):
+        raise ValueError("apply_lora: the model already has LoRA modules")
+    keep_base = lora.base_dtype == "fp8"
+    counts = {"adapted": 0, "kept": 0, "experts": 0}
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            full = f"{parent_name}.{child_name}" if parent_name else child_name
+            if isinstance(child, GroupedExperts):
+                adapt = "routed_experts" in lora.targets
+                setattr(parent, child_name, LoRAGroupedExperts.from_experts(
+                    child, lora if adapt else None, "fp4" if keep_base else None))
+                counts["experts"] += 1
+            elif isinstance(child, nn.Linear):
+                hf = K.ours_to_hf(f"{full}.weight")
+                if hf is None:
+                    continue
+                adapt = target_group(hf) in lora.targets
+                keep = "fp8" if keep_base and K.on_disk_format(hf) == "fp8" else None
+                if adapt or keep:
+                    setattr(parent, child_name, LoRALinear(child, lora if adapt else None, keep))
+                    counts["adapted"] += int(adapt)
+                    counts["kept"] += int(bool(keep))
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter_name(name))
+    counts["adapter_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return counts
+
+
+def lora_summary(model: nn.Module, lora: LoRAConfig, counts: dict[str, int]) -> str:
+    """One line for the log: what :func:`apply_lora` adapted and kept, trainable against all parameters (a packed
+    FP4 byte holds two weights)."""
+    total = sum(p.numel() for p in model.parameters()) + sum(
+        b.numel() * (2 if b.dtype == torch.int8 else 1) for b in model.buffers()
+        if b.dtype in (torch.float8_e4m3fn, torch.int8))
+    trainable = counts["adapter_parameters"]
+    return (f"LoRA r={lora.rank} alpha={lora.alpha:g} on {'/'.join(lora.targets)}, base {lora.base_dtype}: "
+            f"{counts['adapted']} adapted linears + {counts['experts']} expert groups, {counts['kept']} linears kept "
+            f"in FP8; {trainable:,} trainable of {total:,} parameters ({100.0 * trainable / max(total, 1):.3f}%)")
+
+
+def adapter_state(model: nn.Module) -> dict[str, Tensor]:
+    """The adapter parameters by state-dict name (what a LoRA checkpoint and the PEFT export hold)."""
+    return {name: p for name, p in model.named_parameters() if is_adapter_name(name)}
+
+
+def merged_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """``(state-dict name, tensor)`` of the plain model this LoRA model stands for: adapters merged and kept
+    weights dequantised (fp32), adapters and kept scales left out; every other tensor as it is."""
+    owners: dict[str, nn.Module] = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, (LoRALinear, LoRAGroupedExperts)):
+            owners[module_name] = module
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        module_name, _, leaf = name.rpartition(".")
+        module = owners.get(module_name)
+        if module is None:
+            yield name, tensor
+        elif isinstance(module, LoRALinear):
+            if leaf == "weight":
+                yield name, module.merged_weight()
+        elif leaf in LoRAGroupedExperts.WEIGHTS:
+            yield name, module.merged_weight(leaf)
+
+
+@torch.no_grad()
+def requantization_loss(model: nn.Module) -> float | None:
+    """How much of the adapters' update a re-quantised export loses: over every adapted weight the release stores
+    in FP8 / FP4, ``||deq(Q(W + dW)) - W - dW|| / ||dW||`` (root of summed squares; 1.0 = all of it rounded away,
+    0 = none). None when no such weight has a non-zero update. ``W`` is the base (dequantised when kept)."""
+    from dsv4.checkpoint.quant import (dequantize_fp4_packed, dequantize_fp8_block, quantize_fp4_packed,
+                                       quantize_fp8_block)
+
+    def roundtrip(w: Tensor, fmt: str) -> Tensor:
+        if fmt == "fp8":
+            return dequantize_fp8_block(*quantize_fp8_block(w), dtype=torch.float32)
+        return dequantize_fp4_packed(*quantize_fp4_packed(w), dtype=torch.float32)
+
+    err = delta = 0.0
+    for module_name, module in model.named_modules():
+        if isinstance(module, LoRALinear) and module.rank:
+            fmt = K.on_disk_format(K.ours_to_hf(f"{module_name}.weight"))
+            pairs = [(module.base_weight(), module.merged_weight(), fmt)]
+        elif isinstance(module, LoRAGroupedExperts) and module.rank:
+            pairs = []
+            for name in module.WEIGHTS:
+                merged = module.merged_weight(name)
+                base = merged - module.scaling * (_full(getattr(module, f"{name}_lora_B")).float()
+                                                  @ _full(getattr(module, f"{name}_lora_A")).float())
+                pairs += [(b, m, "fp4") for b, m in zip(base, merged)]
+        else:
+            continue
+        for base, merged, fmt in pairs:
+            if fmt not in ("fp8", "fp4"):
+                continue
+            d = merged - base
+            err += (roundtrip(merged, fmt) - merged).pow(2).sum().item()
+            delta += d.pow(2).sum().item()
+    return None if delta == 0 else (err / delta) ** 0.5
