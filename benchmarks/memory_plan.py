@@ -20,7 +20,8 @@ The plan (``predicted``) is built from the configuration alone: the model on the
 routing and metadata, per-segment traces composed, the state terms from the sharding rules.
 
 Variants: ``none`` / ``block`` / ``selective`` (``model.activation_checkpointing``, chunked loss), ``logits``
-(no recompute, the loss through full ``[L, vocab]`` logits held until backward is done).
+(no recompute, the loss through full ``[L, vocab]`` logits held until backward is done), ``lora_fp8`` (no
+recompute, LoRA r=8 on every target over the base kept in FP8 / FP4: ``peft=lora peft.base_dtype=fp8``).
 
     python benchmarks/memory_plan.py                                  # tiny and mid, S = 16384, CP 1 2 4
     python benchmarks/memory_plan.py --models tiny --cp 1 2 --seq-len 4096 --variants none
@@ -41,7 +42,13 @@ MODELS: dict[str, dict] = {
                 n_routed_experts=16, moe_intermediate_size=256, num_experts_per_tok=2, index_head_dim=64,
                 index_n_heads=4, index_topk=32, vocab_size=32768, sliding_window=64, attention_chunk_size=256),
 }
-VARIANTS = ("none", "block", "selective", "logits")
+VARIANTS = ("none", "block", "selective", "logits", "lora_fp8")
+
+
+def _lora(variant: str):
+    from dsv4.peft import LoRAConfig
+
+    return LoRAConfig(base_dtype="fp8") if variant == "lora_fp8" else None
 
 
 def _adamw(params):
@@ -53,7 +60,7 @@ def _adamw(params):
 def model_config(model: str, variant: str):
     from dsv4.config import DSV4Config
 
-    recompute = "none" if variant == "logits" else variant
+    recompute = "none" if variant in ("logits", "lora_fp8") else variant
     return DSV4Config.preset("tiny", activation_checkpointing=recompute, **MODELS[model])
 
 
@@ -62,7 +69,7 @@ def predicted_bytes(model: str, variant: str, seq_len: int, cp: int) -> int:
     from dsv4.plan.states import optimizer_profile
 
     setup = PlanSetup(model_config(model, variant), seq_len, cp=cp, dp=1, ep=1, chunked_loss=variant != "logits",
-                      optimizer=optimizer_profile(_adamw))
+                      optimizer=optimizer_profile(_adamw), lora=_lora(variant))
     return memory_plan(setup).total
 
 
@@ -72,15 +79,19 @@ def _mmap_large_blocks() -> None:
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
 
 
-def _build(config, meshes):
+def _build(config, meshes, variant: str):
     import torch
 
     from dsv4.model import DSV4ForCausalLM
     from dsv4.parallel.wrap import apply_fsdp
+    from dsv4.peft import apply_lora
 
     torch.manual_seed(0)
-    model = apply_fsdp(DSV4ForCausalLM(config), meshes)
-    return model, _adamw(model.parameters())
+    model = DSV4ForCausalLM(config)
+    if _lora(variant) is not None:
+        apply_lora(model, _lora(variant))
+    model = apply_fsdp(model, meshes)
+    return model, _adamw([p for p in model.parameters() if p.requires_grad])
 
 
 def _step(model, optimizer, meshes, cp, batch, variant: str) -> None:
@@ -139,12 +150,12 @@ def _rank_body(rank: int, world_size: int, model_name: str, variant: str, seq_le
     short = _document(config, config.shard_multiple * world_size * 2, rank, world_size)
     batch = _document(config, seq_len, rank, world_size)
     # a throw-away model first: what the first step imports and allocates once (autograd engine, FSDP hooks, ...)
-    _step(*_build(config, meshes), meshes, cp, short, variant)
+    _step(*_build(config, meshes, variant), meshes, cp, short, variant)
     gc.collect()
     libc.malloc_trim(0)
     base = current_rss_kib()
     reset_peak_rss()
-    model, optimizer = _build(config, meshes)
+    model, optimizer = _build(config, meshes, variant)
     _step(model, optimizer, meshes, cp, short, variant)  # allocates the optimizer state, as every later step has it
     _step(model, optimizer, meshes, cp, batch, variant)
     rss = max(peak_rss_kib() - base, 0) / 1024

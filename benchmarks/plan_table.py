@@ -1,4 +1,8 @@
-"""The README's "what fits" table: memory plans (``dsv4.plan``) of full fine-tuning V4 Flash and V4 Pro.
+"""The README's "what fits" tables: memory plans (``dsv4.plan``) of fine-tuning V4 Flash and V4 Pro.
+
+``--peft none`` (default): full fine-tuning. ``--peft lora``: LoRA r=8 on attention + shared + routed experts
+(``conf/peft/lora.yaml``) on a frozen base, ``--base-dtype bf16`` (frozen bf16 parameters, FSDP-sharded) or ``fp8``
+(the release's FP8 / FP4 tensors kept as buffers, replicated over DP x CP, experts split by EP).
 
 Layout per GPU count: CP 8 (the sequence split over 8 ranks), DP = GPUs / 8, EP 8 (all-to-all), FSDP2 over
 DP x CP with bf16 compute and fp32 master weights / AdamW state (``conf/optim/adamw.yaml``), block recompute, the
@@ -8,6 +12,7 @@ also prints the table (per-rank GiB; a check mark where it fits 80 GiB and 141 G
 
     python benchmarks/plan_table.py --markdown
     python benchmarks/plan_table.py --models flash --seq-lens 131072 --gpus 64
+    python benchmarks/plan_table.py --peft lora --base-dtype fp8 --ep 0 --markdown   # LoRA: experts over every GPU
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from omegaconf import OmegaConf
 from common import emit
 from dsv4.config import DSV4Config
 from dsv4.model.attention_backend import resolve_attention_backend
+from dsv4.peft.config import LoRAConfig
 from dsv4.plan.plan import GIB, PlanSetup, memory_plan
 from dsv4.plan.states import optimizer_profile
 
@@ -37,9 +43,13 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="*", default=[32768, 65536, 131072])
     parser.add_argument("--gpus", type=int, nargs="*", default=[8, 16, 32, 64])
     parser.add_argument("--cp", type=int, default=8)
-    parser.add_argument("--ep", type=int, default=8)
+    parser.add_argument("--ep", type=int, default=8, help="expert-parallel size; 0 = every GPU (ep = GPUs)")
+    parser.add_argument("--peft", choices=["none", "lora"], default="none")
+    parser.add_argument("--base-dtype", choices=["bf16", "fp8"], default="fp8")
+    parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
+    lora = LoRAConfig(rank=args.rank, base_dtype=args.base_dtype) if args.peft == "lora" else None
     optimizer = optimizer_profile(instantiate(OmegaConf.load(ADAMW), _convert_="all"))  # the recipe's AdamW
     backend = resolve_attention_backend("auto", "cuda")  # what a GPU run of this install uses
     rows = {}
@@ -47,12 +57,14 @@ def main() -> None:
         config = DSV4Config.preset(model, activation_checkpointing="block", attention_backend=backend)
         for seq_len in args.seq_lens:
             for gpus in args.gpus:
-                plan = memory_plan(PlanSetup(config, seq_len, cp=args.cp, dp=gpus // args.cp, ep=args.ep,
-                                             compute_dtype=torch.bfloat16, optimizer=optimizer))
+                ep = args.ep or gpus
+                plan = memory_plan(PlanSetup(config, seq_len, cp=args.cp, dp=gpus // args.cp, ep=ep,
+                                             compute_dtype=torch.bfloat16, optimizer=optimizer, lora=lora))
                 terms = {k: round(v / GIB, 2) for k, v in plan.per_rank_bytes.items()}
                 shape = {"model": model, "seq_len": seq_len, "gpus": gpus, "cp": args.cp, "dp": gpus // args.cp,
-                         "ep": args.ep, "recompute": "block", "attention": backend, "per_rank_gib": terms,
-                         "peak": plan.peak_phase}
+                         "ep": ep, "recompute": "block", "attention": backend, "per_rank_gib": terms,
+                         "peak": plan.peak_phase,
+                         "peft": "none" if lora is None else f"lora r={lora.rank}, base {lora.base_dtype}"}
                 emit("plan_table.per_rank_total", shape, terms["total"], "GiB")
                 rows[(model, seq_len, gpus)] = terms["total"]
     if args.markdown:

@@ -7,7 +7,9 @@
   backpropagates its share ``loss_sum / global_label_count`` (:mod:`dsv4.training.loss`), so the sum over ranks
   is the gradient of the global token mean.
 * Mixed precision (``compute_dtype`` bf16 / fp16): FSDP2 keeps fp32 master parameters (and so fp32 gradients and
-  optimizer state), all-gathers and computes in ``compute_dtype`` and reduces gradients in fp32. The modules the
+  optimizer state), all-gathers and computes in ``compute_dtype`` and reduces gradients in fp32. In a LoRA
+  model (:mod:`dsv4.peft`) a frozen parameter needs no master copy: it is stored in its unit's compute dtype
+  (:func:`store_frozen_in_compute_dtype`), which is what FSDP would have cast it to, so the numbers do not change. The modules the
   released model keeps in fp32 (:data:`FP32_MODULES`: compressors with their gates, hyper-connections, the
   attention sinks) are FSDP units of their own whose parameters are all-gathered and used in fp32.
 """
@@ -27,6 +29,7 @@ from dsv4.model.compressor import Compressor
 from dsv4.model.hyper_connections import HyperConnection, HyperHead
 from dsv4.model.moe import GroupedExperts
 from dsv4.parallel.mesh import Meshes
+from dsv4.peft.apply import is_lora_model
 
 FP32_MODULES = (Compressor, HyperConnection, HyperHead, AttentionSink)
 
@@ -57,6 +60,22 @@ def fsdp_units(model: nn.Module, compute_dtype: torch.dtype = torch.float32,
     return units + [FsdpUnit(model, "dp_cp", compute_dtype, False)]
 
 
+def store_frozen_in_compute_dtype(units: list[FsdpUnit]) -> int:
+    """Cast every frozen floating-point parameter to the ``param_dtype`` of the unit that owns it (the first unit
+    in ``units`` containing it); returns how many were cast. Trainable parameters keep their fp32 master form."""
+    seen: set[int] = set()
+    cast = 0
+    for unit in units:
+        for p in unit.module.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if not p.requires_grad and p.is_floating_point() and p.dtype != unit.param_dtype:
+                p.data = p.data.to(unit.param_dtype)
+                cast += 1
+    return cast
+
+
 def apply_fsdp(
     model: nn.Module, meshes: Meshes, *, compute_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
@@ -65,7 +84,10 @@ def apply_fsdp(
     computing in ``compute_dtype`` (see the module docstring and :func:`fsdp_units`)."""
     # No unit casts its inputs: the embedding output is already in compute_dtype, the fp32 units upcast inside (so
     # the residual streams stay in compute_dtype), and a cast would rebuild the CPContext argument (a dataclass).
-    for unit in fsdp_units(model, compute_dtype, reshard_after_forward):
+    units = fsdp_units(model, compute_dtype, reshard_after_forward)
+    if is_lora_model(model):
+        store_frozen_in_compute_dtype(units)
+    for unit in units:
         policy = MixedPrecisionPolicy(param_dtype=None if unit.param_dtype == torch.float32 else unit.param_dtype,
                                       reduce_dtype=torch.float32, cast_forward_inputs=False)
         fully_shard(unit.module, mesh=getattr(meshes, unit.mesh), mp_policy=policy,

@@ -113,7 +113,8 @@ def trace_segment(name: str, kind: str, run: Callable[[torch.Tensor | None], tor
         tracer.forget(y)
         tracer.default_label = "gradients"  # what backward allocates outside the modules' recomputed forwards
         tracer.reset_peak()
-        y.backward(torch.empty_like(y))
+        if y.requires_grad:  # a frozen segment (a LoRA model's embedding) has no backward
+            y.backward(torch.empty_like(y))
         del y
         backward_peak, at_peak = tracer.peak, dict(tracer.peak_by_label)
         held_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None and p in held)

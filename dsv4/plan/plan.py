@@ -25,7 +25,9 @@ import torch
 from dsv4.config import DSV4Config
 from dsv4.model.model import DSV4ForCausalLM
 from dsv4.parallel.expert_shard import shard_experts
-from dsv4.parallel.wrap import fsdp_units
+from dsv4.parallel.wrap import fsdp_units, store_frozen_in_compute_dtype
+from dsv4.peft.apply import apply_lora
+from dsv4.peft.config import LoRAConfig
 from dsv4.plan.activations import ActivationPlan, StepTracer, cast_for_compute, plan_activations
 from dsv4.plan.states import OptimizerProfile, StateBytes, gradient_shard_bytes, parameter_owners, state_bytes
 
@@ -48,6 +50,7 @@ class PlanSetup:
     optimizer: OptimizerProfile = OptimizerProfile()
     device_memory_bytes: int = 80 * GIB
     chunked_loss: bool = True  # the training step's loss; False: through full [L, vocab] logits
+    lora: LoRAConfig | None = None  # a LoRA fine-tune (dsv4.peft): frozen base, trainable adapters
 
     @property
     def world(self) -> int:
@@ -126,8 +129,12 @@ class MemoryPlan:
             f"memory plan per rank: seq_len {setup.seq_len} x micro_batch_size {setup.micro_batch_size}, cp "
             f"{setup.cp} ({setup.seq_len // setup.cp} tokens per rank), dp {setup.dp}, ep {setup.ep} (world "
             f"{setup.world}); compute {str(setup.compute_dtype).removeprefix('torch.')}, activation_checkpointing "
-            f"{c.activation_checkpointing}, loss chunk {c.loss_chunk_size} rows, attention {c.attention_backend}",
-            _row("parameters", s.parameters, "fp32 master shards + buffers"),
+            f"{c.activation_checkpointing}, loss chunk {c.loss_chunk_size} rows, attention {c.attention_backend}"
+            + ("" if setup.lora is None else f"; LoRA r={setup.lora.rank} on {'/'.join(setup.lora.targets)}, "
+               f"base {setup.lora.base_dtype}"),
+            _row("parameters", s.parameters, "fp32 master shards + buffers" if setup.lora is None else
+                 "adapters: fp32 shards; frozen base: compute-dtype shards" + (
+                     " + kept FP8 / FP4 buffers (replicated)" if setup.lora.base_dtype == "fp8" else "")),
             _row("gradients", s.gradients, "fp32 shards of the trainable parameters (filled during backward)"),
             _row("optimizer", s.optimizer, f"{setup.optimizer.state_bytes:g} bytes per trainable element; the step "
                  f"allocates {_size(s.step_temporary)} ({setup.optimizer.step_temporary.replace('_', ' ')})"),
@@ -170,7 +177,8 @@ class MemoryPlan:
                       "loss_chunk_size": setup.config.loss_chunk_size,
                       "attention_backend": setup.config.attention_backend,
                       "optimizer_state_bytes_per_element": setup.optimizer.state_bytes,
-                      "optimizer_step_temporary": setup.optimizer.step_temporary},
+                      "optimizer_step_temporary": setup.optimizer.step_temporary,
+                      "lora": None if setup.lora is None else setup.lora.as_dict()},
             "communication_bytes": {"gathered": self.states.gathered, "root_gathered": self.states.root_gathered,
                                     "reduce_buffer": self.states.reduce_buffer},
             "activations": {
@@ -189,7 +197,11 @@ def memory_plan(setup: PlanSetup) -> MemoryPlan:
     setup.check()
     with torch.device("meta"):
         model = DSV4ForCausalLM(setup.config)
+    if setup.lora is not None:
+        apply_lora(model, setup.lora)
     shard_experts(model, ep_rank=0, ep_size=setup.ep)
+    if setup.lora is not None:
+        store_frozen_in_compute_dtype(fsdp_units(model, setup.compute_dtype))
     states = state_bytes(model, world=setup.world, ep=setup.ep, compute_dtype=setup.compute_dtype,
                          optimizer=setup.optimizer)
     units = fsdp_units(model, setup.compute_dtype)

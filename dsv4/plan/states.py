@@ -6,13 +6,14 @@ splits every parameter along dim 0 into ``mesh size`` chunks of ``ceil(dim0 / si
 rank holds ``ceil(dim0 / size) * numel / dim0`` elements of it; the mesh is ``dp x cp`` ranks, or ``edp = world /
 ep`` for routed experts.
 
-* parameters: the fp32 shards (master weights) and the buffers (unsharded);
+* parameters: the fp32 shards (master weights) of trainable parameters, frozen ones (a LoRA base) in the dtype they
+  are stored in (their unit's compute dtype), and the buffers (unsharded; a kept FP8 / FP4 LoRA base is buffers);
 * gradients: fp32 shards of the trainable parameters (frozen ones, ``requires_grad=False``, have none);
 * optimizer: bytes per trainable shard element (:func:`optimizer_profile` measures them on the configured
   optimizer: AdamW keeps two fp32 moments, 8 bytes), and the step's temporary (its ``foreach`` / ``fused``);
 * communication buffers: the gathered parameters of the two largest units in their compute dtype (the running
   unit and the one FSDP prefetches), the root unit's (gathered once and kept until backward ends), and the fp32
-  reduce-scatter input of the largest unit's gradients.
+  reduce-scatter input of the unit with the most trainable elements (the root's reduce comes after the others).
 """
 
 from __future__ import annotations
@@ -117,19 +118,20 @@ def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.d
     mesh_size = {"dp_cp": world, "edp": world // ep}
     master, trainable, largest_shard = 0, 0, 0
     gathered: dict[int, int] = {}
+    reduced: dict[int, int] = {}  # per unit: the trainable elements its gradient reduce-scatter takes in
     for p, unit in owners.items():
         local = shard_elements(p, mesh_size[unit.mesh])
-        master += local * 4
+        master += local * p.element_size()
         if p.requires_grad:
             trainable += local
             largest_shard = max(largest_shard, local)
+            reduced[id(unit)] = reduced.get(id(unit), 0) + local * mesh_size[unit.mesh]
         gathered[id(unit)] = gathered.get(id(unit), 0) + local * mesh_size[unit.mesh] * unit.param_dtype.itemsize
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     root = units[-1]
     by_unit = sorted(((gathered.get(id(u), 0), u) for u in units[:-1]), key=lambda t: t[0], reverse=True)
     two_largest = sum(b for b, _ in by_unit[:2])
-    largest_bytes, largest = by_unit[0] if by_unit else (0, root)
-    largest_elements = largest_bytes // largest.param_dtype.itemsize
+    _, largest = by_unit[0] if by_unit else (0, root)
     return StateBytes(
         parameters=master + buffers,
         gradients=trainable * 4,
@@ -137,6 +139,6 @@ def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.d
         step_temporary={"all": trainable, "per_tensor": 2 * largest_shard, "none": 0}[optimizer.step_temporary] * 4,
         gathered=two_largest,
         root_gathered=gathered.get(id(root), 0),
-        reduce_buffer=largest_elements * 4,
+        reduce_buffer=max((n for key, n in reduced.items() if key != id(root)), default=0) * 4,
         largest_unit=type(largest.module).__name__,
     )

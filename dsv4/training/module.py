@@ -5,8 +5,11 @@ device), records their statistics, cuts this CP rank's contiguous slice (:meth:`
 :func:`~dsv4.training.step.forward_step` with the strategy's ``CPContext``, reduces (CE sum, label count) over
 dp x cp so every labelled token counts once, logs ``train/loss`` (token mean over the global batch) and returns
 this rank's share of the loss; FSDP sums the gradients over ranks. After the optimizer step the MoE
-load-balancing bias is updated from the loads of all ranks, and ``last_step_stats`` is published for the
-callbacks.
+load-balancing bias is updated from the loads of all ranks (not under LoRA, whose base stays as it is), and
+``last_step_stats`` is published for the callbacks.
+
+LoRA (``lora``, :mod:`dsv4.peft`): only the adapters are parameters that train; the optimizer sees only them, the
+strategy checkpoints only them, and ``on_train_end`` exports them in the PEFT format and / or the merged model.
 
 Parallelism reaches the module through one typed object, :attr:`DSV4LightningModule.parallel` (the
 :class:`~dsv4.training.strategy.ParallelState` of a :class:`~dsv4.training.strategy.DSV4Strategy`, or the
@@ -16,6 +19,7 @@ single-process state under any other strategy). The optimizer and the LR schedul
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable, Iterable
 
@@ -27,11 +31,14 @@ from dsv4.config import DSV4Config
 from dsv4.distributed import all_reduce_sum, is_initialized
 from dsv4.model import DSV4ForCausalLM
 from dsv4.model.moe import update_load_balancing_bias
+from dsv4.peft.config import LoRAConfig
 from dsv4.parallel.wrap import clip_grad_norm_
 from dsv4.training.loss import reduce_token_loss
 from dsv4.training.stats import StepStats, batch_statistics, document_flops, step_stats_from
 from dsv4.training.step import forward_step
 from dsv4.training.strategy import DSV4Strategy, ParallelState
+
+log = logging.getLogger("dsv4")
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -44,7 +51,11 @@ class DSV4LightningModule(L.LightningModule):
         scheduler: ``optimizer -> LRScheduler`` stepped every optimizer step, or None.
         bias_update_rate: the MoE ``noaux_tc`` bias step after each optimizer step.
         hf_checkpoint: a Hugging Face-format DSV4 checkpoint directory loaded before parallelisation.
-        export_hf_dir / export_dtype: write the trained model there at the end of training.
+        export_hf_dir / export_dtype: write the trained model there at the end of training (merged under LoRA).
+        lora: a :class:`~dsv4.peft.LoRAConfig` for a LoRA fine-tune (None: full fine-tune). The base is frozen
+            (no gradient, no optimizer state, no reduction, no router-bias update), only adapters train.
+        lora_adapter: a PEFT adapter directory to start the adapters from.
+        export_adapter_dir: write the adapters there in the PEFT format at the end of training.
     """
 
     def __init__(
@@ -56,6 +67,9 @@ class DSV4LightningModule(L.LightningModule):
         hf_checkpoint: str | None = None,
         export_hf_dir: str | None = None,
         export_dtype: str = "bfloat16",
+        lora: LoRAConfig | None = None,
+        lora_adapter: str | None = None,
+        export_adapter_dir: str | None = None,
     ) -> None:
         super().__init__()
         self.config = config if isinstance(config, DSV4Config) else DSV4Config.from_dict(dict(config))
@@ -65,6 +79,9 @@ class DSV4LightningModule(L.LightningModule):
         self.hf_checkpoint = hf_checkpoint
         self.export_hf_dir = export_hf_dir
         self.export_dtype = export_dtype
+        self.lora = lora
+        self.lora_adapter = lora_adapter
+        self.export_adapter_dir = export_adapter_dir
         self.model: DSV4ForCausalLM | None = None
         self.last_step_stats: StepStats | None = None
         self._flops = document_flops(self.config)
@@ -81,31 +98,64 @@ class DSV4LightningModule(L.LightningModule):
     def configure_model(self) -> None:
         """Build the model once (idempotent); load weights; let a DSV4Strategy parallelize it (EP, FSDP2).
 
-        Order: full model -> load (non-expert keys + only this EP rank's expert keys) -> EP shard -> FSDP2. Loading
-        before parallelizing keeps plain tensors; the expert rows of other EP ranks are never read.
+        Order: full model -> LoRA (``peft=lora``: adapters, frozen or kept FP8 / FP4 base) -> load (non-expert keys +
+        only this EP rank's expert keys) -> a PEFT adapter (``peft.adapter``) -> EP shard -> FSDP2. Loading before
+        parallelizing keeps plain tensors; the expert rows of other EP ranks are never read.
         """
         if self.model is not None:
             return
         self.model = DSV4ForCausalLM(self.config)
         parallel = self.parallel
+        if self.lora is not None:  # before loading: a kept base receives the checkpoint's FP8 / FP4 bytes as they are
+            from dsv4.peft.apply import apply_lora, lora_summary
+
+            counts = apply_lora(self.model, self.lora)
+            summary = lora_summary(self.model, self.lora, counts)
+            if self._trainer is None or self.global_rank == 0:
+                log.info("%s", summary)
         if self.hf_checkpoint:
             from dsv4.checkpoint import load_hf_checkpoint
 
             ep = parallel.ep_size > 1
             load_hf_checkpoint(self.model, self.hf_checkpoint, ep_rank=parallel.ep_rank if ep else None,
                                ep_size=parallel.ep_size if ep else None)
+        if self.lora_adapter:
+            from dsv4.peft.peft_format import load_peft_adapter
+
+            load_peft_adapter(self.model, self.lora_adapter)
         strategy = self._trainer.strategy if self._trainer is not None else None
         if isinstance(strategy, DSV4Strategy):
             strategy.parallelize(self.model)
 
     def on_train_end(self) -> None:
-        """``export.hf_dir``: write the trained model in the HF layout (every rank gathers, global rank 0 writes)."""
+        """``export.adapter_dir``: the adapters in the PEFT format; ``export.hf_dir``: the trained model in the HF
+        layout (merged under LoRA). Every rank gathers, global rank 0 writes."""
+        write = self.trainer.global_rank == 0
+        if self.export_adapter_dir:
+            from dsv4.peft.peft_format import export_peft_adapter
+
+            export_peft_adapter(self.model, self.export_adapter_dir, self.lora, base_model=self.hf_checkpoint,
+                                write=write)
+            if write:
+                log.info("wrote the LoRA adapters (PEFT format) to %s", self.export_adapter_dir)
         if not self.export_hf_dir:
             return
         from dsv4.checkpoint import export_hf_checkpoint
 
-        export_hf_checkpoint(self.model, self.export_hf_dir, dtype=self.export_dtype,
-                             write=self.trainer.global_rank == 0)
+        tensors = None
+        if self.lora is not None:
+            from dsv4.peft.apply import merged_tensors, requantization_loss
+
+            tensors = merged_tensors(self.model)
+            if self.export_dtype == "quantized":
+                lost = requantization_loss(self.model)
+                if lost is not None and lost > 0.1:
+                    log.warning("export.merge with export.dtype=quantized: re-quantising the merged FP8 / FP4 weights "
+                                "rounds away %.0f%% of the LoRA update (relative L2); export bfloat16 or ship the "
+                                "adapter (export.adapter_dir)", 100 * lost)
+                elif lost is not None:
+                    log.info("re-quantised merge keeps the LoRA update within %.1f%% (relative L2)", 100 * lost)
+        export_hf_checkpoint(self.model, self.export_hf_dir, dtype=self.export_dtype, write=write, tensors=tensors)
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory([p for p in self.parameters() if p.requires_grad])
@@ -144,7 +194,9 @@ class DSV4LightningModule(L.LightningModule):
     def _after_optimizer_step(self) -> None:
         parallel = self.parallel
         # every router sees different tokens: sum the expert loads of all ranks, apply the same update everywhere
-        update_load_balancing_bias(self.model, self.bias_update_rate, reduce=all_reduce_sum if is_initialized() else None)
+        if self.lora is None:  # LoRA keeps the whole base, router biases included, as it is
+            update_load_balancing_bias(self.model, self.bias_update_rate,
+                                       reduce=all_reduce_sum if is_initialized() else None)
         totals = self._batch_stats
         if parallel.dp_group is not None:
             totals = all_reduce_sum(totals, parallel.dp_group)

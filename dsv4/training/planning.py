@@ -85,6 +85,7 @@ def plan_setup(cfg: DictConfig, config: DSV4Config, world: int | None, device_me
     from dsv4.plan.states import optimizer_profile
     from dsv4.model.attention_backend import resolve_attention_backend
     from dsv4.training.run import build_optimization, device_type_of
+    from dsv4.training.schema import lora_config
     from dsv4.training.strategy import compute_dtype_for
 
     if world is None and os.environ.get("WORLD_SIZE", "").isdigit():
@@ -107,7 +108,7 @@ def plan_setup(cfg: DictConfig, config: DSV4Config, world: int | None, device_me
     return PlanSetup(
         config=config, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, cp=cfg.cp, dp=dp, ep=cfg.ep,
         compute_dtype=compute_dtype_for(str(trainer_cfg.get("precision", "auto")), config.torch_dtype),
-        optimizer=optimizer_profile(optimizer), device_memory_bytes=device_memory,
+        optimizer=optimizer_profile(optimizer), device_memory_bytes=device_memory, lora=lora_config(cfg.peft),
     )
 
 

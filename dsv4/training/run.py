@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsv4.config import DSV4Config, check_cp_length
 from dsv4.parallel.mesh import ParallelDims
-from dsv4.training.schema import model_config
+from dsv4.training.schema import lora_config, model_config
 from dsv4.training.strategy import compute_dtype_for
 
 log = logging.getLogger("dsv4")
@@ -120,13 +120,25 @@ def validate(cfg: DictConfig) -> tuple[DSV4Config, int | None]:
     checkpoint = cfg.model.checkpoint
     if checkpoint and not os.path.isdir(checkpoint):
         raise ValueError(f"`model.checkpoint`={checkpoint!r} is not a directory")
+    lora = lora_config(cfg.peft)
+    adapter = cfg.peft.get("adapter")
+    if adapter and (lora is None or not os.path.isdir(adapter)):
+        raise ValueError(f"`peft.adapter`={adapter!r} " + ("needs peft=lora" if lora is None else "is not a directory"))
+    if lora is None and (cfg.export.adapter_dir or cfg.export.merge):
+        raise ValueError("`export.adapter_dir` / `export.merge` need peft=lora (a full fine-tune has no adapters)")
+    if lora is not None and cfg.export.hf_dir and not cfg.export.merge:
+        raise ValueError("`export.hf_dir` with peft=lora writes the merged model: set export.merge=true (or "
+                         "export.adapter_dir for the adapters alone)")
+    if cfg.export.merge and not cfg.export.hf_dir:
+        raise ValueError("`export.merge=true` needs `export.hf_dir` (where the merged model goes)")
     if cfg.export.hf_dir:
         from dsv4.checkpoint import EXPORT_DTYPES
 
         if cfg.export.dtype not in EXPORT_DTYPES:
             raise ValueError(f"`export.dtype`={cfg.export.dtype!r} must be one of {EXPORT_DTYPES}")
-        if cfg.ep > 1:
-            raise ValueError("`export.hf_dir` with ep > 1 is not supported yet (experts would need unsharding)")
+    if (cfg.export.hf_dir or cfg.export.adapter_dir) and cfg.ep > 1:
+        raise ValueError("`export.hf_dir` / `export.adapter_dir` with ep > 1 are not supported yet (experts would "
+                         "need unsharding)")
     build_optimization(cfg, [torch.nn.Parameter(torch.zeros(1))])
     build_callbacks(cfg)
     from dsv4.training.planning import plan_options
@@ -209,7 +221,9 @@ def build_module(cfg: DictConfig, config: DSV4Config):
     optimizer, scheduler = build_optimization(cfg, [torch.nn.Parameter(torch.zeros(1))])
     return DSV4LightningModule(config, optimizer=optimizer, scheduler=scheduler,
                                bias_update_rate=cfg.bias_update_rate, hf_checkpoint=cfg.model.checkpoint,
-                               export_hf_dir=cfg.export.hf_dir, export_dtype=cfg.export.dtype)
+                               export_hf_dir=cfg.export.hf_dir, export_dtype=cfg.export.dtype,
+                               lora=lora_config(cfg.peft), lora_adapter=cfg.peft.get("adapter"),
+                               export_adapter_dir=cfg.export.adapter_dir)
 
 
 def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:

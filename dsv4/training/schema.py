@@ -90,10 +90,38 @@ class CheckpointConfig:
 @dataclass
 class ExportConfig:
     """``hf_dir``: write the trained model there at the end of training in the HF layout (``dsv4.checkpoint``);
-    ``dtype``: bfloat16 | float32 | quantized (release FP8/FP4 formats)."""
+    ``dtype``: bfloat16 | float32 | quantized (release FP8/FP4 formats); ``adapter_dir`` (LoRA): the adapters in
+    the PEFT format; ``merge`` (LoRA): ``hf_dir`` gets the merged model."""
 
     hf_dir: Optional[str] = None
     dtype: str = "bfloat16"
+    adapter_dir: Optional[str] = None
+    merge: bool = False
+
+
+@dataclass
+class PeftGroupConfig:
+    """The ``peft`` group: ``name`` none | lora and the :class:`dsv4.peft.LoRAConfig` fields; ``adapter``: a PEFT
+    adapter directory to start from."""
+
+    name: str = "none"
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: List[str] = field(default_factory=lambda: ["attention", "shared_experts", "routed_experts"])
+    base_dtype: str = "bf16"
+    adapter: Optional[str] = None
+
+
+def lora_config(peft_cfg: Any):
+    """The :class:`dsv4.peft.LoRAConfig` of a composed ``peft`` group (None for ``peft=none``)."""
+    from omegaconf import OmegaConf
+
+    from dsv4.peft.config import LoRAConfig
+
+    values = OmegaConf.to_container(peft_cfg, resolve=True) if not isinstance(peft_cfg, dict) else dict(peft_cfg)
+    values.pop("adapter", None)
+    return LoRAConfig.from_mapping(values)
 
 
 @dataclass
@@ -107,6 +135,7 @@ class FinetuneConfig:
     dry_run: bool = False
     bias_update_rate: float = 1e-3
     model: ModelConfig = field(default_factory=ModelConfig)
+    peft: PeftGroupConfig = field(default_factory=PeftGroupConfig)
     data: DataConfig = field(default_factory=DataConfig)
     dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
     trainer: Dict[str, Any] = field(default_factory=dict)

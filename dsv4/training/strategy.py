@@ -12,13 +12,15 @@
   (:func:`dsv4.parallel.wrap.apply_fsdp`) in ``compute_dtype`` (FSDP2 mixed precision: fp32 master weights,
   optimizer state and gradient reduction; :func:`compute_dtype_for` maps the trainer's precision).
 * Checkpoints: the parent's distributed (DCP) save/load of model and optimizer; loop, scheduler, data position and
-  RNG travel in ``meta.pt``.
+  RNG travel in ``meta.pt``. A LoRA model (:mod:`dsv4.peft`) saves and loads only its adapters (and the optimizer,
+  which holds nothing else): the frozen base comes from the model's own source (init seed or ``model.checkpoint``).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +32,8 @@ from dsv4.distributed import ProcessGroup
 from dsv4.parallel.expert_shard import apply_expert_parallel
 from dsv4.parallel.mesh import Meshes, ParallelDims, build_meshes
 from dsv4.parallel.wrap import apply_fsdp
+from dsv4.peft.apply import is_lora_model
+from dsv4.peft.lora import is_adapter_name
 
 
 PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -109,3 +113,36 @@ class DSV4Strategy(ModelParallelStrategy):
         if self.ep_size > 1 or self.dispatcher != "local":
             apply_expert_parallel(model, self.dispatcher, self.meshes.ep.get_group(), self.root_device.type)
         apply_fsdp(model, self.meshes, compute_dtype=self.compute_dtype)
+
+    # ------------------------------------------------------------------ LoRA: adapter-only checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if self.model is not None and is_lora_model(self.model):
+            state = {k: v for k, v in state.items() if is_adapter_name(k)}
+        return state
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """A LoRA model reads its adapters and the optimizer from the DCP checkpoint (the base is not in it);
+        anything else loads as the parent does. Returns the metadata (``meta.pt``) for the loops."""
+        if self.model is None or not is_lora_model(self.model):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_load
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_dir():
+            raise ValueError(f"`checkpoint.resume`={str(path)!r}: a LoRA run resumes from its own DCP checkpoint "
+                             "directory (adapters + optimizer); start from a PEFT adapter with peft.adapter=DIR")
+        adapters = {k: v for k, v in get_model_state_dict(self.model).items() if is_adapter_name(k)}
+        _distributed_checkpoint_load({"state_dict": adapters}, path)
+        set_model_state_dict(self.model, adapters, options=StateDictOptions(strict=False))
+        for idx, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{idx}"
+            state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            _distributed_checkpoint_load(state, path)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key],
+                                     options=StateDictOptions(cpu_offload=True))
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)

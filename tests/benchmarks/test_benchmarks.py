@@ -56,9 +56,9 @@ def test_train_throughput_measures_only_the_steps_after_warmup():
 @pytest.mark.e2e
 def test_memory_plan_agrees_with_the_measured_step():
     rows = _run("memory_plan.py", "--models", "tiny", "--cp", "1", "2", "--seq-len", "1024", "--variants", "block",
-                "logits", timeout=600)
+                "logits", "lora_fp8", timeout=900)
     ratios = [r for r in rows if r["name"] == "memory_plan.tensors_over_predicted"]
-    assert len(ratios) == 4 and all(0.9 <= r["value"] <= 1.1 for r in ratios), ratios
+    assert len(ratios) == 6 and all(0.9 <= r["value"] <= 1.1 for r in ratios), ratios
     assert all(r["value"] > 0 for r in rows if r["name"] == "memory_plan.measured_rss")
 
 
@@ -79,3 +79,14 @@ def test_attention_cpu_checks_the_dense_path_and_reports_the_speedup():
     rows = _run("attention_cpu.py", "--seq-lens", "256", "--ratios", "4", "0", "--repeats", "1")
     speedups = {r["shape"]["ratio"]: r["value"] for r in rows if r["name"] == "attention_cpu.speedup_over_dense"}
     assert set(speedups) == {4, 0} and all(v > 0 for v in speedups.values())
+
+
+@pytest.mark.e2e
+def test_lora_benchmark_measures_the_kept_base_and_the_merge():
+    measured = _run("lora.py", "--quick")
+    rows = {r["name"]: r for r in measured}
+    assert rows["lora.kept_base_bytes.vs_checkpoint"]["value"] == 1.0  # the release's own bytes, nothing more
+    assert 0.25 < rows["lora.kept_base_bytes.vs_bf16"]["value"] < 0.5  # FP4 experts + FP8 linears vs 2 bytes each
+    assert rows["lora.requantized_merge.update_lost"]["value"] > 0
+    variants = {r["shape"]["variant"] for r in measured if r["name"] == "lora.step.tokens_per_s"}
+    assert variants == {"full", "lora_bf16", "lora_fp8"}

@@ -66,6 +66,11 @@ def test_every_group_option_composes_and_builds(tmp_path, monkeypatch):
             build_callbacks(cfg)
             logger = build_logger(cfg, tmp_path / option)
             assert logger is False or logger.save_dir == str(tmp_path / option)
+    from dsv4.training.schema import lora_config
+
+    assert lora_config(_compose(["peft=none"]).peft) is None
+    lora = lora_config(_compose(["peft=lora", "peft.rank=4", "peft.base_dtype=fp8"]).peft)
+    assert (lora.rank, lora.alpha, lora.base_dtype) == (4, 16.0, "fp8") and "routed_experts" in lora.targets
     cfg = _compose(["experiment=flash_cp8"])
     assert cfg.cp == 8 and model_config(cfg.model).num_hidden_layers == 43 and cfg.dispatcher.name == "alltoall"
 

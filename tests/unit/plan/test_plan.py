@@ -58,3 +58,28 @@ def test_longer_sequences_need_more_and_cp_divides_the_activations():
 def test_bad_setups_raise_before_building(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         memory_plan(PlanSetup(DSV4Config.preset("tiny"), **kwargs))
+
+
+@pytest.mark.parametrize("base_dtype", ["bf16", "fp8"])
+def test_lora_plan_counts_adapters_the_frozen_base_and_the_kept_buffers(base_dtype):
+    """Against a real (CPU) LoRA model built the same way: gradients and AdamW state for the adapters only (fp32, 4
+    and 8 bytes per element); parameters = adapters in fp32 + the frozen base in its unit's compute dtype (bf16, the
+    fp32 modules fp32) + every buffer (the kept FP8 / FP4 base at its checkpoint bytes)."""
+    from dsv4.model import DSV4ForCausalLM
+    from dsv4.parallel.wrap import fsdp_units, store_frozen_in_compute_dtype
+    from dsv4.peft import LoRAConfig, apply_lora
+
+    lora = LoRAConfig(rank=4, base_dtype=base_dtype)
+    config = DSV4Config.preset("tiny")
+    plan = memory_plan(PlanSetup(config, seq_len=512, compute_dtype=torch.bfloat16, lora=lora))
+    model = DSV4ForCausalLM(config)
+    apply_lora(model, lora)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert plan.states.gradients == 4 * adapters and plan.states.optimizer == 8 * adapters
+    store_frozen_in_compute_dtype(fsdp_units(model, torch.bfloat16))
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert plan.states.parameters == 4 * adapters + frozen + buffers
+    full = memory_plan(PlanSetup(config, seq_len=512, compute_dtype=torch.bfloat16))
+    assert plan.states.parameters < full.states.parameters and plan.total < full.total
+    assert "LoRA r=4" in plan.report() and plan.as_dict()["setup"]["lora"]["base_dtype"] == base_dtype
