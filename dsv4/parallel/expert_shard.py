@@ -109,7 +109,9 @@ def unshard_experts(model: nn.Module, ep_group: EPGroup = None) -> int:
         for name in experts.stacked_names():
             piece = getattr(experts, name)
             full = torch.empty((experts.num_experts, *piece.shape[1:]), dtype=piece.dtype, device=piece.device)
-            all_gather_into(full, piece.detach().contiguous(), group)
+            # one-byte kept formats (float8 weights and e8m0 scales of a LoRA base) travel as raw bytes
+            raw = (lambda t: t.view(torch.uint8)) if piece.element_size() == 1 else (lambda t: t)
+            all_gather_into(raw(full), raw(piece.detach().contiguous()), group)
             _replace_stacked(experts, name, full)
         experts.expert_offset = 0
         experts.num_local_experts = experts.num_experts

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from dsv4.checkpoint import keys as K
 from dsv4.model.moe import GroupedExperts
 from dsv4.peft.config import LoRAConfig
-from dsv4.peft.lora import LoRAGroupedExperts, LoRALinear, _full, is_adapter_name
+from dsv4.peft.lora import LoRAGroupedExperts, LoRALinear, is_adapter_name
 
 _TARGET_OF = [
     ("attention", re.compile(r"(^|\.)attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$")),
@@ -135,12 +135,8 @@ def requantization_loss(model: nn.Module) -> float | None:
             fmt = K.on_disk_format(K.ours_to_hf(f"{module_name}.weight"))
             pairs = [(module.base_weight(), module.merged_weight(), fmt)]
         elif isinstance(module, LoRAGroupedExperts) and module.rank:
-            pairs = []
-            for name in module.WEIGHTS:
-                merged = module.merged_weight(name)
-                base = merged - module.scaling * (_full(getattr(module, f"{name}_lora_B")).float()
-                                                  @ _full(getattr(module, f"{name}_lora_A")).float())
-                pairs += [(b, m, "fp4") for b, m in zip(base, merged)]
+            pairs = [(b, m, "fp4") for name in module.WEIGHTS
+                     for b, m in zip(module.base_weight(name), module.merged_weight(name))]
         else:
             continue
         for base, merged, fmt in pairs:

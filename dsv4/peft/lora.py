@@ -34,7 +34,8 @@ def is_adapter_name(name: str) -> bool:
     return name.endswith(ADAPTER_SUFFIXES)
 
 
-def _full(t: Tensor) -> Tensor:
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole tensor of an FSDP2 ``DTensor`` shard (a collective: every rank calls it); a plain tensor as is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
@@ -102,15 +103,15 @@ class LoRALinear(nn.Module):
     def base_weight(self) -> Tensor:
         """The frozen base weight as fp32 ``[out, in]`` (dequantised when kept), a full tensor."""
         if self.keep:
-            return dequantize_kept(_full(self.weight), _full(self.scale), torch.float32)
-        return _full(self.weight).float()
+            return dequantize_kept(full_tensor(self.weight), full_tensor(self.scale), torch.float32)
+        return full_tensor(self.weight).float()
 
     @torch.no_grad()
     def merged_weight(self) -> Tensor:
         """``W + (alpha / r) B A`` in fp32, full (gathers sharded adapters: a collective under FSDP)."""
         w = self.base_weight()
         if self.rank:
-            w = w + self.scaling * (_full(self.lora_B).float() @ _full(self.lora_A).float())
+            w = w + self.scaling * (full_tensor(self.lora_B).float() @ full_tensor(self.lora_A).float())
         return w
 
     def extra_repr(self) -> str:
@@ -180,16 +181,20 @@ class LoRAGroupedExperts(GroupedExperts):
         return y + expert_linear(a, getattr(self, f"{name}_lora_B").to(x.dtype), tokens_per_expert, offs) * self.scaling
 
     @torch.no_grad()
-    def merged_weight(self, name: str) -> Tensor:
-        """``W_e + (alpha / r) B_e A_e`` for every local expert, fp32 ``[E_local, out, in]`` (full tensors)."""
+    def base_weight(self, name: str) -> Tensor:
+        """The frozen ``W_e`` of every local expert, fp32 ``[E_local, out, in]`` (dequantised when kept)."""
         weight = getattr(self, name)
         if self.keep:
-            w = dequantize_kept(_full(weight), _full(getattr(self, f"{name}_scale")), torch.float32)
-        else:
-            w = _full(weight).float()
+            return dequantize_kept(full_tensor(weight), full_tensor(getattr(self, f"{name}_scale")), torch.float32)
+        return full_tensor(weight).float()
+
+    @torch.no_grad()
+    def merged_weight(self, name: str) -> Tensor:
+        """``W_e + (alpha / r) B_e A_e`` for every local expert, fp32 ``[E_local, out, in]`` (full tensors)."""
+        w = self.base_weight(name)
         if self.rank:
-            w = w + self.scaling * (_full(getattr(self, f"{name}_lora_B")).float()
-                                    @ _full(getattr(self, f"{name}_lora_A")).float())
+            w = w + self.scaling * (full_tensor(getattr(self, f"{name}_lora_B")).float()
+                                    @ full_tensor(getattr(self, f"{name}_lora_A")).float())
         return w
 
     def extra_repr(self) -> str:

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from dsv4.checkpoint import keys as K
 from dsv4.checkpoint.safetensors_io import CheckpointDir, TensorReader
 from dsv4.peft.config import LoRAConfig
-from dsv4.peft.lora import LoRAGroupedExperts, LoRALinear, _full
+from dsv4.peft.lora import LoRAGroupedExperts, LoRALinear, full_tensor
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -81,7 +81,7 @@ def export_peft_adapter(model: nn.Module, path: str, lora: LoRAConfig, *, base_m
     hold every expert (``unshard_experts`` first under EP)."""
     tensors: dict[str, Tensor] = {}
     for key, param, row in _adapter_slots(model):
-        value = _full(param).detach()
+        value = full_tensor(param).detach()
         tensors[key] = (value if row is None else value[row]).float().cpu().contiguous()
     for module in model.modules():
         if isinstance(module, LoRAGroupedExperts) and module.rank and module.num_local_experts != module.num_experts:
