@@ -53,13 +53,19 @@ def test_lora_run_checkpoints_only_adapters_and_optimizer(lora_run):
 
 
 def test_lora_resume_continues_the_same_trajectory(lora_run, tmp_path):
+    """Resume from the step-2 checkpoint; this run also exports a re-quantised merge, which must say how much of
+    the update the FP8 / FP4 rounding loses."""
     resumed_dir = tmp_path / "resumed"
-    run_recipe([*lora_run["args"], "trainer.max_steps=4", "checkpoint.every_n_steps=2",
-                f"checkpoint.resume={lora_run['run'] / 'checkpoints' / 'step2.ckpt'}"], resumed_dir)
+    proc = run_recipe([*lora_run["args"], "trainer.max_steps=4", "checkpoint.every_n_steps=2",
+                       f"checkpoint.resume={lora_run['run'] / 'checkpoints' / 'step2.ckpt'}", "export.merge=true",
+                       f"export.hf_dir={tmp_path / 'merged_q'}", "export.dtype=quantized"], resumed_dir)
     resumed, reference = losses(resumed_dir), losses(lora_run["run"])
     assert sorted(resumed) == [2, 3]
     for step in (2, 3):
         assert abs(resumed[step] - reference[step]) <= 1e-5, (step, resumed[step], reference[step])
+    log = proc.stdout + proc.stderr
+    assert "re-quantising the merged FP8 / FP4 weights rounds away" in log or "re-quantised merge keeps" in log
+    assert (tmp_path / "merged_q" / "config.json").exists()
 
 
 def test_lora_exports_the_adapter_and_the_merged_model(lora_run):
