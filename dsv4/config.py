@@ -124,7 +124,8 @@ class DSV4Config:
     torch_dtype: str = "bfloat16"
     # dsv4 additions (not in the reference config)
     mtp_loss_weight: float = 0.1  # weight of the MTP loss (the DeepSeek-V3/V4 reports' default)
-    train_indexer: bool = False
+    # KL of the CSA indexer against the main attention (dsv4.model.indexer_loss); > 0 trains the indexer
+    indexer_loss_coeff: float = 0.0
     attention_chunk_size: int = 256
     loss_chunk_size: int = 1024  # rows per [rows, vocab] logits block of the chunked loss (return_logits=False)
     activation_checkpointing: str = "none"  # none | block | selective (dsv4.model.recompute)
@@ -164,6 +165,8 @@ class DSV4Config:
             fail("hc_eps", f"must be >= 0, got {self.hc_eps}")
         if self.mtp_loss_weight < 0:
             fail("mtp_loss_weight", f"must be >= 0, got {self.mtp_loss_weight}")
+        if not self.indexer_loss_coeff >= 0:
+            fail("indexer_loss_coeff", f"must be >= 0, got {self.indexer_loss_coeff}")
         if not self.swiglu_limit > 0:
             fail("swiglu_limit", f"must be > 0, got {self.swiglu_limit}")
 

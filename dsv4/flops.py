@@ -57,8 +57,8 @@ For comparison :func:`dense_equivalent_attention_flops_per_token` is dense causa
 Training
 --------
 ``training = 3 * trainable_forward + 1 * forward_only``: backward costs twice the forward (input and weight
-gradients). The indexer (its projections and its scoring) is forward-only unless ``config.train_indexer`` (its
-parameters are frozen and its top-k output carries no gradient).
+gradients). The indexer (its projections and its scoring) is forward-only unless ``config.indexer_loss_coeff > 0``
+(its parameters are frozen and its top-k output carries no gradient).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ from dsv4.config import DSV4Config
 CSA_RATIO = 4
 BACKWARD_FACTOR = 2  # backward = 2 x forward (grad of the input and of the weight)
 
-# Breakdown keys (see forward_flops_breakdown); the indexer ones are forward-only unless train_indexer.
+# Breakdown keys (see forward_flops_breakdown); the indexer ones are forward-only unless indexer_loss_coeff > 0.
 BREAKDOWN_KEYS = (
     "attention_projections",
     "compressor",
@@ -239,7 +239,7 @@ def forward_flops_per_token(config: DSV4Config, seq_len: int) -> float:
 def training_flops_per_token(config: DSV4Config, seq_len: int) -> float:
     """Forward + backward FLOPs per real token: ``3 x`` trainable parts, ``1 x`` the frozen indexer."""
     parts = forward_flops_breakdown(config, seq_len)
-    forward_only = set() if config.train_indexer else set(INDEXER_KEYS)
+    forward_only = set() if config.indexer_loss_coeff > 0 else set(INDEXER_KEYS)
     return sum(v * (1 if k in forward_only else 1 + BACKWARD_FACTOR) for k, v in parts.items())
 
 

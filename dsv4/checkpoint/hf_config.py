@@ -19,7 +19,7 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_CONFIG_BYTES = 1 << 20  # a release config.json is a few KB
 # dsv4 training knobs that are not part of the release format.
-_DSV4_ONLY_FIELDS = ("mtp_loss_weight", "train_indexer", "attention_chunk_size", "loss_chunk_size",
+_DSV4_ONLY_FIELDS = ("mtp_loss_weight", "indexer_loss_coeff", "attention_chunk_size", "loss_chunk_size",
                      "activation_checkpointing", "attention_backend")
 QUANTIZATION_CONFIG: dict[str, Any] = {
     "quant_method": "fp8",

@@ -8,7 +8,9 @@ Per layer with compress ratio ``r`` (0 = SWA, 4 = CSA, other = HCA-style full co
 * Keys: sliding window over raw kv; ``r > 0`` adds compressed rows (``Compressor``); ``r == 4`` restricts them to
   the ``Indexer`` top-k. The sparse-attention kernel (``config.attention_backend``: the torch reference or the
   Triton kernels, :mod:`dsv4.model.attention_backend`) does the softmax with the learned per-head sink (zero-init,
-  fp32).
+  fp32). With ``config.indexer_loss_coeff > 0`` (training) a CSA layer also keeps its indexer KL sum
+  (:mod:`dsv4.model.indexer_loss`) in ``indexer_loss`` for the model to collect (a module attribute, not the
+  metadata: FSDP's hooks may hand a block a copy of its arguments).
 * Output: inverse RoPE, grouped low-rank ``wo_a`` (block-diagonal, ``o_groups`` groups of ``H/G`` heads each
   ``H/G*D -> o_lora_rank``), then ``wo_b: G*o_lora_rank -> d_m``.
 
@@ -36,7 +38,9 @@ from dsv4.model.attention_backend import attention_kernel
 from dsv4.model.attention_metadata import AttentionMetadata
 from dsv4.model.compressor import Compressor
 from dsv4.model.indexer import Indexer
+from dsv4.model.indexer_loss import indexer_kl_sum, zero_gradient
 from dsv4.model.norm import RMSNorm
+from dsv4.model.recompute import is_recomputing
 from dsv4.model.rope import apply_rope
 from dsv4.model.sparse_attention import sparse_attention
 
@@ -98,6 +102,7 @@ class DSV4Attention(nn.Module):
         self.wo_b = nn.Linear(self.n_groups * config.o_lora_rank, d_m, bias=False)
         self.compressor = Compressor(d_m, self.head_dim, self.ratio, eps) if self.ratio > 0 else None
         self.indexer = Indexer(config) if self.ratio == 4 else None
+        self.indexer_loss: Tensor | None = None  # this forward's indexer KL sum (training the indexer), see forward
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -145,7 +150,8 @@ class DSV4Attention(nn.Module):
         if meta.halo:
             kv = torch.cat((cp.halo_exchange(kv, meta.halo, dim=1, kind="halo"), kv), dim=1)  # [B, halo + L, D]
 
-        compressed = comp_seq = comp_pos = topk = local_windows = None
+        compressed = comp_seq = comp_pos = topk = local_windows = student = None
+        train_indexer = self.indexer is not None and self.indexer.trainable and torch.is_grad_enabled()
         if self.ratio > 0:
             windows, key_windows = meta.windows[self.ratio], meta.key_windows[self.ratio]
             local_windows = windows.seq_ids.shape[1]  # this block's own windows, the last rows of key_windows
@@ -155,20 +161,28 @@ class DSV4Attention(nn.Module):
             )
             comp_seq, comp_pos = key_windows.seq_ids, key_windows.positions
             if self.indexer is not None:
-                prev_i = self._prev_features(self.indexer.compressor, x, meta, cp, "index_compressor_halo")
+                # the indexer loss reaches the indexer only: no gradient flows back into the main model
+                x_i, q_lat_i = (zero_gradient(x), zero_gradient(q_lat)) if train_indexer else (x, q_lat)
+                prev_i = self._prev_features(self.indexer.compressor, x_i, meta, cp, "index_compressor_halo")
                 index_keys = self._preceding(
-                    self.indexer.keys(x, windows, prev_features=prev_i), meta, self.ratio, cp, "index_key_gather"
+                    self.indexer.keys(x_i, windows, prev_features=prev_i), meta, self.ratio, cp, "index_key_gather"
                 )
                 topk = self.indexer(
-                    x, q_lat, meta.rope_compress, meta.seq_ids, meta.position_ids, index_keys, comp_seq, comp_pos,
-                    local_windows=local_windows,
+                    x_i, q_lat_i, meta.rope_compress, meta.seq_ids, meta.position_ids, index_keys, comp_seq,
+                    comp_pos, local_windows=local_windows, with_scores=train_indexer,
                 )
+                if train_indexer:
+                    topk, student = topk
 
         kernel = attention_kernel(self.config.attention_backend, q.device)
         tuning = {}
+        if student is not None and kernel is not sparse_attention:
+            raise ValueError("model.indexer_loss_coeff > 0 needs model.attention_backend=torch: the Triton kernel "
+                             "does not return the main attention's probabilities (the indexer loss's teacher) yet")
         if kernel is sparse_attention:
             tuning["chunk_size"] = self.config.attention_chunk_size
             tuning["compressed_local_rows"] = local_windows
+            tuning["compressed_probs"] = student is not None
         out = kernel(
             q,
             kv,
@@ -186,6 +200,11 @@ class DSV4Attention(nn.Module):
             topk_indices=topk,
             **tuning,
         )
+        if student is not None:
+            out, teacher = out
+            loss = indexer_kl_sum(teacher, student)  # a recompute saves what the forward saved: compute it again,
+            if not is_recomputing():  # but count it once
+                self.indexer_loss = loss
         out = apply_rope(out, rope, inverse=True)
         return self.wo_b(self._grouped_wo_a(out))
 

@@ -13,14 +13,18 @@ Memory: scores are computed per query chunk, so the largest intermediate is ``[B
 size ``[L, P]`` in fp32 besides the ``[B, L, k]`` int64 result. Given ``local_windows``, a chunk scores only the
 causal prefix of the keys (on average half of them in a single-document row).
 
-The indexer receives no gradient from the LM loss (top-k is discrete). Its parameters are frozen
-(``requires_grad=False``) and it runs under ``no_grad`` unless ``config.train_indexer``.
+The indexer receives no gradient from the LM loss (top-k is discrete). With ``config.indexer_loss_coeff > 0`` it
+learns from its KL loss against the main attention (:mod:`dsv4.model.indexer_loss`): ``forward(...,
+with_scores=True)`` also returns the scores of the selected rows ``[B, L, k]`` (differentiable, -inf where nothing
+is selected; recomputed per chunk in backward, so nothing of ``[L, k, D_I]`` is kept). Otherwise its parameters are
+frozen (``requires_grad=False``) and it runs under ``no_grad``.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from dsv4.config import DSV4Config
 from dsv4.model.attention_backend import indexer_kernel
@@ -41,17 +45,17 @@ class Indexer(nn.Module):
         self.topk = config.index_topk
         self.chunk_size = config.attention_chunk_size
         self.backend = config.attention_backend  # torch loop or the Triton kernel (dsv4.model.attention_backend)
-        self.train_indexer = config.train_indexer
+        self.trainable = config.indexer_loss_coeff > 0
         self.compressor = Compressor(config.hidden_size, self.head_dim, INDEX_RATIO, config.rms_norm_eps)
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
-        if not self.train_indexer:
+        if not self.trainable:
             for param in self.parameters():
                 param.requires_grad_(False)
 
     def keys(self, x: Tensor, windows: WindowMetadata, prev_features: Tensor | None = None) -> Tensor:
         """Index keys ``[B, P, index_head_dim]`` of the block's complete windows (see ``Compressor.forward``)."""
-        with torch.set_grad_enabled(self.train_indexer and torch.is_grad_enabled()):
+        with torch.set_grad_enabled(self.trainable and torch.is_grad_enabled()):
             return self.compressor(x, windows, prev_features)
 
     def forward(
@@ -65,8 +69,10 @@ class Indexer(nn.Module):
         key_seq_ids: Tensor,
         key_positions: Tensor,
         local_windows: int | None = None,
-    ) -> Tensor:
-        """Top-k compressed-key indices ``[B, L, min(index_topk, P)]`` (int64, ``-1`` = invalid).
+        with_scores: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Top-k compressed-key indices ``[B, L, min(index_topk, P)]`` (int64, ``-1`` = invalid); with
+        ``with_scores`` also the selected rows' scores ``[B, L, k]`` fp32 (for the indexer loss).
 
         Args:
             x: ``[B, L, d_m]`` attention input; q_lat: ``[B, L, q_lora_rank]``; rope: compress table at the query
@@ -80,36 +86,67 @@ class Indexer(nn.Module):
                 of 4, as the model's metadata guarantees). None: every key.
         """
         b, length, _ = x.shape
-        p = keys.shape[1]
-        k = min(self.topk, p)
-        with torch.set_grad_enabled(self.train_indexer and torch.is_grad_enabled()):
+        with torch.set_grad_enabled(self.trainable and torch.is_grad_enabled()):
             q = apply_rope(self.wq_b(q_lat).view(b, length, self.n_heads, self.head_dim), rope)
             w = torch.nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
-            kernel = indexer_kernel(self.backend, x.device)
-            if kernel is not None:  # the same selection, fused (scores exact in fp32 from the same inputs)
-                return kernel(q, w, keys, query_seq_ids, query_positions, key_seq_ids, key_positions, self.topk,
-                              local_windows)
-            q = q.float()
-            keys_f = keys.float()
-            out = []
-            for start in range(0, length, self.chunk_size):
-                end = min(start + self.chunk_size, length)
-                hi = causal_prefix(p, local_windows, end, INDEX_RATIO)
-                # [B, C, H_I, hi] -> weighted sum over heads -> [B, C, hi]
-                logits = torch.einsum("bchd,bpd->bchp", q[:, start:end], keys_f[:, :hi]).relu()
-                scores = torch.einsum("bchp,bch->bcp", logits, w[:, start:end]) * self.head_dim**-0.5
-                allowed = compressed_key_allowed(
-                    query_seq_ids[:, start:end], query_positions[:, start:end], key_seq_ids[:, :hi],
-                    key_positions[:, :hi], INDEX_RATIO,
-                )
-                scores = scores.masked_fill(~allowed, float("-inf"))
-                # Stable descending sort: equal scores (e.g. all heads ReLU'd to 0) pick the lowest window index,
-                # so the choice does not depend on how many other keys (documents, ranks) sit in the row.
-                values, idx = scores.sort(dim=-1, descending=True, stable=True)
-                idx = idx[..., :k].masked_fill(torch.isneginf(values[..., :k]), -1)
-                if idx.shape[-1] < k:  # a short causal prefix: the rest selects nothing
-                    idx = torch.nn.functional.pad(idx, (0, k - idx.shape[-1]), value=-1)
-                out.append(idx)
+        with torch.no_grad():
+            topk = self._select(q.detach(), w.detach(), keys.detach(), query_seq_ids, query_positions, key_seq_ids,
+                                key_positions, local_windows)
+        if not with_scores:
+            return topk
+        return topk, selected_scores(q, w, keys, topk, self.head_dim, self.chunk_size)
+
+    def _select(self, q: Tensor, w: Tensor, keys: Tensor, query_seq_ids: Tensor, query_positions: Tensor,
+                key_seq_ids: Tensor, key_positions: Tensor, local_windows: int | None) -> Tensor:
+        """The top-k selection (no gradient): the Triton kernel where the backend has one, else chunks in torch."""
+        kernel = indexer_kernel(self.backend, q.device)
+        if kernel is not None:  # the same selection, fused (scores exact in fp32 from the same inputs)
+            return kernel(q, w, keys, query_seq_ids, query_positions, key_seq_ids, key_positions, self.topk,
+                          local_windows)
+        b, length = q.shape[:2]
+        p = keys.shape[1]
+        k = min(self.topk, p)
+        q, keys_f = q.float(), keys.float()
+        out = []
+        for start in range(0, length, self.chunk_size):
+            end = min(start + self.chunk_size, length)
+            hi = causal_prefix(p, local_windows, end, INDEX_RATIO)
+            # [B, C, H_I, hi] -> weighted sum over heads -> [B, C, hi]
+            logits = torch.einsum("bchd,bpd->bchp", q[:, start:end], keys_f[:, :hi]).relu()
+            scores = torch.einsum("bchp,bch->bcp", logits, w[:, start:end]) * self.head_dim**-0.5
+            allowed = compressed_key_allowed(
+                query_seq_ids[:, start:end], query_positions[:, start:end], key_seq_ids[:, :hi],
+                key_positions[:, :hi], INDEX_RATIO,
+            )
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            # Stable descending sort: equal scores (e.g. all heads ReLU'd to 0) pick the lowest window index,
+            # so the choice does not depend on how many other keys (documents, ranks) sit in the row.
+            values, idx = scores.sort(dim=-1, descending=True, stable=True)
+            idx = idx[..., :k].masked_fill(torch.isneginf(values[..., :k]), -1)
+            if idx.shape[-1] < k:  # a short causal prefix: the rest selects nothing
+                idx = torch.nn.functional.pad(idx, (0, k - idx.shape[-1]), value=-1)
+            out.append(idx)
         if not out:
-            return torch.empty(b, 0, k, dtype=torch.long, device=x.device)
+            return torch.empty(b, 0, k, dtype=torch.long, device=q.device)
         return torch.cat(out, dim=1)
+
+
+def _chunk_selected_scores(q: Tensor, w: Tensor, keys: Tensor, topk: Tensor, head_dim: int) -> Tensor:
+    """``q [B, C, H, D]``, ``w [B, C, H]``, ``keys [B, P, D]``, ``topk [B, C, k]`` -> ``[B, C, k]`` scores."""
+    batch = torch.arange(q.shape[0], device=q.device)[:, None, None]
+    picked = keys[batch, topk.clamp(min=0)].float()  # [B, C, k, D]
+    logits = torch.einsum("bchd,bckd->bchk", q.float(), picked).relu()
+    scores = torch.einsum("bchk,bch->bck", logits, w.float()) * head_dim**-0.5
+    return scores.masked_fill(topk < 0, float("-inf"))
+
+
+def selected_scores(q: Tensor, w: Tensor, keys: Tensor, topk: Tensor, head_dim: int, chunk_size: int) -> Tensor:
+    """The indexer scores of the selected rows, ``[B, L, k]`` fp32 (-inf where ``topk`` is -1), differentiable in
+    ``q``, ``w`` and ``keys``; each query chunk is recomputed in backward (the gathered ``[B, C, k, D]`` keys are
+    never kept)."""
+    out = [checkpoint(_chunk_selected_scores, q[:, s:s + chunk_size], w[:, s:s + chunk_size], keys,
+                      topk[:, s:s + chunk_size], head_dim, use_reentrant=False)
+           for s in range(0, q.shape[1], chunk_size)]
+    if not out:
+        return q.new_zeros(*topk.shape, dtype=torch.float32)
+    return torch.cat(out, dim=1)

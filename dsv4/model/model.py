@@ -7,7 +7,9 @@ Public contract::
     out.logits        [B, L, vocab] fp32, for this rank's L local tokens (None with return_logits=False)
     out.mtp_logits    list of [B, L, vocab] fp32, one per MTP depth
     out.loss          (labels given) loss_sum / label_count
-    out.loss_sum      CE_sum + mtp_loss_weight * mean_d(MTP_CE_sum_d)   (one scalar: reduce it over ranks)
+    out.loss_sum      CE_sum + mtp_loss_weight * mean_d(MTP_CE_sum_d) + indexer_loss_coeff * indexer_loss_sum
+                      (one scalar: reduce it over ranks)
+    out.indexer_loss_sum  (training, indexer_loss_coeff > 0) the indexer's KL sum, mean over CSA layers
     out.label_count   number of labels != -100 (main head)
 
 ``packed_seq_ids`` are 1-based document ids (0 = a slot holding no real token), ``position_ids`` document-local,
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4.model.attention import DSV4Attention
 from dsv4.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from dsv4.model.block import DSV4Block
 from dsv4.model.chunked_loss import linear_cross_entropy
@@ -57,6 +60,7 @@ class DSV4Output:
     ce_loss_sum: torch.Tensor | None = None
     mtp_loss_sums: list[torch.Tensor] = field(default_factory=list)
     mtp_label_counts: list[torch.Tensor] = field(default_factory=list)
+    indexer_loss_sum: torch.Tensor | None = None
 
 
 @dataclass
@@ -145,23 +149,34 @@ class DSV4ForCausalLM(nn.Module):
             raise ValueError("return_logits=False computes only the loss: pass labels")
         inputs = resolve_inputs(self.config, input_ids, position_ids, packed_seq_ids, padding_mask, cp, labels,
                                 batch_keys)
-        hidden, mtp_hiddens, mtp_labels = self._hidden_states(inputs)
+        hidden, mtp_hiddens, mtp_labels, indexer_losses = self._hidden_states(inputs)
         layout = inputs.layout
         if layout is not None and inputs.labels is None:  # logits in caller coordinates (logits_to_keep selects there)
             hidden, mtp_hiddens = layout.restore(hidden), [layout.restore(h) for h in mtp_hiddens]
         out = self._head_and_loss(hidden, mtp_hiddens, inputs.labels, mtp_labels, logits_to_keep, return_logits)
+        if indexer_losses and out.loss_sum is not None:  # the indexer's KL (dsv4.model.indexer_loss)
+            out.indexer_loss_sum = torch.stack(indexer_losses).mean()
+            out.loss_sum = out.loss_sum + self.config.indexer_loss_coeff * out.indexer_loss_sum
+            out.loss = out.loss_sum / out.label_count.clamp_min(1)
         if layout is not None and out.logits is not None and inputs.labels is not None:  # loss on the aligned rows
             out.logits = layout.restore(out.logits)
             out.mtp_logits = [layout.restore(t) for t in out.mtp_logits]
         return out
 
-    def _hidden_states(self, inputs: ModelInputs) -> tuple[torch.Tensor, list[torch.Tensor], list | None]:
-        """Backbone + MTP depths: ``(hidden [B, L, d], MTP hiddens, MTP labels or None)``."""
+    def _hidden_states(self, inputs: ModelInputs) -> tuple[torch.Tensor, list[torch.Tensor], list | None, list]:
+        """Backbone + MTP depths: ``(hidden [B, L, d], MTP hiddens, MTP labels or None, the CSA layers' indexer KL
+        sums)``."""
         meta = build_attention_metadata(self.config, inputs.position_ids, inputs.seq_ids, inputs.padding, inputs.cp)
+        layers = [m for m in self.modules() if isinstance(m, DSV4Attention) and m.indexer is not None]
+        for layer in layers:
+            layer.indexer_loss = None
         backbone = self.model(inputs.input_ids, meta, inputs.cp)
         mtp_hiddens, mtp_labels = self.mtp(backbone.streams, self.model.embed_tokens, inputs.input_ids, meta,
                                            labels=inputs.labels, cp=inputs.cp)
-        return backbone.hidden, mtp_hiddens, mtp_labels
+        losses = [layer.indexer_loss for layer in layers if layer.indexer_loss is not None]
+        for layer in layers:  # the output holds them now; the layers keep no graph past this forward
+            layer.indexer_loss = None
+        return backbone.hidden, mtp_hiddens, mtp_labels, losses
 
     def _head_and_loss(self, hidden, mtp_hiddens, labels, mtp_labels, logits_to_keep, return_logits) -> DSV4Output:
         keep = _keep_positions(logits_to_keep, hidden.shape[1])

@@ -49,8 +49,11 @@ def _chunk_attention(
     window: int,
     ratio: int,
     scale: float,
-) -> Tensor:
-    """Attention of the query chunk ``q [B, C, H, D]`` starting at query index ``start``."""
+    compressed_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of the query chunk ``q [B, C, H, D]`` starting at query index ``start``; with
+    ``compressed_probs`` (CSA) also the head mean of the probabilities of the selected rows ``[B, C, k]``
+    (detached)."""
     b, c, h, d = q.shape
     device = q.device
     qf = q.float()
@@ -99,6 +102,8 @@ def _chunk_attention(
             out = out + torch.einsum("bchk,bckd->bchd", p_comp, ckeys.float())
         else:
             out = out + torch.einsum("bchp,bpd->bchd", p_comp, comp.float())
+    if compressed_probs:
+        return out.to(q.dtype), p_comp.detach().mean(dim=2)
     return out.to(q.dtype)
 
 
@@ -159,8 +164,12 @@ def sparse_attention(
     scale: float | None = None,
     checkpoint: bool | None = None,
     compressed_local_rows: int | None = None,
-) -> Tensor:
-    """Sliding-window + compressed sparse attention. Returns ``[B, L, H, D]`` in ``q.dtype``.
+    compressed_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Sliding-window + compressed sparse attention. Returns ``[B, L, H, D]`` in ``q.dtype``; with
+    ``compressed_probs`` (CSA only) also ``[B, L, k]`` fp32: for each selected compressed row, its attention
+    probability averaged over the heads (the denominator holds the window, every selected row and the sink; an
+    invalid selection has 0), detached. The indexer loss's teacher (:mod:`dsv4.model.indexer_loss`).
 
     Args:
         q: ``[B, L, H, D]`` queries (normalised, RoPE'd).
@@ -191,7 +200,9 @@ def sparse_attention(
         checkpoint = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, kv, sink, compressed)
         )
-    outs = []
+    if compressed_probs and topk_indices is None:
+        raise ValueError("sparse_attention: compressed_probs needs a CSA selection (topk_indices)")
+    outs, probs = [], []
     for start in range(0, length, chunk_size):
         end = min(start + chunk_size, length)
         comp, comp_seq, comp_pos = compressed, compressed_seq_ids, compressed_positions
@@ -203,12 +214,15 @@ def sparse_attention(
             q[:, start:end], kv, sink, query_seq_ids[:, start:end], query_positions[:, start:end], kv_seq_ids,
             kv_padding, comp, comp_seq, comp_pos,
             None if topk_indices is None else topk_indices[:, start:end],
-            start, query_offset, window, ratio, scale,
+            start, query_offset, window, ratio, scale, compressed_probs,
         )
-        if checkpoint:
-            outs.append(_checkpoint(_chunk_attention, *args, use_reentrant=False))
-        else:
-            outs.append(_chunk_attention(*args))
+        out = _checkpoint(_chunk_attention, *args, use_reentrant=False) if checkpoint else _chunk_attention(*args)
+        if compressed_probs:
+            out, p = out
+            probs.append(p)
+        outs.append(out)
     if not outs:
-        return q.new_zeros(b, 0, h, d)
-    return torch.cat(outs, dim=1)
+        out = q.new_zeros(b, 0, h, d)
+        return (out, q.new_zeros(b, 0, topk_indices.shape[-1], dtype=torch.float32)) if compressed_probs else out
+    out = torch.cat(outs, dim=1)
+    return (out, torch.cat(probs, dim=1)) if compressed_probs else out

@@ -5,8 +5,10 @@ device), records their statistics, cuts this CP rank's contiguous slice (:meth:`
 :func:`~dsv4.training.step.forward_step` with the strategy's ``CPContext``, reduces (CE sum, label count) over
 dp x cp so every labelled token counts once, logs ``train/loss`` (token mean over the global batch) and returns
 this rank's share of the loss; FSDP sums the gradients over ranks. After the optimizer step the MoE
-load-balancing bias is updated from the loads of all ranks (not under LoRA, whose base stays as it is), and
-``last_step_stats`` is published for the callbacks.
+load-balancing bias is updated from the loads of all ranks (not under LoRA, whose base stays as it is, nor during
+the indexer warm-up), and ``last_step_stats`` is published for the callbacks. With ``model.indexer_loss_coeff > 0``
+the step also logs ``train/indexer_loss`` (the indexer's KL, a token mean like ``train/loss``, which includes it
+times the coefficient); during the first ``indexer_warmup_steps`` only that loss is backpropagated.
 
 LoRA (``lora``, :mod:`dsv4.peft`): only the adapters are parameters that train; the optimizer sees only them, the
 strategy checkpoints only them, and ``on_train_end`` exports them in the PEFT format and / or the merged model.
@@ -35,7 +37,7 @@ from dsv4.peft.config import LoRAConfig
 from dsv4.parallel.wrap import clip_grad_norm_
 from dsv4.training.loss import reduce_token_loss
 from dsv4.training.stats import StepStats, batch_statistics, document_flops, step_stats_from
-from dsv4.training.step import forward_step
+from dsv4.training.step import forward_outputs
 from dsv4.training.strategy import DSV4Strategy, ParallelState
 
 log = logging.getLogger("dsv4")
@@ -56,6 +58,8 @@ class DSV4LightningModule(L.LightningModule):
             (no gradient, no optimizer state, no reduction, no router-bias update), only adapters train.
         lora_adapter: a PEFT adapter directory to start the adapters from.
         export_adapter_dir: write the adapters there in the PEFT format at the end of training.
+        indexer_warmup_steps: with ``config.indexer_loss_coeff > 0``, the first steps train only the indexer on its
+            KL loss (:mod:`dsv4.model.indexer_loss`); the main model and the router biases stay as they are.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class DSV4LightningModule(L.LightningModule):
         lora: LoRAConfig | None = None,
         lora_adapter: str | None = None,
         export_adapter_dir: str | None = None,
+        indexer_warmup_steps: int = 0,
     ) -> None:
         super().__init__()
         self.config = config if isinstance(config, DSV4Config) else DSV4Config.from_dict(dict(config))
@@ -82,6 +87,7 @@ class DSV4LightningModule(L.LightningModule):
         self.lora = lora
         self.lora_adapter = lora_adapter
         self.export_adapter_dir = export_adapter_dir
+        self.indexer_warmup_steps = indexer_warmup_steps
         self.model: DSV4ForCausalLM | None = None
         self.last_step_stats: StepStats | None = None
         self._flops = document_flops(self.config)
@@ -180,10 +186,31 @@ class DSV4LightningModule(L.LightningModule):
         parallel = self.parallel
         self._batch_stats = batch_statistics(batch, self.config.shard_multiple, self._flops)
         local = batch.cut(parallel.cp_rank, parallel.cp_size, self.config.shard_multiple)
-        loss_sum, count = forward_step(self.model, local, cp=parallel.cp)
-        loss = reduce_token_loss(loss_sum, count, parallel.loss_group if parallel.loss_group is not None else False)
+        out = forward_outputs(self.model, local, cp=parallel.cp)
+        group = parallel.loss_group if parallel.loss_group is not None else False
+        loss = reduce_token_loss(out.loss_sum, out.label_count, group)
         self.log("train/loss", loss.value, prog_bar=True, on_step=True, rank_zero_only=True)
-        return loss.loss
+        if out.indexer_loss_sum is None:
+            return loss.loss
+        indexer = reduce_token_loss(out.indexer_loss_sum, out.label_count, group)
+        self.log("train/indexer_loss", indexer.value, on_step=True, rank_zero_only=True)
+        if not self.in_indexer_warmup:
+            return loss.loss
+        # warm-up: the indexer learns alone. The LM objective is kept in the graph at weight 0 so that backward runs
+        # through every block as usual (FSDP2 gathers a block's parameters when backward reaches its output);
+        # on_after_backward then drops every gradient but the indexer's.
+        return loss.loss * 0.0 + indexer.loss
+
+    def on_after_backward(self) -> None:
+        if self.in_indexer_warmup:  # no gradient, so no optimizer update or state, for anything but the indexer
+            for name, param in self.model.named_parameters():
+                if ".indexer." not in name:
+                    param.grad = None
+
+    @property
+    def in_indexer_warmup(self) -> bool:
+        """Whether this step is one of the first ``indexer_warmup_steps`` (only the indexer trains)."""
+        return self._trainer is not None and self.trainer.global_step < self.indexer_warmup_steps
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         """Forward, backward and the optimizer step (Lightning's closure), then the MoE bias update and the step
@@ -194,7 +221,7 @@ class DSV4LightningModule(L.LightningModule):
     def _after_optimizer_step(self) -> None:
         parallel = self.parallel
         # every router sees different tokens: sum the expert loads of all ranks, apply the same update everywhere
-        if self.lora is None:  # LoRA keeps the whole base, router biases included, as it is
+        if self.lora is None and not self.in_indexer_warmup:  # LoRA and the indexer warm-up keep the routers as they are
             update_load_balancing_bias(self.model, self.bias_update_rate,
                                        reduce=all_reduce_sum if is_initialized() else None)
         totals = self._batch_stats

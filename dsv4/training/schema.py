@@ -134,6 +134,7 @@ class FinetuneConfig:
     micro_batch_size: int = 1
     dry_run: bool = False
     bias_update_rate: float = 1e-3
+    indexer_warmup_steps: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     peft: PeftGroupConfig = field(default_factory=PeftGroupConfig)
     data: DataConfig = field(default_factory=DataConfig)

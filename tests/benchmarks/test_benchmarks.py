@@ -90,3 +90,14 @@ def test_lora_benchmark_measures_the_kept_base_and_the_merge():
     assert rows["lora.requantized_merge.update_lost"]["value"] > 0
     variants = {r["shape"]["variant"] for r in measured if r["name"] == "lora.step.tokens_per_s"}
     assert variants == {"full", "lora_bf16", "lora_fp8"}
+
+
+@pytest.mark.e2e
+def test_indexer_loss_benchmark_reports_cost_and_learning():
+    rows = _run("indexer_loss.py", "--quick")
+    names = {r["name"] for r in rows}
+    assert names == {"indexer_loss.step_tokens_per_s", "indexer_loss.step_overhead", "indexer_loss.kl",
+                     "indexer_loss.selected_mass"}
+    mass = {r["shape"]["when"]: r["value"] for r in rows if r["name"] == "indexer_loss.selected_mass"}
+    assert 0 < mass["before"] < 1 and 0 < mass["after"] < 1
+    assert all(r["value"] > 0 for r in rows)

@@ -80,7 +80,7 @@ def test_one_csa_layer_by_hand_seq8():
     assert training_flops_per_token(cfg, s) == pytest.approx(3 * (3023 - 367) + 367)
     assert document_training_flops(cfg, s) == pytest.approx(s * 8335)  # a document of s tokens: s x the mean
     assert document_training_flops(cfg, 0) == 0.0
-    cfg_trained = _one_layer(train_indexer=True)
+    cfg_trained = _one_layer(indexer_loss_coeff=0.01)
     assert training_flops_per_token(cfg_trained, s) == pytest.approx(3 * 3023)
 
 

@@ -101,10 +101,10 @@ def test_packed_selections_stay_in_document():
         assert len(valid) == n_doc
 
 
-def test_params_frozen_unless_train_indexer():
+def test_params_frozen_unless_the_indexer_loss_trains_them():
     _, indexer = make()
     assert all(not p.requires_grad for p in indexer.parameters())
-    _, trainable = make(train_indexer=True)
+    _, trainable = make(indexer_loss_coeff=0.01)
     assert all(p.requires_grad for p in trainable.parameters())
 
 

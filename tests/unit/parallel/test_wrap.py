@@ -49,3 +49,27 @@ def test_bf16_compute_fp32_master_and_fp32_modules(one_rank_group):
     assert abs(loss - ref_loss) / ref_loss < 1e-2, (loss, ref_loss)
     cosine = torch.nn.functional.cosine_similarity(grads, ref_grads, dim=0)
     assert cosine > 0.99, cosine
+
+
+def test_indexer_loss_and_gradients_survive_fsdp(one_rank_group):
+    """Every CSA layer's indexer loss reaches the output and its gradients the sharded parameters under FSDP2 (whose
+    hooks may hand a block a copy of its arguments: the layers keep their loss on themselves, not in the metadata)."""
+    config = DSV4Config.preset("tiny", indexer_loss_coeff=0.5, index_topk=8)
+    ids = torch.randint(1, 256, (1, 256), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(ids, -1, 1)
+    results = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = DSV4ForCausalLM(config)
+        if wrap:
+            apply_fsdp(model, build_meshes(ParallelDims(world_size=1), "cpu"))
+        out = model(ids, labels=labels, return_logits=False)
+        out.loss_sum.backward()
+        grads = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+                 for n, p in model.named_parameters() if ".indexer." in n and p.grad is not None}
+        results.append((out.indexer_loss_sum.detach(), grads))
+    (plain_loss, plain_grads), (fsdp_loss, fsdp_grads) = results
+    torch.testing.assert_close(fsdp_loss, plain_loss)
+    assert len(plain_grads) == 12 and fsdp_grads.keys() == plain_grads.keys()
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(fsdp_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
