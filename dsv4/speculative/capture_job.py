@@ -8,7 +8,9 @@ Output folder (``output_dir``)::
     index.json                written when every shard exists: the shard indexes merged + totals
 
 Documents are numbered in corpus order and cut into shards of ``docs_per_shard``; shard ``k`` belongs to dp rank
-``k % world``. A shard is finished when its ``.json`` exists (written after its ``.safetensors``, both by an
+``k % dp``. With ``cp > 1`` the job runs ``dp x cp`` ranks: the ``cp`` ranks of a dp replica (consecutive global
+ranks) run every row together, each its contiguous slice (:func:`dsv4.speculative.dspark_packed_forward` with a
+``CPContext``), all receive the whole rows' features and the replica's first rank writes the shard. A shard is finished when its ``.json`` exists (written after its ``.safetensors``, both by an
 atomic rename), so a killed job re-run with the same config skips finished shards and rewrites nothing.
 Inside a shard, documents are packed first-fit-decreasing into rows of ``seq_len`` aligned slots (the data packer's
 placement with the model's shard multiple; a longer document gets a row of its own), ``micro_batch_size`` rows
@@ -86,8 +88,23 @@ def _write_shard(out: Path, k: int, tensors: dict, entries: list[dict], job: dic
     os.replace(tmp, out / f"{name}.json")  # last: the shard counts as finished from here on
 
 
+def _cp_context(rank: int, world: int, cp: int):
+    """This rank's ``CPContext`` (groups of ``cp`` consecutive ranks; every rank creates every group), None for
+    ``cp == 1``. Also a barrier: every rank has looked at the output folder before any rank writes to it."""
+    if cp == 1:
+        return None
+    import torch.distributed as dist
+
+    from dsv4.cp import CPContext
+
+    groups = [dist.new_group(list(range(start, start + cp))) for start in range(0, world, cp)]
+    dist.barrier()
+    return CPContext(groups[rank // cp])
+
+
 def capture_rank(rank: int, world: int, job: dict) -> dict:
-    """Capture this rank's unfinished shards; returns ``{"shards", "tokens", "seconds"}`` written by it."""
+    """Capture this rank's unfinished shards; returns ``{"shards", "tokens", "seconds"}`` written by it (the shards
+    of its dp replica, counted on the replica's first CP rank only)."""
     from tqdm import tqdm
 
     from dsv4.data.packer import first_fit_decreasing
@@ -96,17 +113,20 @@ def capture_rank(rank: int, world: int, job: dict) -> dict:
     torch.set_num_threads(max(1, int(job.get("threads") or 1)))
     out = Path(job["output_dir"])
     docs = _documents(job)
+    cp_size = int(job.get("cp", 1))
+    dp_rank, dp_size, writer = rank // cp_size, world // cp_size, rank % cp_size == 0
     n_shards = -(-len(docs) // job["docs_per_shard"])
-    mine = [k for k in range(rank, n_shards, world) if not (out / f"{shard_name(k)}.json").exists()]
+    mine = [k for k in range(dp_rank, n_shards, dp_size) if not (out / f"{shard_name(k)}.json").exists()]
     if job.get("max_shards_this_run") is not None:
         mine = mine[: job["max_shards_this_run"]]
+    cp = _cp_context(rank, world, cp_size)  # after every rank listed its shards: none is written yet
     if not mine:
         return {"shards": [], "tokens": 0, "seconds": 0.0}
     model = _build_model(job)
     dtype, multiple = _DTYPES[job["dtype"]], model.config.shard_multiple
     tokens, start = 0, time.perf_counter()
     bar = tqdm(mine, desc=f"capture rank {rank}", position=rank, file=sys.stderr, unit="shard",
-               disable=job.get("progress") is False)
+               disable=job.get("progress") is False or not writer)
     for k in bar:
         first = k * job["docs_per_shard"]
         shard_docs = list(range(first, min(first + job["docs_per_shard"], len(docs))))
@@ -124,7 +144,7 @@ def capture_rank(rank: int, world: int, job: dict) -> dict:
                 flat = [t for d in row for t in docs[d].ids]
                 ids[b, : len(flat)] = torch.tensor(flat, dtype=torch.long)
                 seq_lens[b, : len(row)] = torch.tensor([len(docs[d]) for d in row])
-            feats = capture_dspark_features(model, ids, seq_lens, job["layer_ids"], sync_across_ranks=False)
+            feats = capture_dspark_features(model, ids, seq_lens, job["layer_ids"], sync_across_ranks=False, cp=cp)
             for doc in feats.documents(seq_lens):
                 d = batch[doc["row"]][doc["column"]]
                 tensors[f"{d}.hidden_states"] = doc["hidden_states"].to(dtype).contiguous()
@@ -132,9 +152,12 @@ def capture_rank(rank: int, world: int, job: dict) -> dict:
                 entries.append({"document_id": d, "length": len(docs[d]), "source": docs[d].source})
                 tokens += len(docs[d])
         entries.sort(key=lambda e: e["document_id"])
-        _write_shard(out, k, tensors, entries, job)
+        if writer:
+            _write_shard(out, k, tensors, entries, job)
         bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}")
     seconds = time.perf_counter() - start
+    if not writer:  # the replica's first CP rank reports its shards and tokens
+        return {"shards": [], "tokens": 0, "seconds": seconds}
     log.info("rank %d: %d shards, %d tokens in %.1fs (%.0f tokens/s)", rank, len(mine), tokens, seconds,
              tokens / max(seconds, 1e-9))
     return {"shards": mine, "tokens": tokens, "seconds": seconds}
@@ -167,12 +190,10 @@ def run_capture(cfg: Any, output_dir: str | Path) -> dict:
     c = OmegaConf.to_container(cfg, resolve=True)
     config = model_config(c["model"])
     layer_ids = validate_layer_ids(c["layer_ids"], config.num_hidden_layers)
-    if c["cp"] != 1:
-        raise ValueError(f"`cp`={c['cp']}: context-parallel capture is not implemented yet; use cp=1 (dp ranks)")
     if c["dispatcher"] != "local":
         raise ValueError(f"`dispatcher`={c['dispatcher']!r}: the capture job runs full replicas per rank; use "
                          "dispatcher=local (dspark_packed_forward itself supports uniform-token dispatchers)")
-    for key in ("dp", "seq_len", "micro_batch_size", "docs_per_shard"):
+    for key in ("dp", "cp", "seq_len", "micro_batch_size", "docs_per_shard"):
         if int(c[key]) < 1:
             raise ValueError(f"`{key}` must be >= 1, got {c[key]}")
     if c["dtype"] not in _DTYPES:
@@ -185,7 +206,8 @@ def run_capture(cfg: Any, output_dir: str | Path) -> dict:
            "micro_batch_size": int(c["micro_batch_size"]), "docs_per_shard": int(c["docs_per_shard"]),
            "max_documents": c.get("max_documents"),
            "max_document_tokens": c.get("max_document_tokens"), "max_shards_this_run": c.get("max_shards_this_run"),
-           "output_dir": str(out), "progress": c.get("progress", True), "threads": c.get("threads", 1)}
+           "output_dir": str(out), "progress": c.get("progress", True), "threads": c.get("threads", 1),
+           "cp": int(c["cp"])}
     docs = _documents(job)  # bad data fails here, before any rank starts
     if not docs:
         raise ValueError("data: no documents")
@@ -194,12 +216,13 @@ def run_capture(cfg: Any, output_dir: str | Path) -> dict:
         raise ValueError(f"data: document {too_big[0]} has token ids outside model.vocab_size={config.vocab_size}")
     n_shards = -(-len(docs) // job["docs_per_shard"])
     start = time.perf_counter()
-    if c["dp"] == 1:
+    world = int(c["dp"]) * int(c["cp"])
+    if world == 1:
         results = [capture_rank(0, 1, job)]
     else:
         from dsv4.launch import run_on_ranks
 
-        results = run_on_ranks(capture_rank, world_size=int(c["dp"]), args=(job,), timeout=3600.0)
+        results = run_on_ranks(capture_rank, world_size=world, args=(job,), timeout=3600.0)
     seconds = time.perf_counter() - start
     tokens = sum(r["tokens"] for r in results)
     index = write_index(out, n_shards, job)

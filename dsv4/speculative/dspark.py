@@ -10,7 +10,11 @@ final-norm output); it never uses the target's logits. So the target forward her
 * projects only the last position through the output head (``logits_to_keep=1``): the head still runs, so
   hooks and wrappers see the same call order, but no ``[B, S, vocab]`` logits are materialised;
 * with a MoE dispatcher that needs uniform token counts (``allgather``), every rank pads its
-  aligned rows to the longest aligned row of all ranks (one MAX all-reduce), so all ranks run the same width.
+  aligned rows to the longest aligned row of all ranks (one MAX all-reduce), so all ranks run the same width;
+* with context parallelism (``cp``, a :class:`~dsv4.cp.CPContext`; every rank of the group passes the same rows),
+  the aligned rows are padded on the right to a multiple of ``cp.size x shard multiple`` and each rank runs its
+  contiguous slice; :func:`capture_dspark_features` all-gathers the captured slices over the group, so every rank
+  returns the whole rows, equal to the single-rank capture.
 
 The hidden states themselves are read by hooks (:class:`dsv4.speculative.capture.FeatureCapture`) on the
 aligned rows; the returned layout's ``restore`` maps them back to caller coordinates ``[B, S, ...]``.
@@ -42,6 +46,7 @@ def dspark_packed_forward(
     seq_lens_padded: torch.Tensor | None = None,
     sync_across_ranks: bool | None = None,
     group: Any = None,
+    cp: Any = None,
 ) -> PackedSequenceLayout:
     """Frozen packed forward of ``model`` on caller rows ``input_ids [B, S]`` holding documents ``seq_lens``.
 
@@ -53,6 +58,8 @@ def dspark_packed_forward(
         sync_across_ranks: pad to the longest aligned row of all ranks of ``group``; None = decide from the
             model's dispatchers (:func:`model_needs_uniform_tokens`). A collective when True and distributed.
         group: process group of the MAX all-reduce (WORLD when None).
+        cp: a ``CPContext``: this rank runs its contiguous slice of the aligned rows (padded to a multiple of
+            ``cp.size x shard multiple``); None or one rank = the whole rows.
     Returns:
         The :class:`PackedSequenceLayout` the forward ran on: ``restore`` maps ``[B, S_al, ...]`` captures to
         ``[B, S, ...]``.
@@ -64,14 +71,34 @@ def dspark_packed_forward(
     device = input_ids.device
     was_training = model.training
     model.eval()
+    rows = (layout.pack(input_ids), layout.position_ids.to(device), layout.sequence_ids.to(device),
+            layout.padding_mask.to(device))
+    if cp is not None and cp.size > 1:
+        rows = _cp_slice(rows, cp, model.config.shard_multiple)
+    ids, positions, seq_ids, padding = rows
     try:
         with torch.no_grad():
-            model(layout.pack(input_ids), position_ids=layout.position_ids.to(device),
-                  packed_seq_ids=layout.sequence_ids.to(device), padding_mask=layout.padding_mask.to(device),
-                  logits_to_keep=1)
+            model(ids, position_ids=positions, packed_seq_ids=seq_ids, padding_mask=padding, logits_to_keep=1,
+                  cp=cp if cp is not None and cp.size > 1 else None)
     finally:
         model.train(was_training)
     return layout
+
+
+def _cp_slice(rows: tuple[torch.Tensor, ...], cp: Any, multiple: int) -> tuple[torch.Tensor, ...]:
+    """This CP rank's contiguous slice of the aligned ``(ids, positions, document ids, padding)`` rows, after right
+    padding (document id 0, padding True) to a multiple of ``cp.size * multiple``."""
+    width = rows[0].shape[1]
+    padded = -(-width // (cp.size * multiple)) * cp.size * multiple
+    fill = (0, 0, 0, True)
+    rows = tuple(torch.nn.functional.pad(t, (0, padded - width), value=v) for t, v in zip(rows, fill))
+    local = padded // cp.size
+    return tuple(t[:, cp.rank * local:(cp.rank + 1) * local] for t in rows)
+
+
+def _gather_rows(local: torch.Tensor, cp: Any, width: int) -> torch.Tensor:
+    """The CP group's slices ``[B, L, ...]`` put back into whole rows, trimmed to the aligned ``width``."""
+    return cp.all_gather(local.contiguous(), dim=1, kind="dspark_features")[:, :width]
 
 
 @dataclass
@@ -103,6 +130,11 @@ def capture_dspark_features(
     **forward_kwargs: Any,
 ) -> DSparkFeatures:
     """:func:`dspark_packed_forward` with a :class:`FeatureCapture` on ``layer_ids``; features restored."""
+    cp = forward_kwargs.get("cp")
     with FeatureCapture(model, layer_ids) as cap:
         layout = dspark_packed_forward(model, input_ids, seq_lens, **forward_kwargs)
-    return DSparkFeatures(cap.hidden_states(layout), cap.last_hidden_state(layout), list(cap.layer_ids), layout)
+    hidden, last = cap.hidden_states(), cap.last_hidden_state()
+    if cp is not None and cp.size > 1:  # every rank holds its slice: the whole aligned rows on every rank
+        width = layout.position_ids.shape[1]
+        hidden, last = _gather_rows(hidden, cp, width), _gather_rows(last, cp, width)
+    return DSparkFeatures(layout.restore(hidden), layout.restore(last), list(cap.layer_ids), layout)

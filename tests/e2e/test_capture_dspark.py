@@ -50,3 +50,19 @@ def test_capture_writes_reloadable_shards_and_resumes(tmp_path):
         stored = load_file(str(out / entry["shard"]))
         torch.testing.assert_close(stored[f"{d}.hidden_states"], cap.hidden_states()[0], atol=1e-5, rtol=0)
         torch.testing.assert_close(stored[f"{d}.last_hidden_state"], cap.last_hidden_state()[0], atol=1e-5, rtol=0)
+
+
+def test_capture_with_cp2_equals_cp1(tmp_path):
+    """`cp=2`: the two ranks run every row split in half (documents of up to 300 tokens cross the boundary at 256);
+    every stored feature equals the one-rank capture."""
+    args = ["max_documents=4", "docs_per_shard=2", "max_document_tokens=300", "seq_len=512", "micro_batch_size=2",
+            "layer_ids=[1,3]", "progress=false"]
+    for cp in (1, 2):
+        run_recipe(args + [f"cp={cp}", f"output_dir={tmp_path / f'cp{cp}'}"], tmp_path / f"run{cp}", script=SCRIPT)
+    one, two = (json.loads((tmp_path / f"cp{cp}" / "index.json").read_text()) for cp in (1, 2))
+    assert one["documents"] == two["documents"] and one["num_tokens"] > 600
+    for shard in one["shards"]:
+        a, b = load_file(str(tmp_path / "cp1" / shard)), load_file(str(tmp_path / "cp2" / shard))
+        assert a.keys() == b.keys() and a
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0, msg=key)
