@@ -169,7 +169,7 @@ class DSV4Attention(nn.Module):
                 )
                 topk = self.indexer(
                     x_i, q_lat_i, meta.rope_compress, meta.seq_ids, meta.position_ids, index_keys, comp_seq,
-                    comp_pos, local_windows=local_windows, with_scores=train_indexer,
+                    comp_pos, local_windows=local_windows, with_scores=train_indexer, chunk_starts=meta.chunk_starts,
                 )
                 if train_indexer:
                     topk, student = topk
@@ -183,6 +183,7 @@ class DSV4Attention(nn.Module):
             tuning["chunk_size"] = self.config.attention_chunk_size
             tuning["compressed_local_rows"] = local_windows
             tuning["compressed_probs"] = student is not None
+            tuning["chunk_starts"] = meta.chunk_starts
         out = kernel(
             q,
             kv,

@@ -28,6 +28,7 @@ from dsv4.config import DSV4Config, check_cp_length
 from dsv4.model.compressor import WindowMetadata, window_metadata
 from dsv4.model.moe import non_padding_tokens
 from dsv4.model.rope import RopeTable, rope_inv_freq, rope_table
+from dsv4.model.sparse_attention import chunk_document_starts
 
 
 @dataclass
@@ -45,6 +46,9 @@ class AttentionMetadata:
     ``full_seq_ids`` / ``full_padding``: ``[B, S]`` metadata of the whole row (the local tensors on one rank).
     ``real_tokens``: ``[N]`` flat indices of the local non-padding tokens (None without padding): the tokens
     every MoE layer routes, found once per forward (a host sync on GPUs) instead of once per layer.
+    ``chunk_starts``: per query chunk of ``attention_chunk_size``, the local row where its earliest document begins
+    (:func:`~dsv4.model.sparse_attention.chunk_document_starts`, read with the metadata's one host sync): the torch
+    kernels score only the compressed rows of a chunk's own documents.
     """
 
     position_ids: Tensor
@@ -61,6 +65,7 @@ class AttentionMetadata:
     full_seq_ids: Tensor | None = None
     full_padding: Tensor | None = None
     real_tokens: Tensor | None = None
+    chunk_starts: list[int] | None = None
 
 
 def check_cp_layout(config: DSV4Config, local_len: int, cp) -> int:
@@ -192,7 +197,9 @@ def build_attention_metadata(
         if cp_size > 1:
             starts[ratio] = window_starts(full_seq, ratio, length, cp_size)
     flags = torch.stack(misaligned).any().reshape(1) if misaligned else torch.zeros(1, dtype=torch.bool)
-    synced = torch.cat([flags.long().cpu()] + [s.cpu() for s in starts.values()]).tolist()  # one host sync
+    chunk_starts = chunk_document_starts(seq_ids, position_ids, config.attention_chunk_size)
+    synced = torch.cat([flags.long().cpu(), chunk_starts.cpu()] + [s.cpu() for s in starts.values()]).tolist()
+    chunk_start_list, synced = synced[1:1 + chunk_starts.numel()], synced[:1] + synced[1 + chunk_starts.numel():]
     if synced[0]:
         raise ValueError(
             "build_attention_metadata: a compressor window starts at a document-local position that is not a "
@@ -223,4 +230,5 @@ def build_attention_metadata(
         full_seq_ids=full_seq,
         full_padding=full_pad,
         real_tokens=None if padding_mask is None else non_padding_tokens(padding),
+        chunk_starts=chunk_start_list,
     )

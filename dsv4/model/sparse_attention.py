@@ -131,6 +131,52 @@ def causal_prefix(rows: int, local_rows: int | None, end: int, ratio: int) -> in
     return max(0, min(rows, rows - local_rows + end // ratio))
 
 
+NO_DOCUMENT = 2**62  # chunk_document_starts of a chunk holding only padding
+
+
+def chunk_document_starts(query_seq_ids: Tensor, query_positions: Tensor, chunk_size: int) -> Tensor:
+    """For each chunk of ``chunk_size`` queries, the local row where the earliest document of its real queries
+    begins (over the batch rows): negative when that document began before this block (an earlier CP rank),
+    :data:`NO_DOCUMENT` for a chunk of padding only. ``[n_chunks]`` int64 on the queries' device (no host read)."""
+    length = query_seq_ids.shape[1]
+    n_chunks = -(-length // chunk_size)
+    starts = torch.arange(length, device=query_positions.device) - query_positions  # each query's document start
+    starts = torch.where(query_seq_ids > 0, starts, torch.full_like(starts, NO_DOCUMENT)).amin(dim=0)
+    starts = torch.nn.functional.pad(starts, (0, n_chunks * chunk_size - length), value=NO_DOCUMENT)
+    return starts.view(n_chunks, chunk_size).amin(dim=1)
+
+
+def document_floors(chunk_starts: list[int], rows: int, local_rows: int | None, ratio: int) -> list[int]:
+    """Per chunk, the first of ``rows`` compressed rows any of its queries may see (every row before it belongs to
+    other documents): the last ``local_rows`` rows are this block's windows in order (window ``j`` pools query rows
+    ``[r j, r (j + 1))``; documents start on multiples of ``r``), the rows before them earlier windows of the document
+    the block starts in. ``chunk_starts``: :func:`chunk_document_starts` read to the host. A document begun before
+    the block gives 0, a chunk of padding ``rows``; ``local_rows`` None gives 0 everywhere."""
+    if local_rows is None:
+        return [0] * len(chunk_starts)
+    earlier = rows - local_rows
+    return [rows if s >= NO_DOCUMENT else 0 if s < 0 else min(rows, earlier + s // ratio) for s in chunk_starts]
+
+
+def stable_topk(scores: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` largest entries along the last axis, ordered by score (descending) and, among equal
+    scores, by index (ascending): the first ``k`` of a stable descending sort, at top-k cost. ``-inf`` entries
+    are returned as ``-1``. ``scores [..., n]`` -> ``[..., min(k, n)]`` int64."""
+    n = scores.shape[-1]
+    k = min(k, n)
+    if k == 0:
+        return torch.empty(*scores.shape[:-1], 0, dtype=torch.long, device=scores.device)
+    threshold = scores.topk(k, dim=-1).values[..., -1:]
+    above = scores > threshold
+    ties = scores == threshold
+    take = above | (ties & (ties.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k per row
+    order = torch.arange(n, 0, -1, device=scores.device)  # earlier index = larger key
+    idx = (take * order).topk(k, dim=-1).indices  # the taken entries, ascending index
+    values = scores.gather(-1, idx)
+    values, perm = values.sort(dim=-1, descending=True, stable=True)
+    return idx.gather(-1, perm).masked_fill(torch.isneginf(values), -1)
+
+
 def checked_query_offset(who: str, length: int, l_kv: int, query_offset: int | None, compressed: Tensor | None,
                          ratio: int) -> int:
     """The kv row of query 0 (default ``l_kv - length``: halo rows first); ``ValueError`` naming ``who`` when the
@@ -165,6 +211,7 @@ def sparse_attention(
     checkpoint: bool | None = None,
     compressed_local_rows: int | None = None,
     compressed_probs: bool = False,
+    chunk_starts: list[int] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Sliding-window + compressed sparse attention. Returns ``[B, L, H, D]`` in ``q.dtype``; with
     ``compressed_probs`` (CSA only) also ``[B, L, k]`` fp32: for each selected compressed row, its attention
@@ -188,7 +235,10 @@ def sparse_attention(
             in order (window ``j`` pools query rows ``[r j, r (j + 1))``), an HCA chunk of queries ending at row
             ``end`` scores only the causal prefix ``P - compressed_local_rows + end // r`` (later rows are future
             windows no query of the chunk may see; documents start on multiples of ``r``, as the model's metadata
-            guarantees). None: every row.
+            guarantees), from the first row of the chunk's earliest document on (:func:`document_floors`: a packed
+            row costs what its documents cost). None: every row.
+        chunk_starts: :func:`chunk_document_starts` of these queries and ``chunk_size``, already on the host
+            (``AttentionMetadata.chunk_starts``); None: read here.
     """
     b, length, h, d = q.shape
     l_kv = kv.shape[1]
@@ -203,13 +253,19 @@ def sparse_attention(
     if compressed_probs and topk_indices is None:
         raise ValueError("sparse_attention: compressed_probs needs a CSA selection (topk_indices)")
     outs, probs = [], []
-    for start in range(0, length, chunk_size):
+    hca_window = compressed is not None and topk_indices is None and compressed_local_rows is not None
+    floors = None
+    if hca_window:
+        if chunk_starts is None:  # one host read; the model reads them once per forward (AttentionMetadata)
+            chunk_starts = chunk_document_starts(query_seq_ids, query_positions, chunk_size).tolist()
+        floors = document_floors(chunk_starts, compressed.shape[1], compressed_local_rows, ratio)
+    for chunk, start in enumerate(range(0, length, chunk_size)):
         end = min(start + chunk_size, length)
         comp, comp_seq, comp_pos = compressed, compressed_seq_ids, compressed_positions
-        if comp is not None and topk_indices is None and compressed_local_rows is not None:
-            p = comp.shape[1]
-            hi = causal_prefix(p, compressed_local_rows, end, ratio)
-            comp, comp_seq, comp_pos = comp[:, :hi], comp_seq[:, :hi], comp_pos[:, :hi]
+        if hca_window:  # only the rows of the chunk's documents, up to the causal prefix
+            hi = causal_prefix(comp.shape[1], compressed_local_rows, end, ratio)
+            lo = min(floors[chunk], hi)
+            comp, comp_seq, comp_pos = comp[:, lo:hi], comp_seq[:, lo:hi], comp_pos[:, lo:hi]
         args = (
             q[:, start:end], kv, sink, query_seq_ids[:, start:end], query_positions[:, start:end], kv_seq_ids,
             kv_padding, comp, comp_seq, comp_pos,

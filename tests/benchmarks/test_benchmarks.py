@@ -101,3 +101,11 @@ def test_indexer_loss_benchmark_reports_cost_and_learning():
     mass = {r["shape"]["when"]: r["value"] for r in rows if r["name"] == "indexer_loss.selected_mass"}
     assert 0 < mass["before"] < 1 and 0 < mass["after"] < 1
     assert all(r["value"] > 0 for r in rows)
+
+
+@pytest.mark.e2e
+def test_packed_attention_benchmark_compares_a_packed_row_with_its_documents():
+    rows = _run("packed_attention.py", "--docs", "4", "--doc-len", "256", "--repeats", "1")
+    ratios = {r["shape"]["ratio"]: r["value"] for r in rows if r["name"] == "packed_attention.packed_over_documents"}
+    assert set(ratios) == {4, 128} and all(v > 0 for v in ratios.values())
+    assert all(r["shape"]["tokens"] == 1024 for r in rows)

@@ -261,3 +261,36 @@ def test_hca_causal_prefix_equals_every_row(ratio, packed):
         results.append([out.detach()] + [case[k].grad for k in ("q", "kv", "sink", "comp")])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_stable_topk_is_the_head_of_a_stable_sort():
+    from dsv4.model.sparse_attention import stable_topk
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(-3, 4, (5, 7, 40), generator=g).float()  # many ties
+    scores[scores == -3] = float("-inf")
+    scores[0, 0] = float("-inf")  # a query with nothing to select
+    for k in (1, 5, 40, 64):
+        values, order = scores.sort(dim=-1, descending=True, stable=True)
+        expected = order[..., :k].masked_fill(torch.isneginf(values[..., :k]), -1)
+        assert torch.equal(stable_topk(scores, k), expected), k
+
+
+def test_chunk_document_floors_by_hand():
+    from dsv4.model.sparse_attention import NO_DOCUMENT, chunk_document_starts, document_floors
+
+    # ratio 4, 2 earlier rows (the block starts inside a document), then 8 local windows over 32 local rows:
+    # local docs: rows 0-7 continue the earlier document, rows 8-15 doc 2, rows 16-23 padding, rows 24-31 doc 3
+    seq = torch.tensor([[1] * 8 + [2] * 8 + [0] * 8 + [3] * 8])
+    pos = torch.tensor([list(range(40, 48)) + list(range(8)) + [0] * 8 + list(range(8))])
+    starts = chunk_document_starts(seq, pos, chunk_size=8).tolist()
+    assert starts == [-40, 8, NO_DOCUMENT, 24]
+    # chunk 0: the earlier document -> 0; chunk 1: doc 2 starts at row 8 -> 2 + 8 // 4 = 4; chunk 2: only
+    # padding -> 10 (nothing); chunk 3: doc 3 at row 24 -> 2 + 6 = 8
+    assert document_floors(starts, rows=10, local_rows=8, ratio=4) == [0, 4, 10, 8]
+    assert document_floors(chunk_document_starts(seq, pos, 16).tolist(), rows=10, local_rows=8, ratio=4) == [0, 8]
+    assert document_floors(starts, rows=10, local_rows=None, ratio=4) == [0, 0, 0, 0]
+    # two batch rows: the earliest document start of the chunk over both rows
+    seq2 = torch.cat([seq, torch.tensor([[5] * 32])])
+    pos2 = torch.cat([pos, torch.arange(32)[None]])
+    assert chunk_document_starts(seq2, pos2, 8).tolist() == [-40, 0, 0, 0]
