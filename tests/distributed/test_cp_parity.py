@@ -88,19 +88,26 @@ def _cp_body(rank, world_size, kind):
     }
 
 
-def _reference(kind):
-    """Single process: the same rows (repadded like the sharder does for packed batches), cp=None."""
+def packed_reference(model):
+    """``model`` on :func:`_packed_batch` in one process (repadded like the sharder does), with labels; returns the
+    output and the caller positions of the repadded rows (the oracle of the CP parity tests)."""
     from dsv4.cp import _repad_dsv4_packed_batch
 
+    rows, _, positions = _repad_dsv4_packed_batch(
+        copy.deepcopy(_packed_batch()), cp_size=1, pad_multiple=model.config.shard_multiple, padding_token_id=0
+    )
+    out = model(rows["input_ids"], position_ids=rows["position_ids"], packed_seq_ids=rows["packed_seq_ids"],
+                padding_mask=rows["padding_mask"], labels=rows["labels"])
+    return out, positions
+
+
+def _reference(kind):
+    """Single process: the same rows (repadded like the sharder does for packed batches), cp=None."""
     torch.set_num_threads(1)
     model = _model()
     batch = _packed_batch() if kind == "packed" else _unpacked_batch()
     if kind == "packed":
-        rows, _, positions = _repad_dsv4_packed_batch(
-            copy.deepcopy(batch), cp_size=1, pad_multiple=model.config.shard_multiple, padding_token_id=0
-        )
-        out = model(rows["input_ids"], position_ids=rows["position_ids"], packed_seq_ids=rows["packed_seq_ids"],
-                     padding_mask=rows["padding_mask"], labels=rows["labels"])
+        out, positions = packed_reference(model)
 
         def restore(t):
             gathered = t.gather(1, positions.clamp_min(0).unsqueeze(-1).expand(-1, -1, t.shape[-1]))

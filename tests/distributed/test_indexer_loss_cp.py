@@ -8,14 +8,12 @@ backpropagates its share; the indexer gradients summed over ranks must equal the
 windows' index keys come from their owners, and their gradients go back to them).
 """
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from dsv4.launch import run_on_ranks
-from tests.distributed.test_cp_parity import _packed_batch
+from tests.distributed.test_cp_parity import _packed_batch, packed_reference
 
 pytestmark = pytest.mark.distributed
 
@@ -47,13 +45,8 @@ def _body(rank, world_size):
 
 
 def _reference():
-    from dsv4.cp import _repad_dsv4_packed_batch
-
     model = _model()
-    rows, _, _ = _repad_dsv4_packed_batch(copy.deepcopy(_packed_batch()), cp_size=1,
-                                          pad_multiple=model.config.shard_multiple, padding_token_id=0)
-    out = model(rows["input_ids"], position_ids=rows["position_ids"], packed_seq_ids=rows["packed_seq_ids"],
-                padding_mask=rows["padding_mask"], labels=rows["labels"])
+    out, _ = packed_reference(model)
     out.loss.backward()
     count = out.label_count.clamp_min(1)
     return out.indexer_loss_sum.detach() / count, out.loss.detach(), _indexer_grads(model)

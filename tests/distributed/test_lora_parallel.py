@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dsv4.launch import run_on_ranks
-from tests.distributed.test_cp_parity import _packed_batch
+from tests.distributed.test_cp_parity import _packed_batch, packed_reference
 
 pytestmark = pytest.mark.distributed
 
@@ -93,13 +93,8 @@ def two_ranks():
 
 
 def test_lora_cp2_equals_cp1(two_ranks):
-    from dsv4.cp import _repad_dsv4_packed_batch
-
     model = _lora_model()
-    rows, _, _ = _repad_dsv4_packed_batch(copy.deepcopy(_packed_batch()), cp_size=1,
-                                          pad_multiple=model.config.shard_multiple, padding_token_id=0)
-    out = model(rows["input_ids"], position_ids=rows["position_ids"], packed_seq_ids=rows["packed_seq_ids"],
-                padding_mask=rows["padding_mask"], labels=rows["labels"])
+    out, _ = packed_reference(model)
     out.loss.backward()
     reference = _adapter_grads(model)
     results = [r["cp"] for r in two_ranks]
