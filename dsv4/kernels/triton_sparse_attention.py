@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv4.model.sparse_attention import checked_query_offset
+from dsv4.model.sparse_attention import checked_query_offset, selected_row_probs
 
 __all__ = ["triton_sparse_attention"]
 
@@ -308,10 +308,11 @@ class _SparseAttentionFn(torch.autograd.Function):
             _sparse_attn_fwd[grid](q, kv, sink, *meta, out, lse, *sizes, **consts)
         ctx.save_for_backward(q, kv, sink, compressed, q_doc, q_pos, k_doc, c_doc, c_pos, topk, out, lse)
         ctx.launch = (grid, sizes, consts)
-        return out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_lse=None):
         q, kv, sink, compressed, q_doc, q_pos, k_doc, c_doc, c_pos, topk, out, lse = ctx.saved_tensors
         grid, sizes, consts = ctx.launch
         meta = (q_doc, q_pos, k_doc, _ptr(compressed, q), _ptr(c_doc, q_doc), _ptr(c_pos, q_doc), _ptr(topk, q_doc))
@@ -350,10 +351,14 @@ def triton_sparse_attention(
     block_n: int = 64,
     block_c: int = 64,
     num_warps: int | None = None,
-) -> Tensor:
+    compressed_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Sliding-window + compressed sparse attention in Triton; same arguments and result as ``sparse_attention``.
 
-    Returns ``[B, L, H, D]`` in ``q.dtype``; differentiable w.r.t. ``q``, ``kv``, ``sink`` and ``compressed``.
+    Returns ``[B, L, H, D]`` in ``q.dtype``; differentiable w.r.t. ``q``, ``kv``, ``sink`` and ``compressed``. With
+    ``compressed_probs`` (CSA) also the selected rows' head-mean probabilities ``[B, L, k]`` (the indexer loss's
+    teacher), computed in torch from the kernel's log-normaliser (:func:`~dsv4.model.sparse_attention.
+    selected_row_probs`).
     ``q``, ``kv`` and ``compressed`` must share one dtype (bf16, fp16 or fp32). Tuning (constexpr block sizes):
     ``block_h`` heads per program (default ``min(H, 64)``), ``block_n`` window rows and ``block_c`` compressed rows
     per key block (rounded up to powers of two >= 16), ``num_warps``.
@@ -370,8 +375,11 @@ def triton_sparse_attention(
     elif topk_indices is not None:
         raise ValueError("triton_sparse_attention: topk_indices without compressed rows")
     scale = d**-0.5 if scale is None else float(scale)
+    if compressed_probs and topk_indices is None:
+        raise ValueError("triton_sparse_attention: compressed_probs needs a CSA selection (topk_indices)")
     if length == 0:
-        return q.new_zeros(b, 0, h, d)
+        out = q.new_zeros(b, 0, h, d)
+        return (out, q.new_zeros(b, 0, topk_indices.shape[-1], dtype=torch.float32)) if compressed_probs else out
 
     # Metadata as contiguous int32; padding keys get document id -1 (never equal to a query's id > 0).
     q_doc = query_seq_ids.to(torch.int32).contiguous()
@@ -388,7 +396,11 @@ def triton_sparse_attention(
         if topk_indices is not None:
             topk = topk_indices.to(torch.int32).contiguous()
     cfg = _Config(h, d, 0 if topk is None else topk.shape[-1], block_h, block_n, block_c, num_warps)
-    return _SparseAttentionFn.apply(
+    out, lse = _SparseAttentionFn.apply(
         q.contiguous(), kv.contiguous(), sink.contiguous(), compressed, q_doc, q_pos, k_doc, c_doc, c_pos, topk,
         int(query_offset), int(window), int(ratio), scale, cfg,
     )
+    if not compressed_probs:
+        return out
+    return out, selected_row_probs(q, compressed, topk_indices, lse, query_seq_ids, query_positions,
+                                   compressed_seq_ids, compressed_positions, ratio, scale)

@@ -175,14 +175,10 @@ class DSV4Attention(nn.Module):
                     topk, student = topk
 
         kernel = attention_kernel(self.config.attention_backend, q.device)
-        tuning = {}
-        if student is not None and kernel is not sparse_attention:
-            raise ValueError("model.indexer_loss_coeff > 0 needs model.attention_backend=torch: the Triton kernel "
-                             "does not return the main attention's probabilities (the indexer loss's teacher) yet")
+        tuning = {"compressed_probs": True} if student is not None else {}  # the indexer loss's teacher
         if kernel is sparse_attention:
             tuning["chunk_size"] = self.config.attention_chunk_size
             tuning["compressed_local_rows"] = local_windows
-            tuning["compressed_probs"] = student is not None
             tuning["chunk_starts"] = meta.chunk_starts
         out = kernel(
             q,

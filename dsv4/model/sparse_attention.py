@@ -107,6 +107,29 @@ def _chunk_attention(
     return out.to(q.dtype)
 
 
+@torch.no_grad()
+def selected_row_probs(q: Tensor, compressed: Tensor, topk: Tensor, lse: Tensor, query_seq_ids: Tensor,
+                       query_positions: Tensor, compressed_seq_ids: Tensor, compressed_positions: Tensor, ratio: int,
+                       scale: float, chunk_size: int = 256) -> Tensor:
+    """The head mean of the attention probabilities of the CSA-selected compressed rows, ``[B, L, k]`` fp32, from the
+    softmax's log-normaliser ``lse [B, L, H]`` (window, selected rows and sink): ``mean_h exp(q_h . c_j * scale -
+    lse_h)``; 0 where the selection is -1 or not allowed. What ``sparse_attention(..., compressed_probs=True)``
+    returns, for a kernel that returns ``lse`` (the Triton one). Chunked over queries: ``[B, C, k, D]`` at a time."""
+    b, length = topk.shape[:2]
+    batch = torch.arange(b, device=q.device)[:, None, None]
+    out = []
+    for start in range(0, length, chunk_size):
+        sel = topk[:, start:start + chunk_size]
+        rows = sel.clamp(min=0)
+        valid = (sel >= 0) & compressed_key_allowed(
+            query_seq_ids[:, start:start + chunk_size], query_positions[:, start:start + chunk_size],
+            compressed_seq_ids[batch, rows], compressed_positions[batch, rows], ratio)
+        z = torch.einsum("bchd,bckd->bchk", q[:, start:start + chunk_size].float(), compressed[batch, rows].float())
+        p = torch.exp(z * scale - lse[:, start:start + chunk_size, :, None])
+        out.append(torch.where(valid[:, :, None, :], p, torch.zeros_like(p)).mean(dim=2))
+    return torch.cat(out, dim=1) if out else q.new_zeros(b, 0, topk.shape[-1], dtype=torch.float32)
+
+
 def compressed_key_allowed(
     query_seq_ids: Tensor, query_positions: Tensor, key_seq_ids: Tensor, key_positions: Tensor, ratio: int
 ) -> Tensor:

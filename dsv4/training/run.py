@@ -114,11 +114,7 @@ def validate(cfg: DictConfig) -> tuple[DSV4Config, int | None]:
     compute_dtype_for(str(trainer_cfg.get("precision", "auto")), config.torch_dtype)
     device_type = device_type_of(trainer_cfg)
     check_dispatcher_available(resolve_dispatcher(cfg.dispatcher.name, cfg.ep), device_type)
-    backend = resolve_attention_backend(config.attention_backend, device_type)
-    if config.indexer_loss_coeff > 0 and backend != "torch":
-        raise ValueError(f"`model.indexer_loss_coeff`={config.indexer_loss_coeff} needs model.attention_backend=torch "
-                         f"(this run resolves {config.attention_backend!r} to {backend!r}): the Triton kernel does not "
-                         "return the main attention's probabilities, the indexer loss's teacher, yet")
+    resolve_attention_backend(config.attention_backend, device_type)
     if cfg.indexer_warmup_steps < 0 or (cfg.indexer_warmup_steps and not config.indexer_loss_coeff > 0):
         raise ValueError(f"`indexer_warmup_steps`={cfg.indexer_warmup_steps} must be >= 0, and > 0 only with "
                          f"model.indexer_loss_coeff > 0 (got {config.indexer_loss_coeff})")

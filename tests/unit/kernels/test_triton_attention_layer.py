@@ -87,3 +87,26 @@ def test_meta_tensors_trace_the_kernels_allocations():
     assert out.shape == q.shape and out.device.type == "meta"
     out.backward(torch.empty_like(out))
     assert q.grad.shape == q.shape and kv.grad.shape == kv.shape and sink.grad.shape == (h,)
+
+
+def test_indexer_loss_on_triton_equals_torch():
+    """With the indexer loss on, a CSA layer on Triton gives the same teacher (from the kernel's log-normaliser),
+    so the same indexer loss and indexer gradients, as on the torch path."""
+    seq, pos = packed_meta([128, 96], 32)
+    torch.manual_seed(1)
+    x = torch.randn(1, seq.numel(), CONFIG.hidden_size)
+    meta = build_attention_metadata(CONFIG, pos[None], seq[None], (seq == 0)[None])
+    results = {}
+    for backend in ("torch", "triton"):
+        config = dataclasses.replace(CONFIG, attention_backend=backend, indexer_loss_coeff=0.5, index_topk=8)
+        layer = make_layer(1, seed=1, config=config)
+        layer(x.clone().requires_grad_(True), meta)
+        loss = layer.indexer_loss
+        loss.backward()
+        results[backend] = (loss.detach(), {n: p.grad for n, p in layer.named_parameters() if ".indexer." in n
+                                            or n.startswith("indexer.")})
+    (loss_t, grads_t), (loss_k, grads_k) = results["torch"], results["triton"]
+    assert loss_t > 0 and len(grads_t) == 6
+    torch.testing.assert_close(loss_k, loss_t, rtol=1e-5, atol=1e-6)
+    for name, grad in grads_t.items():
+        torch.testing.assert_close(grads_k[name], grad, rtol=1e-4, atol=1e-6, msg=name)

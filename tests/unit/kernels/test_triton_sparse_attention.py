@@ -185,3 +185,17 @@ def test_low_precision_against_fp32_reference(dtype, ratio, csa):
     rss = delta.pow(2).sum(dim=(0, 1)).sqrt()
     err = (grads["sink"] - ref_grads["sink"]).abs()
     assert (err <= 4 * u * rss).all(), (err.tolist(), rss.tolist())
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("halo", [0, 5])
+def test_compressed_probs_equal_the_torch_teacher(packed, halo):
+    """The indexer loss's teacher (head-mean probabilities of the selected rows) from the Triton kernel's
+    log-normaliser equals the torch kernel's softmax, invalid and disallowed picks included (0)."""
+    case = make_case(40, packed=packed, ratio=4, csa=True, halo=halo)
+    leaves = {k: case[k] for k in ("q", "kv", "sink", "comp")}
+    out_k, probs_k = attend(triton_sparse_attention, case, 6, leaves, compressed_probs=True)
+    out_t, probs_t = attend(sparse_attention, case, 6, leaves, compressed_probs=True, chunk_size=16)
+    torch.testing.assert_close(out_k, out_t, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(probs_k, probs_t, rtol=1e-5, atol=1e-6)
+    assert (probs_t[case["topk"] < 0] == 0).all() and probs_t.sum() > 0

@@ -49,8 +49,6 @@ def _compose(overrides):
         (["export.hf_dir=out", "export.dtype=fp7"], "`export.dtype`='fp7' must be one of"),
         (["export.hf_dir=out", "ep=2", "cp=2", "dispatcher=alltoall"], "`export.hf_dir` / `export.adapter_dir` with ep > 1"),
         (["model.indexer_loss_coeff=-1"], "DSV4Config.indexer_loss_coeff: must be >= 0, got -1.0"),
-        (["model.indexer_loss_coeff=0.01", "model.attention_backend=triton"],
-         "`model.indexer_loss_coeff`=0.01 needs model.attention_backend=torch"),
         (["indexer_warmup_steps=5"], "`indexer_warmup_steps`=5 must be >= 0, and > 0 only with model.indexer_loss_coeff > 0"),
         (["peft=lora", "peft.rank=0"], "`peft.rank` must be an integer >= 1, got 0"),
         (["peft=lora", "peft.targets=[attention,gate]"], "`peft.targets`=['attention', 'gate']: each must be one of"),
