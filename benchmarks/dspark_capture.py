@@ -3,7 +3,8 @@
 Prints JSON objects (one per measurement): documents/s and tokens/s of a frozen capture
 (:func:`dsv4.speculative.capture_dspark_features`) when the documents are packed ``docs_per_row`` to a row
 (aligned to the model's document alignment) versus one document per row (rows padded to the longest document),
-and the alignment padding fraction of the packed layout (alignment slots / aligned slots). Random token ids,
+the alignment padding fraction of the packed layout (alignment slots / aligned slots), and the slot ratio
+(one-document-per-row slots / packed slots: the speed-up if time followed the slots run). Random token ids,
 random document lengths, median of ``--repeats`` runs, one process.
 
     python benchmarks/dspark_capture.py                          # tiny (alignment 128) and v41_tiny (2)
@@ -65,11 +66,13 @@ def main() -> None:
         model = DSV4ForCausalLM(config).eval()
         shape = {"preset": preset, "docs": args.docs, "tokens": tokens, "docs_per_row": args.docs_per_row,
                  "alignment": config.shard_multiple, "layer_ids": args.layer_ids}
-        results = {}
+        results, slots = {}, {}
         for mode, per_row in (("packed", args.docs_per_row), ("one_per_row", 1)):
             ids, seq_lens = _rows(lengths, per_row, config.vocab_size, g)
             seconds = _time(lambda: capture_dspark_features(model, ids, seq_lens, args.layer_ids), args.repeats)
             results[mode] = seconds
+            run_layout = capture_dspark_features(model, ids, seq_lens, args.layer_ids).layout
+            slots[mode] = run_layout.batch_size * run_layout.aligned_length
             emit("dspark_capture_documents_per_s", {**shape, "mode": mode}, args.docs / seconds, "documents/s")
             emit("dspark_capture_tokens_per_s", {**shape, "mode": mode}, tokens / seconds, "tokens/s")
             if mode == "packed":
@@ -80,6 +83,8 @@ def main() -> None:
                 emit("dspark_capture_alignment_padding_fraction", shape, alignment_slots / total, "fraction")
                 emit("dspark_capture_padding_fraction", shape, 1 - tokens / total, "fraction")
         emit("dspark_capture_packed_speedup", shape, results["one_per_row"] / results["packed"], "x")
+        # the bound when time follows the slots the model runs: one-document-per-row slots / packed slots
+        emit("dspark_capture_slot_ratio", shape, slots["one_per_row"] / slots["packed"], "x")
 
 
 if __name__ == "__main__":
