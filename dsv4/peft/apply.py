@@ -27,13 +27,12 @@ from torch import Tensor, nn
 
 from dsv4.checkpoint import keys as K
 from dsv4.model.moe import GroupedExperts
-from dsv4.peft.config import LoRAConfig
+from dsv4.peft.config import TARGET_MODULE_PATTERNS, LoRAConfig
 from dsv4.peft.lora import LoRAGroupedExperts, LoRALinear, is_adapter_name
 
-_TARGET_OF = [
-    ("attention", re.compile(r"(^|\.)attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$")),
-    ("shared_experts", re.compile(r"(^|\.)ffn\.shared_experts\.(w1|w2|w3)\.weight$")),
-]
+# the linear target groups (routed experts are modules of their own, GroupedExperts)
+_TARGET_OF = [(group, re.compile(rf"(^|\.){TARGET_MODULE_PATTERNS[group]}\.weight$"))
+              for group in ("attention", "shared_experts")]
 
 
 def target_group(hf_weight_key: str) -> str | None:

@@ -21,6 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TARGET_GROUPS = ("attention", "shared_experts", "routed_experts")
+# each group's modules, by their released names (after the block prefix ``layers.{i}.`` / ``mtp.{k}.``)
+TARGET_MODULE_PATTERNS = {
+    "attention": r"attn\.(wq_a|wq_b|wkv|wo_a|wo_b)",
+    "shared_experts": r"ffn\.shared_experts\.(w1|w2|w3)",
+    "routed_experts": r"ffn\.experts\.\d+\.(w1|w2|w3)",
+}
 BASE_DTYPES = ("bf16", "fp8")
 
 

@@ -32,22 +32,17 @@ from torch import Tensor, nn
 
 from dsv4.checkpoint import keys as K
 from dsv4.checkpoint.safetensors_io import CheckpointDir, TensorReader
-from dsv4.peft.config import LoRAConfig
+from dsv4.peft.config import TARGET_MODULE_PATTERNS, LoRAConfig
 from dsv4.peft.lora import LoRAGroupedExperts, LoRALinear, full_tensor
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
-_TARGET_PATTERNS = {
-    "attention": r"attn\.(wq_a|wq_b|wkv|wo_a|wo_b)",
-    "shared_experts": r"ffn\.shared_experts\.(w1|w2|w3)",
-    "routed_experts": r"ffn\.experts\.\d+\.(w1|w2|w3)",
-}
 
 
 def target_modules_regex(lora: LoRAConfig) -> str:
     """PEFT's ``target_modules`` (matched with ``re.fullmatch`` against module names) for ``lora.targets``."""
-    return r"^(layers|mtp)\.\d+\.(" + "|".join(_TARGET_PATTERNS[t] for t in lora.targets) + r")$"
+    return r"^(layers|mtp)\.\d+\.(" + "|".join(TARGET_MODULE_PATTERNS[t] for t in lora.targets) + r")$"
 
 
 def _adapter_slots(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, int | None]]:
