@@ -128,22 +128,53 @@ def _shift(t: torch.Tensor, step: int, group, traffic: TrafficCounter | None, ki
     return out
 
 
+def _shift_batch_rows(t: torch.Tensor, step: int, group, traffic: TrafficCounter | None, kind: str,
+                      send: list[int], recv: list[int]) -> torch.Tensor:
+    """:func:`_shift` of only some batch rows (dim 0): send ``t[send]`` to rank ``r + step``, receive the rows
+    ``recv`` from rank ``r - step`` (zeros elsewhere). Both sides derive the lists from the same metadata, so the
+    sender's ``send`` is the receiver's ``recv``; an empty list sends (or receives) nothing at all."""
+    rank, size = group_rank(group), group_size(group)
+    out = torch.zeros_like(t)
+    to, source = rank + step, rank - step
+    outgoing = t[send].contiguous() if send and 0 <= to < size else None
+    incoming = t.new_empty((len(recv), *t.shape[1:])) if recv and 0 <= source < size else None
+    ops = ([("send", outgoing, to)] if outgoing is not None else []) + (
+        [("recv", incoming, source)] if incoming is not None else [])
+    if ops:
+        _p2p(ops, group)
+    if incoming is not None:
+        out[recv] = incoming
+    if traffic is not None:
+        traffic.add(kind, sent=0 if outgoing is None else _nbytes(outgoing),
+                    received=0 if incoming is None else _nbytes(incoming))
+    return out
+
+
 class _HaloExchange(torch.autograd.Function):
     """Rank r receives the last ``rows`` rows (along ``dim``) of rank r-1; rank 0 receives zeros. Backward sends
-    the gradient of the received rows back to rank r-1, where it adds to its last rows' gradient."""
+    the gradient of the received rows back to rank r-1, where it adds to its last rows' gradient. With ``batch_rows
+    = (send, recv)`` only those batch rows travel (``dim`` must not be 0)."""
 
     @staticmethod
-    def forward(ctx, x, rows, dim, group, traffic, kind):  # type: ignore[override]
+    def forward(ctx, x, rows, dim, group, traffic, kind, batch_rows=None):  # type: ignore[override]
         ctx.rows, ctx.dim, ctx.group, ctx.traffic, ctx.kind = rows, dim, group, traffic, kind
-        ctx.length = x.shape[dim]
-        return _shift(x.narrow(dim, x.shape[dim] - rows, rows).contiguous(), 1, group, traffic, kind)
+        ctx.length, ctx.batch_rows = x.shape[dim], batch_rows
+        tail = x.narrow(dim, x.shape[dim] - rows, rows).contiguous()
+        if batch_rows is None:
+            return _shift(tail, 1, group, traffic, kind)
+        return _shift_batch_rows(tail, 1, group, traffic, kind, *batch_rows)
 
     @staticmethod
     def backward(ctx, grad_halo):  # type: ignore[override]
-        grad_tail = _shift(grad_halo.contiguous(), -1, ctx.group, ctx.traffic, f"{ctx.kind}.backward")
+        kind = f"{ctx.kind}.backward"
+        if ctx.batch_rows is None:
+            grad_tail = _shift(grad_halo.contiguous(), -1, ctx.group, ctx.traffic, kind)
+        else:  # the gradients go back the way the rows came: my received rows to my predecessor
+            send, recv = ctx.batch_rows
+            grad_tail = _shift_batch_rows(grad_halo.contiguous(), -1, ctx.group, ctx.traffic, kind, recv, send)
         shape = list(grad_tail.shape)
         shape[ctx.dim] = ctx.length - ctx.rows
-        return torch.cat([grad_tail.new_zeros(shape), grad_tail], dim=ctx.dim), None, None, None, None, None
+        return torch.cat([grad_tail.new_zeros(shape), grad_tail], dim=ctx.dim), None, None, None, None, None, None
 
 
 def halo_exchange(
@@ -154,13 +185,16 @@ def halo_exchange(
     *,
     traffic: TrafficCounter | None = None,
     kind: str = "halo",
+    batch_rows: tuple[list[int], list[int]] | None = None,
 ) -> torch.Tensor:
     """Differentiable halo exchange: return the previous rank's last ``rows`` rows of ``tensor`` along ``dim``.
 
     Shapes: ``tensor`` has ``L >= rows`` rows along ``dim``; the result has the same shape with ``rows`` rows
     along ``dim``. Rank 0 (and the single-rank path) receives zeros. The gradient of the received rows is sent
     back to rank r-1 and added to the gradient of its last ``rows`` rows. Only neighbours talk: each rank sends
-    and receives ``rows`` rows once per call.
+    and receives ``rows`` rows once per call. ``batch_rows = (send, recv)``: only the batch rows (dim 0) my
+    successor needs travel to it and only those I need come to me (the others receive zeros); empty lists on both
+    sides of a pair of ranks mean no message at all.
     """
     dim = dim % tensor.dim()
     length = tensor.shape[dim]
@@ -171,7 +205,9 @@ def halo_exchange(
         )
     if not _enabled(cp_group) or rows == 0:
         return tensor.new_zeros(tensor.shape[:dim] + (rows,) + tensor.shape[dim + 1 :])
-    return _HaloExchange.apply(tensor, rows, dim, cp_group, traffic, kind)
+    if batch_rows is not None and dim == 0:
+        raise ValueError("halo_exchange: batch_rows selects along dim 0, so the halo dim must not be 0")
+    return _HaloExchange.apply(tensor, rows, dim, cp_group, traffic, kind, batch_rows)
 
 
 def _preceding_plan(starts: list[int], rank: int, size: int, n: int) -> tuple[list, list]:

@@ -48,9 +48,11 @@ class CPContext(GroupMember):
         """Non-differentiable all-gather of integer/bool metadata along ``dim``."""
         return all_gather_metadata(tensor, dim, self.group, traffic=self.traffic, kind=kind)
 
-    def halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "halo") -> torch.Tensor:
-        """The previous rank's last ``rows`` rows along ``dim`` (zeros on rank 0), differentiable."""
-        return halo_exchange(tensor, rows, dim, self.group, traffic=self.traffic, kind=kind)
+    def halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "halo",
+                      batch_rows: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+        """The previous rank's last ``rows`` rows along ``dim`` (zeros on rank 0), differentiable; ``batch_rows =
+        (send, recv)``: only those batch rows travel (see :func:`dsv4.cp.collectives.halo_exchange`)."""
+        return halo_exchange(tensor, rows, dim, self.group, traffic=self.traffic, kind=kind, batch_rows=batch_rows)
 
     def gather_preceding(self, tensor: torch.Tensor, starts: list[int], dim: int = 1, kind: str = "gather_preceding"):
         """Rows ``[starts[rank], (rank+1)*n)`` of the global sequence, received from their owners (differentiable)."""

@@ -21,7 +21,9 @@ Context parallelism only ADDS exchanges to this path, through the ``CPContext`` 
 ``[L, S]`` is built and raw tokens are never all-gathered):
 
 * ``halo``: the previous rank's last ``sliding_window - 1`` K/V rows (already normed and RoPE'd by their owner),
-  prepended to the window keys (the kernel's ``query_offset``);
+  prepended to the window keys (the kernel's ``query_offset``); only for the batch rows whose document continues
+  across the rank boundary (``meta.halo_rows``: a row whose first local token starts a document or is padding
+  receives nothing, zeros stand in);
 * ``compressor_halo`` / ``index_compressor_halo`` (ratio 4): the previous window's first-half projections, so
   the first local window pools its overlap exactly as on one rank;
 * ``compressed_gather`` / ``index_key_gather``: the earlier compressed rows / index keys of the document this
@@ -125,7 +127,7 @@ class DSV4Attention(nn.Module):
         """An overlap compressor's boundary features of the previous rank (None on a single rank)."""
         if not meta.halo or not module.overlap:
             return None
-        return cp.halo_exchange(module(x, boundary=True), module.ratio, dim=1, kind=kind)
+        return cp.halo_exchange(module(x, boundary=True), module.ratio, dim=1, kind=kind, batch_rows=meta.halo_rows)
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: Tensor, meta: AttentionMetadata, cp: object | None = None) -> Tensor:
@@ -148,7 +150,8 @@ class DSV4Attention(nn.Module):
 
         kv = apply_rope(self.kv_norm(self.wkv(x)), rope)  # [B, L, D]
         if meta.halo:
-            kv = torch.cat((cp.halo_exchange(kv, meta.halo, dim=1, kind="halo"), kv), dim=1)  # [B, halo + L, D]
+            halo = cp.halo_exchange(kv, meta.halo, dim=1, kind="halo", batch_rows=meta.halo_rows)
+            kv = torch.cat((halo, kv), dim=1)  # [B, halo + L, D]
 
         compressed = comp_seq = comp_pos = topk = local_windows = student = None
         train_indexer = self.indexer is not None and self.indexer.trainable and torch.is_grad_enabled()

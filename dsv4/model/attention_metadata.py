@@ -46,6 +46,9 @@ class AttentionMetadata:
     ``full_seq_ids`` / ``full_padding``: ``[B, S]`` metadata of the whole row (the local tensors on one rank).
     ``real_tokens``: ``[N]`` flat indices of the local non-padding tokens (None without padding): the tokens
     every MoE layer routes, found once per forward (a host sync on GPUs) instead of once per layer.
+    ``halo_rows``: under CP, ``(send, recv)``: the batch rows whose document continues from this rank into the next
+    (their halo and compressor boundary go to the successor) and from the previous rank into this one (received);
+    a row whose first local token starts a document or is padding needs nothing. None on a single rank.
     ``chunk_starts``: per query chunk of ``attention_chunk_size``, the local row where its earliest document begins
     (:func:`~dsv4.model.sparse_attention.chunk_document_starts`, read with the metadata's one host sync): the torch
     kernels score only the compressed rows of a chunk's own documents.
@@ -66,6 +69,21 @@ class AttentionMetadata:
     full_padding: Tensor | None = None
     real_tokens: Tensor | None = None
     chunk_starts: list[int] | None = None
+    halo_rows: tuple[list[int], list[int]] | None = None
+
+
+def _continues_across(full_seq: Tensor, full_pad: Tensor, start: int, length: int, cp_size: int) -> Tensor:
+    """``[2, B]`` bool: whether each row's document continues across this block's end into the next rank (row 0)
+    and across its start from the previous rank (row 1): the tokens on both sides are real (document id > 0, not
+    padding) and of one document. False at the sequence's ends."""
+    real = (full_seq > 0) & ~full_pad
+
+    def across(boundary: int) -> Tensor:
+        if boundary <= 0 or boundary >= full_seq.shape[1]:
+            return torch.zeros(full_seq.shape[0], dtype=torch.bool, device=full_seq.device)
+        return real[:, boundary] & real[:, boundary - 1] & (full_seq[:, boundary] == full_seq[:, boundary - 1])
+
+    return torch.stack((across(start + length), across(start)))
 
 
 def check_cp_layout(config: DSV4Config, local_len: int, cp) -> int:
@@ -198,8 +216,17 @@ def build_attention_metadata(
             starts[ratio] = window_starts(full_seq, ratio, length, cp_size)
     flags = torch.stack(misaligned).any().reshape(1) if misaligned else torch.zeros(1, dtype=torch.bool)
     chunk_starts = chunk_document_starts(seq_ids, position_ids, config.attention_chunk_size)
-    synced = torch.cat([flags.long().cpu(), chunk_starts.cpu()] + [s.cpu() for s in starts.values()]).tolist()
-    chunk_start_list, synced = synced[1:1 + chunk_starts.numel()], synced[:1] + synced[1 + chunk_starts.numel():]
+    continues = _continues_across(full_seq, full_pad, start, length, cp_size) if cp_size > 1 else None
+    extra = [chunk_starts] + ([] if continues is None else [continues.reshape(-1)])
+    synced = torch.cat([flags.long().cpu()] + [t.long().cpu() for t in extra] + [s.cpu() for s in starts.values()])
+    synced = synced.tolist()  # one host sync
+    n_extra = sum(t.numel() for t in extra)
+    chunk_start_list = synced[1:1 + chunk_starts.numel()]
+    halo_rows = None
+    if continues is not None:  # [2, B]: from me into my successor, from my predecessor into me
+        flat = synced[1 + chunk_starts.numel():1 + n_extra]
+        halo_rows = ([i for i in range(b) if flat[i]], [i for i in range(b) if flat[b + i]])
+    synced = synced[:1] + synced[1 + n_extra:]
     if synced[0]:
         raise ValueError(
             "build_attention_metadata: a compressor window starts at a document-local position that is not a "
@@ -231,4 +258,5 @@ def build_attention_metadata(
         full_padding=full_pad,
         real_tokens=None if padding_mask is None else non_padding_tokens(padding),
         chunk_starts=chunk_start_list,
+        halo_rows=halo_rows,
     )

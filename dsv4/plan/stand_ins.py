@@ -43,7 +43,8 @@ class PlanCP:
             return tensor.new_empty(shape)
         return torch.cat([tensor] * self.size, dim=dim)
 
-    def halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "") -> torch.Tensor:
+    def halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "",
+                      batch_rows=None) -> torch.Tensor:
         return tensor.narrow(dim, tensor.shape[dim] - rows, rows).clone()  # received: a new tensor, same shape
 
     def gather_preceding(self, tensor: torch.Tensor, starts: list[int], dim: int = 1, kind: str = "") -> torch.Tensor:

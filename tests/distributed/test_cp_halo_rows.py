@@ -1,0 +1,73 @@
+"""The halo and the compressor boundary go only to the rows that need them (2 gloo ranks, tiny preset).
+
+Two rows of 512 tokens, 256 per rank: row 0 holds two documents of 256, so rank 1's first token starts a
+document; row 1 holds one document of 512 across the boundary. From first principles, per layer and direction rank 1
+receives the window halo (``sliding_window - 1`` K/V rows of ``head_dim`` fp32 values) for row 1 only, and the ratio-4
+compressor boundaries (main and indexer) for row 1 only; rank 0 receives nothing. A batch of row 0 alone exchanges
+no halo or boundary bytes at all. The logits equal the single-rank forward's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dsv4.launch import run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+L = 512
+
+
+def _model():
+    from dsv4.config import DSV4Config
+    from dsv4.model import DSV4ForCausalLM
+
+    torch.manual_seed(0)
+    return DSV4ForCausalLM(DSV4Config.preset("tiny"))
+
+
+def _rows():
+    ids = torch.randint(1, 256, (2, L), generator=torch.Generator().manual_seed(7))
+    seq = torch.stack([torch.cat([torch.full((256,), 1), torch.full((256,), 2)]), torch.ones(L, dtype=torch.long)])
+    pos = torch.stack([torch.cat([torch.arange(256), torch.arange(256)]), torch.arange(L)])
+    return ids, seq, pos
+
+
+def _body(rank, world_size):
+    from dsv4.cp import CPContext
+
+    model = _model()
+    ids, seq, pos = _rows()
+    part = slice(rank * L // 2, (rank + 1) * L // 2)
+    out = {}
+    for name, rows in (("both", [0, 1]), ("starts", [0])):
+        cp = CPContext(dist.new_group([0, 1]))
+        logits = model(ids[rows, part], position_ids=pos[rows, part], packed_seq_ids=seq[rows, part], cp=cp).logits
+        out[name] = {"logits": logits.detach(), "traffic": cp.traffic.as_dict()}
+    return out
+
+
+def test_only_continuing_rows_receive_the_halo_and_boundary():
+    results = run_on_ranks(_body, 2)
+    model = _model()
+    ids, seq, pos = _rows()
+    reference = model(ids, position_ids=pos, packed_seq_ids=seq).logits.detach()
+    config = model.config
+    layers_by_ratio = {r: config.compress_ratios[:config.num_hidden_layers].count(r) for r in (0, 4, 128)}
+    for rank, res in enumerate(results):
+        part = slice(rank * L // 2, (rank + 1) * L // 2)
+        torch.testing.assert_close(res["both"]["logits"], reference[:, part], atol=1e-5, rtol=0)
+        torch.testing.assert_close(res["starts"]["logits"], reference[[0], part], atol=1e-5, rtol=0)
+    both = results[1]["both"]["traffic"]
+    # every attention layer (backbone and MTP) receives one window halo of one row
+    attention_layers = config.num_hidden_layers + config.num_nextn_predict_layers
+    assert both["halo"]["bytes_received"] == attention_layers * (config.sliding_window - 1) * config.head_dim * 4
+    # ratio 4 (overlap) compressors: the previous window's first half of one row, main and indexer
+    assert both["compressor_halo"]["bytes_received"] > 0 and both["index_compressor_halo"]["bytes_received"] > 0
+    assert layers_by_ratio[4] == 2
+    for kind in ("halo", "compressor_halo", "index_compressor_halo"):
+        assert results[0]["both"]["traffic"].get(kind, {"bytes_received": 0})["bytes_received"] == 0
+        starts = results[1]["starts"]["traffic"].get(kind, {"bytes_received": 0, "bytes_sent": 0})
+        assert starts["bytes_received"] == 0 and starts.get("bytes_sent", 0) == 0, kind
