@@ -237,7 +237,8 @@ def forward_flops_per_token(config: DSV4Config, seq_len: int) -> float:
 
 
 def training_flops_per_token(config: DSV4Config, seq_len: int) -> float:
-    """Forward + backward FLOPs per real token: ``3 x`` trainable parts, ``1 x`` the frozen indexer."""
+    """Forward + backward FLOPs per real token: ``3 x`` trainable parts, ``1 x`` the indexer unless it trains
+    (``indexer_loss_coeff > 0``)."""
     parts = forward_flops_breakdown(config, seq_len)
     forward_only = set() if config.indexer_loss_coeff > 0 else set(INDEXER_KEYS)
     return sum(v * (1 if k in forward_only else 1 + BACKWARD_FACTOR) for k, v in parts.items())
