@@ -38,30 +38,24 @@ from torch import nn
 
 from dsv4.checkpoint import keys as K
 from dsv4.checkpoint.quant import (
-    dequantize_fp4_packed,
-    dequantize_fp8_block,
+    dequantize,
     fp4_scale_shape,
     fp8_scale_shape,
-    quantize_fp4_packed,
-    quantize_fp8_block,
+    kept_format,
+    logical_shape,
+    quantize_kept,
 )
 from dsv4.checkpoint.safetensors_io import DTYPES, CheckpointDir, TensorInfo, TensorReader
 
 _FLOAT_TAGS = ("F64", "F32", "F16", "BF16")
 _INT_TAGS = ("I64", "I32")
 _SCALE_TAGS = ("F8_E8M0", "U8", "F32")
-_KEPT = {torch.float8_e4m3fn: "fp8", torch.int8: "fp4"}  # target dtype -> the kept format it holds
 _ADAPTER_SUFFIXES = ("lora_A", "lora_B")
 
 
 def kept_scale_name(name: str) -> str:
     """The model's scale tensor beside a kept weight: ``<module>.scale``, or ``w1_scale`` beside stacked experts."""
     return f"{name}_scale" if K.is_stacked_expert(name) else name[: -len("weight")] + "scale"
-
-
-def _logical_shape(target: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The float shape a model tensor of ``shape`` stands for (a kept FP4 target packs two columns per byte)."""
-    return (*shape[:-1], 2 * shape[-1]) if _KEPT.get(target.dtype) == "fp4" else tuple(shape)
 
 
 @dataclass
@@ -147,15 +141,15 @@ def _check_and_plan(
                 skipped.append(key)
                 continue
             row = mapped.expert - offset
-            expected_shape = _logical_shape(target, tuple(target.shape[1:]))
+            expected_shape = logical_shape(target)[1:]
         elif mapped.name in ranges:
             unexpected.append(key)
             continue
         else:
-            expected_shape = _logical_shape(target, tuple(target.shape))
+            expected_shape = logical_shape(target)
         scale_key = K.scale_key_of_weight(key)
         has_scale = scale_key in scales
-        keep = _KEPT.get(target.dtype)
+        keep = kept_format(target)
         fmt = _validate(info, ckpt.tensors.get(scale_key) if has_scale else None, expected_shape,
                         torch.float32 if keep else target.dtype)
         if keep and fmt not in ("plain", keep):
@@ -243,7 +237,7 @@ def load_hf_checkpoint(
     start = time.perf_counter()
     ckpt = CheckpointDir.open(path)
     state = model.state_dict(keep_vars=True)
-    kept_scales = {kept_scale_name(n) for n, t in state.items() if t.dtype in _KEPT}
+    kept_scales = {kept_scale_name(n) for n, t in state.items() if kept_format(t)}
     targets = {n: t for n, t in state.items() if n not in kept_scales and not n.endswith(_ADAPTER_SUFFIXES)}
     if mtp_depths is None:
         mtp = getattr(model, "mtp", None)
@@ -279,12 +273,7 @@ def _load_item(reader: TensorReader, it: _Item, state: dict[str, torch.Tensor]) 
     if it.keep:
         _load_kept(it, weight, scale, dest, state)
         return
-    if it.fmt == "fp8":
-        value = dequantize_fp8_block(weight, scale, dtype=torch.float32)
-    elif it.fmt == "fp4":
-        value = dequantize_fp4_packed(weight, scale, dtype=torch.float32)
-    else:
-        value = weight
+    value = weight if it.fmt == "plain" else dequantize(weight, scale, it.fmt, torch.float32)
     dest.copy_(value.to(device=dest.device, dtype=dest.dtype))
 
 
@@ -297,10 +286,8 @@ def _load_kept(it: _Item, weight: torch.Tensor, scale: torch.Tensor | None, dest
     if it.fmt == it.keep and scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
         q, s = weight, scale.view(torch.float8_e8m0fnu)
     else:
-        value = weight.float() if it.fmt == "plain" else (
-            dequantize_fp8_block(weight, scale, torch.float32) if it.fmt == "fp8"
-            else dequantize_fp4_packed(weight, scale, torch.float32))
-        q, s = quantize_fp8_block(value) if it.keep == "fp8" else quantize_fp4_packed(value)
+        value = weight.float() if it.fmt == "plain" else dequantize(weight, scale, it.fmt, torch.float32)
+        q, s = quantize_kept(value, it.keep)
     dest.copy_(q.view(dest.dtype).to(dest.device))
     scale_dest.copy_(s.to(scale_dest.device))
 

@@ -166,3 +166,62 @@ def quantize_fp4_packed(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     s = torch.ldexp(torch.ones_like(amax), k).repeat_interleave(FP4_GROUP, dim=1)[:, :inp]
     codes = _round_to_e2m1_codes((w / s).clamp(-FP4_MAX, FP4_MAX))
     return pack_fp4_codes(codes), encode_e8m0(k)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: str,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """One 2-D tensor in release format ``fmt`` (``"fp8"`` block or ``"fp4"`` packed) -> ``dtype [out, in]``."""
+    if fmt == "fp8":
+        return dequantize_fp8_block(weight, scale, dtype)
+    if fmt == "fp4":
+        return dequantize_fp4_packed(weight, scale, dtype)
+    raise ValueError(f"dequantize: unknown format {fmt!r}; expected fp8 or fp4")
+
+
+# ---------------------------------------------------------------------------------------------- kept in the model
+# A model may hold release-format tensors as they are (a LoRA base, ``dsv4.peft``): by dtype, ``float8_e4m3fn`` is
+# FP8 block and ``int8`` packed FP4; stacked experts carry a leading expert axis.
+KEPT_DTYPES = {"fp8": torch.float8_e4m3fn, "fp4": torch.int8}
+_KEPT_FORMATS = {dtype: fmt for fmt, dtype in KEPT_DTYPES.items()}
+
+
+def kept_format(weight: torch.Tensor) -> str | None:
+    """``"fp8"`` / ``"fp4"`` for a kept weight by its dtype, None for an ordinary one."""
+    return _KEPT_FORMATS.get(weight.dtype)
+
+
+def quantize_kept(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight ``[..., out, in]`` -> its kept ``(weight, scale)`` in ``fmt`` (leading axes kept). On the meta
+    device (the memory plan) only the shapes and dtypes are produced."""
+    lead, (out, inp) = weight.shape[:-2], weight.shape[-2:]
+    if weight.device.type == "meta":
+        q_shape = (out, inp) if fmt == "fp8" else (out, inp // 2)
+        s_shape = fp8_scale_shape((out, inp)) if fmt == "fp8" else fp4_scale_shape((out, inp))
+        return (torch.empty(*lead, *q_shape, dtype=KEPT_DTYPES[fmt], device="meta"),
+                torch.empty(*lead, *s_shape, dtype=torch.float8_e8m0fnu, device="meta"))
+    flat = weight.detach().reshape(-1, out, inp)
+    pairs = [quantize_fp8_block(w) if fmt == "fp8" else quantize_fp4_packed(w) for w in flat]
+    q = torch.stack([p[0] for p in pairs]).reshape(*lead, *pairs[0][0].shape)
+    s = torch.stack([p[1] for p in pairs]).reshape(*lead, *pairs[0][1].shape)
+    return q, s
+
+
+def dequantize_kept(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Kept ``(weight, scale)`` -> the logical ``dtype [..., out, in]`` weight (exact: power-of-two scales)."""
+    fmt = kept_format(weight)
+    if weight.device.type == "meta":  # the memory plan: the dequantised weight's shape and dtype
+        return torch.empty(logical_shape(weight), dtype=dtype, device="meta")
+    if fmt == "fp4":  # one scale row per weight row: the leading axes fold into the rows
+        out = dequantize_fp4_packed(weight.reshape(-1, weight.shape[-1]), scale.reshape(-1, scale.shape[-1]), dtype)
+        return out.view(*weight.shape[:-1], 2 * weight.shape[-1])
+    if fmt == "fp8":
+        if weight.dim() == 2:
+            return dequantize_fp8_block(weight, scale, dtype)
+        return torch.stack([dequantize_fp8_block(w, s, dtype) for w, s in zip(weight.flatten(0, -3),
+                                                                             scale.flatten(0, -3))]).view(weight.shape)
+    raise ValueError(f"dequantize_kept: {weight.dtype} is not a kept format (float8_e4m3fn or int8)")
+
+
+def logical_shape(weight: torch.Tensor) -> tuple[int, ...]:
+    """The float shape a kept weight stands for (FP4 packs two columns per byte)."""
+    return (*weight.shape[:-1], 2 * weight.shape[-1]) if kept_format(weight) == "fp4" else tuple(weight.shape)

@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from dsv4.model.attention import block_diagonal_linear
 from dsv4.model.moe import GroupedExperts, expert_linear
 from dsv4.peft.config import LoRAConfig
-from dsv4.peft.frozen import dequantize_kept, frozen_projection, logical_shape, quantize_kept
+from dsv4.checkpoint.quant import dequantize_kept, logical_shape, quantize_kept
+from dsv4.peft.frozen import frozen_projection
 
 ADAPTER_SUFFIXES = ("lora_A", "lora_B")
 
