@@ -116,33 +116,26 @@ def _p2p(ops: list[tuple[str, torch.Tensor, int]], group: ProcessGroup) -> None:
         work.wait()
 
 
-def _shift(t: torch.Tensor, step: int, group, traffic: TrafficCounter | None, kind: str) -> torch.Tensor:
-    """Send ``t`` to rank ``r + step`` and return what rank ``r - step`` sent (zeros where there is no such rank)."""
+def _shift(t: torch.Tensor, step: int, group, traffic: TrafficCounter | None, kind: str,
+           send: list[int] | None = None, recv: list[int] | None = None) -> torch.Tensor:
+    """Send ``t`` to rank ``r + step`` and return what rank ``r - step`` sent (zeros where there is no such rank).
+
+    ``send`` / ``recv`` (batch rows, dim 0; None = all): only ``t[send]`` goes out and only the rows ``recv`` come
+    in (zeros elsewhere). Both sides derive the lists from the same metadata, so the sender's ``send`` is the
+    receiver's ``recv``; an empty list sends (or receives) nothing at all."""
     rank, size = group_rank(group), group_size(group)
     out = torch.zeros_like(t)
     to, source = rank + step, rank - step
-    ops = ([("send", t, to)] if 0 <= to < size else []) + ([("recv", out, source)] if 0 <= source < size else [])
-    _p2p(ops, group)
-    if traffic is not None:
-        traffic.add(kind, sent=_nbytes(t) * (0 <= to < size), received=_nbytes(t) * (0 <= source < size))
-    return out
-
-
-def _shift_batch_rows(t: torch.Tensor, step: int, group, traffic: TrafficCounter | None, kind: str,
-                      send: list[int], recv: list[int]) -> torch.Tensor:
-    """:func:`_shift` of only some batch rows (dim 0): send ``t[send]`` to rank ``r + step``, receive the rows
-    ``recv`` from rank ``r - step`` (zeros elsewhere). Both sides derive the lists from the same metadata, so the
-    sender's ``send`` is the receiver's ``recv``; an empty list sends (or receives) nothing at all."""
-    rank, size = group_rank(group), group_size(group)
-    out = torch.zeros_like(t)
-    to, source = rank + step, rank - step
-    outgoing = t[send].contiguous() if send and 0 <= to < size else None
-    incoming = t.new_empty((len(recv), *t.shape[1:])) if recv and 0 <= source < size else None
+    outgoing = incoming = None
+    if 0 <= to < size and send != []:
+        outgoing = t if send is None else t[send].contiguous()
+    if 0 <= source < size and recv != []:
+        incoming = out if recv is None else t.new_empty((len(recv), *t.shape[1:]))
     ops = ([("send", outgoing, to)] if outgoing is not None else []) + (
         [("recv", incoming, source)] if incoming is not None else [])
     if ops:
         _p2p(ops, group)
-    if incoming is not None:
+    if incoming is not None and recv is not None:
         out[recv] = incoming
     if traffic is not None:
         traffic.add(kind, sent=0 if outgoing is None else _nbytes(outgoing),
@@ -159,19 +152,14 @@ class _HaloExchange(torch.autograd.Function):
     def forward(ctx, x, rows, dim, group, traffic, kind, batch_rows=None):  # type: ignore[override]
         ctx.rows, ctx.dim, ctx.group, ctx.traffic, ctx.kind = rows, dim, group, traffic, kind
         ctx.length, ctx.batch_rows = x.shape[dim], batch_rows
-        tail = x.narrow(dim, x.shape[dim] - rows, rows).contiguous()
-        if batch_rows is None:
-            return _shift(tail, 1, group, traffic, kind)
-        return _shift_batch_rows(tail, 1, group, traffic, kind, *batch_rows)
+        send, recv = batch_rows if batch_rows is not None else (None, None)
+        return _shift(x.narrow(dim, x.shape[dim] - rows, rows).contiguous(), 1, group, traffic, kind, send, recv)
 
     @staticmethod
     def backward(ctx, grad_halo):  # type: ignore[override]
-        kind = f"{ctx.kind}.backward"
-        if ctx.batch_rows is None:
-            grad_tail = _shift(grad_halo.contiguous(), -1, ctx.group, ctx.traffic, kind)
-        else:  # the gradients go back the way the rows came: my received rows to my predecessor
-            send, recv = ctx.batch_rows
-            grad_tail = _shift_batch_rows(grad_halo.contiguous(), -1, ctx.group, ctx.traffic, kind, recv, send)
+        # the gradients go back the way the rows came: my received rows to my predecessor
+        send, recv = ctx.batch_rows if ctx.batch_rows is not None else (None, None)
+        grad_tail = _shift(grad_halo.contiguous(), -1, ctx.group, ctx.traffic, f"{ctx.kind}.backward", recv, send)
         shape = list(grad_tail.shape)
         shape[ctx.dim] = ctx.length - ctx.rows
         return torch.cat([grad_tail.new_zeros(shape), grad_tail], dim=ctx.dim), None, None, None, None, None, None

@@ -72,7 +72,7 @@ class AttentionMetadata:
     halo_rows: tuple[list[int], list[int]] | None = None
 
 
-def _continues_across(full_seq: Tensor, full_pad: Tensor, start: int, length: int, cp_size: int) -> Tensor:
+def _continues_across(full_seq: Tensor, full_pad: Tensor, start: int, length: int) -> Tensor:
     """``[2, B]`` bool: whether each row's document continues across this block's end into the next rank (row 0)
     and across its start from the previous rank (row 1): the tokens on both sides are real (document id > 0, not
     padding) and of one document. False at the sequence's ends."""
@@ -216,7 +216,7 @@ def build_attention_metadata(
             starts[ratio] = window_starts(full_seq, ratio, length, cp_size)
     flags = torch.stack(misaligned).any().reshape(1) if misaligned else torch.zeros(1, dtype=torch.bool)
     chunk_starts = chunk_document_starts(seq_ids, position_ids, config.attention_chunk_size)
-    continues = _continues_across(full_seq, full_pad, start, length, cp_size) if cp_size > 1 else None
+    continues = _continues_across(full_seq, full_pad, start, length) if cp_size > 1 else None
     extra = [chunk_starts] + ([] if continues is None else [continues.reshape(-1)])
     synced = torch.cat([flags.long().cpu()] + [t.long().cpu() for t in extra] + [s.cpu() for s in starts.values()])
     synced = synced.tolist()  # one host sync

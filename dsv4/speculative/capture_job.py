@@ -10,7 +10,8 @@ Output folder (``output_dir``)::
 Documents are numbered in corpus order and cut into shards of ``docs_per_shard``; shard ``k`` belongs to dp rank
 ``k % dp``. With ``cp > 1`` the job runs ``dp x cp`` ranks: the ``cp`` ranks of a dp replica (consecutive global
 ranks) run every row together, each its contiguous slice (:func:`dsv4.speculative.dspark_packed_forward` with a
-``CPContext``), all receive the whole rows' features and the replica's first rank writes the shard. A shard is finished when its ``.json`` exists (written after its ``.safetensors``, both by an
+``CPContext``), all receive the whole rows' features and the replica's first rank writes the shard. A shard is
+finished when its ``.json`` exists (written after its ``.safetensors``, both by an
 atomic rename), so a killed job re-run with the same config skips finished shards and rewrites nothing.
 Inside a shard, documents are packed first-fit-decreasing into rows of ``seq_len`` aligned slots (the data packer's
 placement with the model's shard multiple; a longer document gets a row of its own), ``micro_batch_size`` rows
