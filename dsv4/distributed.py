@@ -27,6 +27,11 @@ _REDUCE_SCATTER_AUTOGRAD = (getattr(funcol, "reduce_scatter_single_autograd", No
                             or funcol.reduce_scatter_tensor_autograd)
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 ``DTensor`` shard (a collective: every rank calls it); a plain tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def is_initialized() -> bool:
     """True when ``torch.distributed`` is available and a default process group exists."""
     return dist.is_available() and dist.is_initialized()

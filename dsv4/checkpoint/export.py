@@ -31,6 +31,7 @@ from torch import nn
 from dsv4.checkpoint import keys as K
 from dsv4.checkpoint.hf_config import INDEX_FILE, write_hf_config
 from dsv4.checkpoint.quant import quantize_fp4_packed, quantize_fp8_block
+from dsv4.distributed import full_tensor
 
 EXPORT_DTYPES = ("bfloat16", "float32", "quantized")
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
@@ -46,9 +47,7 @@ class ExportReport:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    if hasattr(t, "full_tensor"):  # DTensor (FSDP2)
-        t = t.full_tensor()
-    return t.detach().cpu()
+    return full_tensor(t).detach().cpu()
 
 
 def iter_hf_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]] | None = None

@@ -19,6 +19,7 @@ fills a LoRA model like a plain one (kept targets receive the checkpoint's FP8 /
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Iterator
 
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from dsv4.checkpoint import keys as K
+from dsv4.checkpoint.quant import dequantize, kept_format, logical_shape, quantize_kept
 from dsv4.model.moe import GroupedExperts
 from dsv4.peft.config import TARGET_MODULE_PATTERNS, LoRAConfig
 from dsv4.peft.lora import LoRAGroupedExperts, LoRALinear, is_adapter_name
@@ -83,8 +85,7 @@ def lora_summary(model: nn.Module, lora: LoRAConfig, counts: dict[str, int]) -> 
     """One line for the log: what :func:`apply_lora` adapted and kept, trainable against all parameters (a packed
     FP4 byte holds two weights)."""
     total = sum(p.numel() for p in model.parameters()) + sum(
-        b.numel() * (2 if b.dtype == torch.int8 else 1) for b in model.buffers()
-        if b.dtype in (torch.float8_e4m3fn, torch.int8))
+        math.prod(logical_shape(b)) for b in model.buffers() if kept_format(b))
     trainable = counts["adapter_parameters"]
     return (f"LoRA r={lora.rank} alpha={lora.alpha:g} on {'/'.join(lora.targets)}, base {lora.base_dtype}: "
             f"{counts['adapted']} adapted linears + {counts['experts']} expert groups, {counts['kept']} linears kept "
@@ -120,14 +121,6 @@ def requantization_loss(model: nn.Module) -> float | None:
     """How much of the adapters' update a re-quantised export loses: over every adapted weight the release stores
     in FP8 / FP4, ``||deq(Q(W + dW)) - W - dW|| / ||dW||`` (root of summed squares; 1.0 = all of it rounded away,
     0 = none). None when no such weight has a non-zero update. ``W`` is the base (dequantised when kept)."""
-    from dsv4.checkpoint.quant import (dequantize_fp4_packed, dequantize_fp8_block, quantize_fp4_packed,
-                                       quantize_fp8_block)
-
-    def roundtrip(w: Tensor, fmt: str) -> Tensor:
-        if fmt == "fp8":
-            return dequantize_fp8_block(*quantize_fp8_block(w), dtype=torch.float32)
-        return dequantize_fp4_packed(*quantize_fp4_packed(w), dtype=torch.float32)
-
     err = delta = 0.0
     for module_name, module in model.named_modules():
         if isinstance(module, LoRALinear) and module.rank:
@@ -142,6 +135,6 @@ def requantization_loss(model: nn.Module) -> float | None:
             if fmt not in ("fp8", "fp4"):
                 continue
             d = merged - base
-            err += (roundtrip(merged, fmt) - merged).pow(2).sum().item()
+            err += (dequantize(*quantize_kept(merged, fmt), fmt, torch.float32) - merged).pow(2).sum().item()
             delta += d.pow(2).sum().item()
     return None if delta == 0 else (err / delta) ** 0.5

@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dsv4.checkpoint.quant import dequantize_kept, logical_shape, quantize_kept
+from dsv4.distributed import full_tensor
 from dsv4.model.attention import block_diagonal_linear
 from dsv4.model.moe import GroupedExperts, expert_linear
 from dsv4.peft.config import LoRAConfig
-from dsv4.checkpoint.quant import dequantize_kept, logical_shape, quantize_kept
 from dsv4.peft.frozen import frozen_projection
 
 ADAPTER_SUFFIXES = ("lora_A", "lora_B")
@@ -33,11 +34,6 @@ ADAPTER_SUFFIXES = ("lora_A", "lora_B")
 def is_adapter_name(name: str) -> bool:
     """Whether a parameter name is a LoRA adapter's (``...lora_A`` / ``...lora_B``, stacked experts included)."""
     return name.endswith(ADAPTER_SUFFIXES)
-
-
-def full_tensor(t: Tensor) -> Tensor:
-    """The whole tensor of an FSDP2 ``DTensor`` shard (a collective: every rank calls it); a plain tensor as is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _frozen(t: Tensor) -> nn.Parameter:

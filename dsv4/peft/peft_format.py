@@ -32,8 +32,9 @@ from torch import Tensor, nn
 
 from dsv4.checkpoint import keys as K
 from dsv4.checkpoint.safetensors_io import CheckpointDir, TensorReader
+from dsv4.distributed import full_tensor
 from dsv4.peft.config import TARGET_MODULE_PATTERNS, LoRAConfig
-from dsv4.peft.lora import LoRAGroupedExperts, LoRALinear, full_tensor
+from dsv4.peft.lora import LoRAGroupedExperts, LoRALinear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
