@@ -9,9 +9,10 @@
 * Mixed precision (``compute_dtype`` bf16 / fp16): FSDP2 keeps fp32 master parameters (and so fp32 gradients and
   optimizer state), all-gathers and computes in ``compute_dtype`` and reduces gradients in fp32. In a LoRA
   model (:mod:`dsv4.peft`) a frozen parameter needs no master copy: it is stored in its unit's compute dtype
-  (:func:`store_frozen_in_compute_dtype`), which is what FSDP would have cast it to, so the numbers do not change. The modules the
-  released model keeps in fp32 (:data:`FP32_MODULES`: compressors with their gates, hyper-connections, the
-  attention sinks) are FSDP units of their own whose parameters are all-gathered and used in fp32.
+  (:func:`store_frozen_in_compute_dtype`), which is what FSDP would have cast it to, so the numbers do not change.
+  The modules the released model keeps in fp32 (:data:`FP32_MODULES`: compressors with their gates,
+  hyper-connections, the attention sinks) are FSDP units of their own whose parameters are all-gathered and used
+  in fp32.
 """
 
 from __future__ import annotations

@@ -197,11 +197,10 @@ def memory_plan(setup: PlanSetup) -> MemoryPlan:
     setup.check()
     with torch.device("meta"):
         model = DSV4ForCausalLM(setup.config)
-    if setup.lora is not None:
+    if setup.lora is not None:  # frozen parameters are stored in their unit's compute dtype (apply_fsdp does it)
         apply_lora(model, setup.lora)
-    shard_experts(model, ep_rank=0, ep_size=setup.ep)
-    if setup.lora is not None:
         store_frozen_in_compute_dtype(fsdp_units(model, setup.compute_dtype))
+    shard_experts(model, ep_rank=0, ep_size=setup.ep)
     states = state_bytes(model, world=setup.world, ep=setup.ep, compute_dtype=setup.compute_dtype,
                          optimizer=setup.optimizer)
     units = fsdp_units(model, setup.compute_dtype)
