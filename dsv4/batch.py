@@ -10,8 +10,8 @@ Fields (``B`` rows, ``L`` columns of this batch; all int64):
   padding after the row's last document and alignment padding after a document). This is the only padding
   convention: :attr:`padding` is ``seq_ids == 0``;
 * ``positions [B, L]``: document-local position (RoPE, compressor windows); 0 on padding;
-* ``shard``: which contiguous part of the full row this batch is (:class:`Shard`; ``rank 0 of 1`` = the whole
-  row).
+* ``shard``: which part of the full rows this batch is (:class:`Shard`; ``rank 0 of 1`` = the whole row). Under
+  ``cp_balance="full"`` a rank holds two chunks of every row, as two local rows (:class:`~dsv4.cp.layout.CPLayout`).
 
 Invariants the packer guarantees and the model relies on: every document starts on a multiple of the model's
 shard multiple with position 0, its tokens are contiguous, and a padding slot never carries a label. A full row's
@@ -35,18 +35,30 @@ _TOKEN_FIELDS = ("input_ids", "labels", "seq_ids", "positions")
 
 @dataclass(frozen=True)
 class Shard:
-    """The part of a row a batch holds: CP rank ``rank`` of ``size`` owns columns ``[start, stop)`` of ``length``."""
+    """The part of a row a batch holds: CP rank ``rank`` of ``size`` under ``balance`` (:class:`~dsv4.cp.layout.
+    CPLayout`): chunks of ``local_length`` columns of rows of ``length``; contiguous (``"none"``): columns
+    ``[start, stop)``."""
 
     rank: int = 0
     size: int = 1
     length: int = 0
+    balance: str = "none"
+
+    @property
+    def layout(self):
+        """This shard's :class:`~dsv4.cp.layout.CPLayout`."""
+        from dsv4.cp.layout import CPLayout  # dsv4.cp imports this module (the seed API)
+
+        return CPLayout(self.size, self.balance)
 
     @property
     def local_length(self) -> int:
-        return self.length // self.size
+        return self.length // self.layout.num_chunks
 
     @property
     def start(self) -> int:
+        if self.layout.chunks_per_rank != 1:
+            raise ValueError(f"Shard.start: {self} holds {self.layout.chunks_per_rank} chunks, not one column range")
         return self.rank * self.local_length
 
     @property
@@ -121,10 +133,12 @@ class TokenBatch:
             raise ValueError(f"TokenBatch.select: this batch is CP shard {self.shard}; select from whole rows")
         return TokenBatch(*(getattr(self, name)[rows] for name in _TOKEN_FIELDS))
 
-    def cut(self, rank: int, size: int, multiple: int = 1) -> "TokenBatch":
-        """CP rank ``rank`` of ``size``'s contiguous slice ``[rank * L / size, (rank + 1) * L / size)``.
+    def cut(self, rank: int, size: int, multiple: int = 1, balance: str = "none") -> "TokenBatch":
+        """CP rank ``rank`` of ``size``'s part of the rows: contiguous (``balance="none"``), columns
+        ``[rank * L / size, (rank + 1) * L / size)``; ``"full"``, chunks ``rank`` and ``2 size - 1 - rank`` of ``2
+        size`` as two local rows each (``[2 B, L / (2 size)]``, slot-major; :class:`~dsv4.cp.layout.CPLayout`).
 
-        Only a whole row can be cut; its width must be a multiple of ``size * multiple`` (ValueError otherwise).
+        Only a whole row can be cut; its width must be a multiple of ``chunks * multiple`` (ValueError otherwise).
         ``size == 1`` returns the batch itself.
         """
         if self.shard.size != 1:
@@ -133,10 +147,10 @@ class TokenBatch:
             raise ValueError(f"TokenBatch.cut: rank {rank} is outside [0, {size})")
         if size == 1:
             return self
-        check_cp_length(self.width, size, multiple, what="batch width")
-        shard = Shard(rank, size, self.width)
-        cols = slice(shard.start, shard.stop)
-        return TokenBatch(*(getattr(self, name)[:, cols].contiguous() for name in _TOKEN_FIELDS), shard=shard)
+        shard = Shard(rank, size, self.width, balance)
+        layout = shard.layout
+        check_cp_length(self.width, layout.num_chunks, multiple, what="batch width")
+        return TokenBatch(*(layout.cut(getattr(self, name), rank) for name in _TOKEN_FIELDS), shard=shard)
 
     @classmethod
     def stack(cls, rows: Sequence["TokenBatch"]) -> "TokenBatch":

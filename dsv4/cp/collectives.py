@@ -1,4 +1,5 @@
-"""The CP runtime's collectives: differentiable all-gather, metadata all-gather, halo exchange, causal gather.
+"""The CP runtime's collectives: differentiable all-gather, metadata all-gather, and row exchanges (halo, causal
+gather) between the chunks of a :class:`~dsv4.cp.layout.CPLayout`.
 
 These are the exchanges the model makes through :class:`~dsv4.cp.context.CPContext`. All functions are identities
 (or cheap local equivalents) when the CP group is ``None`` or has one rank, so model code can call them
@@ -9,6 +10,8 @@ of ``n`` bytes per rank over ``C`` ranks: ``n*(C-1)`` each way). Backward traffi
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -116,53 +119,136 @@ def _p2p(ops: list[tuple[str, torch.Tensor, int]], group: ProcessGroup) -> None:
         work.wait()
 
 
-def _shift(t: torch.Tensor, step: int, group, traffic: TrafficCounter | None, kind: str,
-           send: list[int] | None = None, recv: list[int] | None = None) -> torch.Tensor:
-    """Send ``t`` to rank ``r + step`` and return what rank ``r - step`` sent (zeros where there is no such rank).
+@dataclass(frozen=True)
+class Transfer:
+    """One piece of a row exchange: rows ``[lo, hi)`` (along the exchanged dim) of local row ``src_row`` of rank
+    ``src_rank`` land at ``[offset, offset + hi - lo)`` of local row ``dst_row`` of rank ``dst_rank``."""
 
-    ``send`` / ``recv`` (batch rows, dim 0; None = all): only ``t[send]`` goes out and only the rows ``recv`` come
-    in (zeros elsewhere). Both sides derive the lists from the same metadata, so the sender's ``send`` is the
-    receiver's ``recv``; an empty list sends (or receives) nothing at all."""
-    rank, size = group_rank(group), group_size(group)
-    out = torch.zeros_like(t)
-    to, source = rank + step, rank - step
-    outgoing = incoming = None
-    if 0 <= to < size and send != []:
-        outgoing = t if send is None else t[send].contiguous()
-    if 0 <= source < size and recv != []:
-        incoming = out if recv is None else t.new_empty((len(recv), *t.shape[1:]))
-    ops = ([("send", outgoing, to)] if outgoing is not None else []) + (
-        [("recv", incoming, source)] if incoming is not None else [])
-    if ops:
-        _p2p(ops, group)
-    if incoming is not None and recv is not None:
-        out[recv] = incoming
-    if traffic is not None:
-        traffic.add(kind, sent=0 if outgoing is None else _nbytes(outgoing),
-                    received=0 if incoming is None else _nbytes(incoming))
-    return out
+    src_rank: int
+    src_row: int
+    lo: int
+    hi: int
+    dst_rank: int
+    dst_row: int
+    offset: int
 
 
-class _HaloExchange(torch.autograd.Function):
-    """Rank r receives the last ``rows`` rows (along ``dim``) of rank r-1; rank 0 receives zeros. Backward sends
-    the gradient of the received rows back to rank r-1, where it adds to its last rows' gradient. With ``batch_rows
-    = (send, recv)`` only those batch rows travel (``dim`` must not be 0)."""
+@dataclass
+class RowPlan:
+    """One rank's part of a row exchange whose result is ``[out_rows, out_len, ...]`` (zeros where no piece lands).
+
+    ``sends[peer]`` / ``recvs[peer]``: the pieces this rank sends to / receives from ``peer``, in the order both
+    sides list them (:func:`row_plan` keeps the order of one global list, so the sender's list is the receiver's);
+    ``local``: pieces that stay on this rank (a copy)."""
+
+    out_rows: int
+    out_len: int
+    sends: dict[int, list[Transfer]] = field(default_factory=dict)
+    recvs: dict[int, list[Transfer]] = field(default_factory=dict)
+    local: list[Transfer] = field(default_factory=list)
+
+
+def row_plan(transfers: list[Transfer], rank: int, out_rows: int, out_len: int) -> RowPlan:
+    """This rank's :class:`RowPlan` from the global list of ``transfers`` (the same list, in the same order, on every
+    rank); empty pieces are dropped."""
+    plan = RowPlan(out_rows, out_len)
+    for t in transfers:
+        if t.hi <= t.lo or rank not in (t.src_rank, t.dst_rank):
+            continue
+        if t.src_rank == t.dst_rank:
+            plan.local.append(t)
+        elif t.src_rank == rank:
+            plan.sends.setdefault(t.dst_rank, []).append(t)
+        else:
+            plan.recvs.setdefault(t.src_rank, []).append(t)
+    return plan
+
+
+def _pack(x: torch.Tensor, pieces: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Rows ``x[row, lo:hi]`` of every ``(row, lo, hi)``, concatenated along the row dim -> ``[sum(hi - lo), ...]``."""
+    return torch.cat([x[row, lo:hi] for row, lo, hi in pieces])
+
+
+class _RowExchange(torch.autograd.Function):
+    """Run a :class:`RowPlan` on ``x [rows, n, ...]`` (the exchanged dim is 1); backward returns every piece's
+    gradient to its source row, summed there."""
 
     @staticmethod
-    def forward(ctx, x, rows, dim, group, traffic, kind, batch_rows=None):  # type: ignore[override]
-        ctx.rows, ctx.dim, ctx.group, ctx.traffic, ctx.kind = rows, dim, group, traffic, kind
-        ctx.length, ctx.batch_rows = x.shape[dim], batch_rows
-        send, recv = batch_rows if batch_rows is not None else (None, None)
-        return _shift(x.narrow(dim, x.shape[dim] - rows, rows).contiguous(), 1, group, traffic, kind, send, recv)
+    def forward(ctx, x, plan, group, traffic, kind):  # type: ignore[override]
+        ctx.plan, ctx.group, ctx.traffic, ctx.kind, ctx.shape = plan, group, traffic, kind, x.shape
+        out = x.new_zeros((plan.out_rows, plan.out_len) + tuple(x.shape[2:]))
+        outgoing = {p: _pack(x, [(t.src_row, t.lo, t.hi) for t in ts]) for p, ts in plan.sends.items()}
+        incoming = {p: x.new_empty((sum(t.hi - t.lo for t in ts),) + tuple(x.shape[2:]))
+                    for p, ts in plan.recvs.items()}
+        _p2p([("send", b, p) for p, b in outgoing.items()] + [("recv", b, p) for p, b in incoming.items()], group)
+        for p, buf in incoming.items():
+            for t, piece in zip(plan.recvs[p], buf.split([t.hi - t.lo for t in plan.recvs[p]])):
+                out[t.dst_row, t.offset:t.offset + t.hi - t.lo] = piece
+        for t in plan.local:
+            out[t.dst_row, t.offset:t.offset + t.hi - t.lo] = x[t.src_row, t.lo:t.hi]
+        if traffic is not None:
+            traffic.add(kind, sent=sum(_nbytes(b) for b in outgoing.values()),
+                        received=sum(_nbytes(b) for b in incoming.values()))
+        return out
 
     @staticmethod
-    def backward(ctx, grad_halo):  # type: ignore[override]
-        # the gradients go back the way the rows came: my received rows to my predecessor
-        send, recv = ctx.batch_rows if ctx.batch_rows is not None else (None, None)
-        grad_tail = _shift(grad_halo.contiguous(), -1, ctx.group, ctx.traffic, f"{ctx.kind}.backward", recv, send)
-        shape = list(grad_tail.shape)
-        shape[ctx.dim] = ctx.length - ctx.rows
-        return torch.cat([grad_tail.new_zeros(shape), grad_tail], dim=ctx.dim), None, None, None, None, None, None
+    def backward(ctx, grad):  # type: ignore[override]
+        plan = ctx.plan
+        grad = grad.contiguous()
+        grad_x = grad.new_zeros(ctx.shape)
+        # the gradients go back the way the pieces came
+        returned = {p: _pack(grad, [(t.dst_row, t.offset, t.offset + t.hi - t.lo) for t in ts])
+                    for p, ts in plan.recvs.items()}
+        incoming = {p: grad.new_empty((sum(t.hi - t.lo for t in ts),) + tuple(ctx.shape[2:]))
+                    for p, ts in plan.sends.items()}
+        _p2p([("send", b, p) for p, b in returned.items()] + [("recv", b, p) for p, b in incoming.items()], ctx.group)
+        for p, buf in incoming.items():
+            for t, piece in zip(plan.sends[p], buf.split([t.hi - t.lo for t in plan.sends[p]])):
+                grad_x[t.src_row, t.lo:t.hi] += piece
+        for t in plan.local:
+            grad_x[t.src_row, t.lo:t.hi] += grad[t.dst_row, t.offset:t.offset + t.hi - t.lo]
+        if ctx.traffic is not None:
+            ctx.traffic.add(f"{ctx.kind}.backward", sent=sum(_nbytes(b) for b in returned.values()),
+                            received=sum(_nbytes(b) for b in incoming.values()))
+        return grad_x, None, None, None, None
+
+
+def exchange_rows(
+    tensor: torch.Tensor,
+    plan: RowPlan,
+    dim: int = 1,
+    cp_group: ProcessGroup | None = None,
+    *,
+    traffic: TrafficCounter | None = None,
+    kind: str = "rows",
+) -> torch.Tensor:
+    """Differentiable row exchange: run ``plan`` (this rank's part of a global list of :class:`Transfer` pieces)
+    on ``tensor`` with the pieces along ``dim``; the result has ``plan.out_rows`` rows (dim 0) and
+    ``plan.out_len`` along ``dim``. Only peers with pieces exchange messages (one per direction)."""
+    dim = dim % tensor.dim()
+    if dim == 0:
+        raise ValueError("exchange_rows: dim 0 indexes the rows; exchange along another dim")
+    out = _RowExchange.apply(tensor.movedim(dim, 1), plan, cp_group, traffic, kind)
+    return out.movedim(1, dim)
+
+
+@dataclass(frozen=True)
+class HaloRoute:
+    """Who sends its last rows to whom in a halo exchange: ``(src_rank, src_row, dst_rank, dst_row)`` pairs, in the
+    same order on every rank (the receiving chunk ascending, then the batch row)."""
+
+    pairs: tuple[tuple[int, int, int, int], ...]
+
+    @staticmethod
+    def contiguous(size: int, rows: int, send: list[int] | None = None) -> "HaloRoute":
+        """Rank ``r`` -> rank ``r + 1``, same local row; ``send``: only those rows (None = all ``rows``)."""
+        rows_sent = range(rows) if send is None else send
+        return HaloRoute(tuple((r - 1, b, r, b) for r in range(1, size) for b in rows_sent))
+
+    def plan(self, rank: int, out_rows: int, length: int, rows: int) -> RowPlan:
+        """The :class:`RowPlan` moving the last ``rows`` of ``length`` along the halo dim to offset 0."""
+        return row_plan([Transfer(s, i, length - rows, length, d, j, 0) for s, i, d, j in self.pairs],
+                        rank, out_rows, rows)
 
 
 def halo_exchange(
@@ -173,16 +259,16 @@ def halo_exchange(
     *,
     traffic: TrafficCounter | None = None,
     kind: str = "halo",
-    batch_rows: tuple[list[int], list[int]] | None = None,
+    route: HaloRoute | None = None,
 ) -> torch.Tensor:
-    """Differentiable halo exchange: return the previous rank's last ``rows`` rows of ``tensor`` along ``dim``.
+    """Differentiable halo exchange: return the previous chunk's last ``rows`` rows of ``tensor`` along ``dim``.
 
     Shapes: ``tensor`` has ``L >= rows`` rows along ``dim``; the result has the same shape with ``rows`` rows
-    along ``dim``. Rank 0 (and the single-rank path) receives zeros. The gradient of the received rows is sent
-    back to rank r-1 and added to the gradient of its last ``rows`` rows. Only neighbours talk: each rank sends
-    and receives ``rows`` rows once per call. ``batch_rows = (send, recv)``: only the batch rows (dim 0) my
-    successor needs travel to it and only those I need come to me (the others receive zeros); empty lists on both
-    sides of a pair of ranks mean no message at all.
+    along ``dim``. The gradient of the received rows is returned to their owner and added to the gradient of its
+    last ``rows`` rows. ``route`` (:class:`HaloRoute`, built by the attention metadata from the CP layout and the
+    documents) says which local row of which rank feeds which; rows not fed receive zeros. None: the contiguous
+    split, every batch row (dim 0) of rank ``r - 1`` feeds the same row of rank ``r``, rank 0 receives zeros. A
+    pair of ranks with nothing to exchange sends no message at all.
     """
     dim = dim % tensor.dim()
     length = tensor.shape[dim]
@@ -193,55 +279,36 @@ def halo_exchange(
         )
     if not _enabled(cp_group) or rows == 0:
         return tensor.new_zeros(tensor.shape[:dim] + (rows,) + tensor.shape[dim + 1 :])
-    if batch_rows is not None and dim == 0:
-        raise ValueError("halo_exchange: batch_rows selects along dim 0, so the halo dim must not be 0")
-    return _HaloExchange.apply(tensor, rows, dim, cp_group, traffic, kind, batch_rows)
+    if dim == 0:
+        raise ValueError("halo_exchange: dim 0 indexes the batch rows, so the halo dim must not be 0")
+    if route is None:
+        route = HaloRoute.contiguous(group_size(cp_group), tensor.shape[0])
+    plan = route.plan(group_rank(cp_group), tensor.shape[0], length, rows)
+    return exchange_rows(tensor, plan, dim, cp_group, traffic=traffic, kind=kind)
 
 
-def _preceding_plan(starts: list[int], rank: int, size: int, n: int) -> tuple[list, list]:
-    """Who exchanges what in :func:`gather_preceding` (every rank holds ``n`` rows): ``(give, take)`` with
-    ``give = [(later rank j, first of my rows it needs)]`` and ``take = [(earlier rank o, first of its rows I
-    need)]``; rank j needs global rows ``[starts[j], j * n)``."""
-    give = [(j, max(starts[j] - rank * n, 0)) for j in range(rank + 1, size)]
-    take = [(o, max(starts[rank] - o * n, 0)) for o in range(rank)]
-    return [(j, f) for j, f in give if f < n], [(o, f) for o, f in take if f < n]
-
-
-def _rows_like(t: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
-    shape = list(t.shape)
-    shape[dim] = rows
-    return t.new_empty(shape)
-
-
-class _GatherPreceding(torch.autograd.Function):
-    """Rank r receives rows ``[starts[r], r*n)`` of the global concatenation from the ranks that own them."""
-
-    @staticmethod
-    def forward(ctx, x, starts, dim, group, traffic, kind):  # type: ignore[override]
-        n = x.shape[dim]
-        ctx.dim, ctx.group, ctx.traffic, ctx.kind, ctx.starts, ctx.n = dim, group, traffic, kind, starts, n
-        give, take = _preceding_plan(starts, group_rank(group), group_size(group), n)
-        sent = [(j, x.narrow(dim, f, n - f).contiguous()) for j, f in give]
-        received = [(o, _rows_like(x, dim, n - f)) for o, f in take]
-        _p2p([("send", t, j) for j, t in sent] + [("recv", t, o) for o, t in received], group)
-        if traffic is not None:
-            traffic.add(kind, sent=sum(_nbytes(t) for _, t in sent), received=sum(_nbytes(t) for _, t in received))
-        return torch.cat([t for _, t in received] + [x], dim=dim)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        group, dim, n = ctx.group, ctx.dim, ctx.n
-        give, take = _preceding_plan(ctx.starts, group_rank(group), group_size(group), n)
-        *pieces, own = grad.split([n - f for _, f in take] + [n], dim=dim)  # received rows' gradients, then mine
-        returned, grad_x = [(o, t) for (o, _), t in zip(take, pieces)], own.clone()
-        incoming = [(f, j, _rows_like(grad_x, dim, n - f)) for j, f in give]
-        _p2p([("send", t.contiguous(), o) for o, t in returned] + [("recv", t, j) for _, j, t in incoming], group)
-        for f, _, t in incoming:
-            grad_x.narrow(dim, f, n - f).add_(t)
-        if ctx.traffic is not None:
-            ctx.traffic.add(f"{ctx.kind}.backward", sent=sum(_nbytes(t) for _, t in returned),
-                            received=sum(_nbytes(t) for *_, t in incoming))
-        return grad_x, None, None, None, None, None
+def preceding_transfers(starts: list[list[int]], layout_chunks: list[list[int]], owners: list[tuple[int, int]],
+                        n: int) -> tuple[list[Transfer], list[int]]:
+    """The global pieces of a causal gather: ``starts[b][v]`` (``<= v * n``) is the first global row chunk ``v`` of
+    batch row ``b`` needs; every chunk holds ``n`` rows along the dim, chunk ``u`` of row ``b`` sits in local row
+    ``owners[u][1] * B + b`` of rank ``owners[u][0]``; ``layout_chunks[rank]`` lists each rank's chunks (slot order).
+    Each local row receives ``[starts, v n)`` then its own ``n`` rows, right-aligned in a result of the rank's
+    longest need (left: zeros). Returns ``(transfers, out_len per rank)``."""
+    batch = len(starts)
+    out_len = [n + max((v * n - starts[b][v] for v in chunks for b in range(batch)), default=0)
+               for chunks in layout_chunks]
+    transfers = []
+    for v in range(len(owners)):
+        rank, slot = owners[v]
+        for b in range(batch):
+            row, first = slot * batch + b, out_len[rank] - n - (v * n - starts[b][v])
+            for u in range(starts[b][v] // n, v):
+                src_rank, src_slot = owners[u]
+                lo = max(starts[b][v] - u * n, 0)
+                transfers.append(Transfer(src_rank, src_slot * batch + b, lo, n, rank, row, first + u * n + lo
+                                          - starts[b][v]))
+            transfers.append(Transfer(rank, row, 0, n, rank, row, out_len[rank] - n))
+    return transfers, out_len
 
 
 def gather_preceding(
@@ -253,13 +320,15 @@ def gather_preceding(
     traffic: TrafficCounter | None = None,
     kind: str = "gather_preceding",
 ) -> torch.Tensor:
-    """Differentiable causal gather: rows ``[starts[rank], (rank+1)*n)`` of the global concatenation.
+    """Differentiable causal gather over the contiguous split: rows ``[starts[rank], (rank+1)*n)`` of the global
+    concatenation.
 
     Every rank holds ``n`` rows along ``dim`` (rank r owns global rows ``[r*n, (r+1)*n)``); ``starts`` (identical
     on every rank, ``starts[r] <= r*n``) says where the suffix each rank needs begins. Rank r receives only what
     it asked for, straight from the owners (point-to-point), so a rank that needs nothing from its predecessors
     (``starts[r] == r*n``) receives nothing. The result is ``[received rows of ranks < r in order ; own rows]``.
-    Backward returns the gradient of every received row to its owner, summed there.
+    Backward returns the gradient of every received row to its owner, summed there. (The model's per-row,
+    per-layout form is :func:`preceding_transfers` + :func:`exchange_rows`.)
     """
     if not _enabled(cp_group):
         return tensor
@@ -270,4 +339,10 @@ def gather_preceding(
     for r, s in enumerate(starts):
         if not 0 <= s <= r * n:
             raise ValueError(f"gather_preceding: starts[{r}] = {s} must be in [0, {r * n}] (rank {r} owns row {r * n} on)")
-    return _GatherPreceding.apply(tensor, [int(s) for s in starts], dim, cp_group, traffic, kind)
+    if dim == 0:
+        raise ValueError("gather_preceding: dim 0 indexes the batch rows; gather along another dim")
+    batch, rank = tensor.shape[0], group_rank(cp_group)
+    transfers, out_len = preceding_transfers([[int(s) for s in starts]] * batch, [[r] for r in range(size)],
+                                             [(r, 0) for r in range(size)], n)
+    return exchange_rows(tensor, row_plan(transfers, rank, batch, out_len[rank]), dim, cp_group, traffic=traffic,
+                         kind=kind)

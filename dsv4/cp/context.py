@@ -7,7 +7,9 @@ Invariants:
 
 * ``size == 1`` (``group`` None or a one-rank group) is exactly the single-rank path: every verb is an identity
   (gathers) or returns zeros (halo), and no collective runs.
-* Rank ``r`` owns global tokens ``[r*L, (r+1)*L)`` of the padded row (contiguous split).
+* Which columns a rank holds is its :class:`~dsv4.cp.layout.CPLayout` (``balance``): ``"none"``, rank ``r`` owns
+  global tokens ``[r*L, (r+1)*L)`` of the padded row (contiguous split); ``"full"``, the row is cut into ``2C``
+  chunks and rank ``r`` holds chunks ``r`` and ``2C-1-r`` as two local rows (head-tail, balanced work).
 """
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4.cp.collectives import all_gather, all_gather_metadata, gather_preceding, halo_exchange
+from dsv4.cp.collectives import (
+    HaloRoute,
+    RowPlan,
+    all_gather,
+    all_gather_metadata,
+    exchange_rows,
+    gather_preceding,
+    halo_exchange,
+)
+from dsv4.cp.layout import CPLayout, check_balance
 from dsv4.cp.traffic import TrafficCounter
 from dsv4.distributed import GroupMember, ProcessGroup
 
@@ -30,11 +41,21 @@ class CPContext(GroupMember):
         halo: rows a rank receives from its predecessor per layer (the model sets it from its config when None:
             ``sliding_window - 1``, at least the compressor overlap).
         traffic: counter of bytes moved per exchange kind (shared by every verb of this context).
+        balance: ``"none"`` (contiguous split) or ``"full"`` (head-tail chunks; :class:`~dsv4.cp.layout.CPLayout`).
     """
 
     group: ProcessGroup | None = None
     halo: int | None = None
     traffic: TrafficCounter = field(default_factory=TrafficCounter)
+    balance: str = "none"
+
+    def __post_init__(self) -> None:
+        check_balance(self.balance)
+
+    @property
+    def layout(self) -> CPLayout:
+        """Which chunks of a row this group's ranks hold."""
+        return CPLayout(self.size, self.balance)
 
     @property
     def enabled(self) -> bool:
@@ -48,11 +69,21 @@ class CPContext(GroupMember):
         """Non-differentiable all-gather of integer/bool metadata along ``dim``."""
         return all_gather_metadata(tensor, dim, self.group, traffic=self.traffic, kind=kind)
 
+    def gather_rows(self, local: torch.Tensor, kind: str = "metadata") -> torch.Tensor:
+        """Whole rows ``[B, S, ...]`` of integer/bool metadata from every rank's local rows ``[k B, l, ...]``
+        (non-differentiable; the layout puts every chunk in its place)."""
+        gathered = self.all_gather_metadata(local.unsqueeze(0), dim=0, kind=kind)
+        return self.layout.assemble(gathered)
+
     def halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "halo",
-                      batch_rows: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
-        """The previous rank's last ``rows`` rows along ``dim`` (zeros on rank 0), differentiable; ``batch_rows =
-        (send, recv)``: only those batch rows travel (see :func:`dsv4.cp.collectives.halo_exchange`)."""
-        return halo_exchange(tensor, rows, dim, self.group, traffic=self.traffic, kind=kind, batch_rows=batch_rows)
+                      route: HaloRoute | None = None) -> torch.Tensor:
+        """The previous chunk's last ``rows`` rows along ``dim`` (zeros where there is none), differentiable;
+        ``route``: which rows feed which (see :func:`dsv4.cp.collectives.halo_exchange`)."""
+        return halo_exchange(tensor, rows, dim, self.group, traffic=self.traffic, kind=kind, route=route)
+
+    def exchange_rows(self, tensor: torch.Tensor, plan: RowPlan, dim: int = 1, kind: str = "rows") -> torch.Tensor:
+        """Run this rank's part of a row exchange (:func:`dsv4.cp.collectives.exchange_rows`), differentiable."""
+        return exchange_rows(tensor, plan, dim, self.group, traffic=self.traffic, kind=kind)
 
     def gather_preceding(self, tensor: torch.Tensor, starts: list[int], dim: int = 1, kind: str = "gather_preceding"):
         """Rows ``[starts[rank], (rank+1)*n)`` of the global sequence, received from their owners (differentiable)."""

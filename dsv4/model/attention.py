@@ -20,14 +20,14 @@ built once per forward by :func:`build_attention_metadata` (``attention_metadata
 Context parallelism only ADDS exchanges to this path, through the ``CPContext`` verbs (nothing of size
 ``[L, S]`` is built and raw tokens are never all-gathered):
 
-* ``halo``: the previous rank's last ``sliding_window - 1`` K/V rows (already normed and RoPE'd by their owner),
-  prepended to the window keys (the kernel's ``query_offset``); only for the batch rows whose document continues
-  across the rank boundary (``meta.halo_rows``: a row whose first local token starts a document or is padding
+* ``halo``: the previous chunk's last ``sliding_window - 1`` K/V rows (already normed and RoPE'd by their owner),
+  prepended to the window keys (the kernel's ``query_offset``); only for the local rows whose document continues
+  across the chunk boundary (``meta.halo_route``: a row whose first token starts a document or is padding
   receives nothing, zeros stand in);
 * ``compressor_halo`` / ``index_compressor_halo`` (ratio 4): the previous window's first-half projections, so
   the first local window pools its overlap exactly as on one rank;
-* ``compressed_gather`` / ``index_key_gather``: the earlier compressed rows / index keys of the document this
-  rank's first token belongs to, received point-to-point from their owners (``gather_preceding``).
+* ``compressed_gather`` / ``index_key_gather``: the earlier compressed rows / index keys of the document each
+  local row's first token belongs to, received point-to-point from their owners (``meta.preceding``).
 """
 
 from __future__ import annotations
@@ -118,16 +118,16 @@ class DSV4Attention(nn.Module):
     @staticmethod
     def _preceding(rows: Tensor, meta: AttentionMetadata, ratio: int, cp, kind: str) -> Tensor:
         """Compressed rows of every window in ``meta.key_windows[ratio]``: the needed earlier ones, then ours."""
-        if not meta.window_starts:
+        if not meta.preceding:
             return rows
-        return cp.gather_preceding(rows, meta.window_starts[ratio], dim=1, kind=kind)
+        return cp.exchange_rows(rows, meta.preceding[ratio], dim=1, kind=kind)
 
     @staticmethod
     def _prev_features(module, x: Tensor, meta: AttentionMetadata, cp, kind: str) -> Tensor | None:
         """An overlap compressor's boundary features of the previous rank (None on a single rank)."""
         if not meta.halo or not module.overlap:
             return None
-        return cp.halo_exchange(module(x, boundary=True), module.ratio, dim=1, kind=kind, batch_rows=meta.halo_rows)
+        return cp.halo_exchange(module(x, boundary=True), module.ratio, dim=1, kind=kind, route=meta.halo_route)
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: Tensor, meta: AttentionMetadata, cp: object | None = None) -> Tensor:
@@ -137,7 +137,7 @@ class DSV4Attention(nn.Module):
             x: ``[B, L, hidden]`` (input-layernormed), this rank's tokens.
             meta: the per-forward :func:`build_attention_metadata` result (positions, document ids, padding, RoPE
                 tables, windows and what CP must exchange).
-            cp: None or a ``CPContext`` (rank r holds global tokens ``[r*L, (r+1)*L)``).
+            cp: None or a ``CPContext`` (each local row is one chunk of a whole row, ``cp.layout``).
         Returns:
             ``[B, L, hidden]`` in ``x.dtype``.
         """
@@ -150,7 +150,7 @@ class DSV4Attention(nn.Module):
 
         kv = apply_rope(self.kv_norm(self.wkv(x)), rope)  # [B, L, D]
         if meta.halo:
-            halo = cp.halo_exchange(kv, meta.halo, dim=1, kind="halo", batch_rows=meta.halo_rows)
+            halo = cp.halo_exchange(kv, meta.halo, dim=1, kind="halo", route=meta.halo_route)
             kv = torch.cat((halo, kv), dim=1)  # [B, halo + L, D]
 
         compressed = comp_seq = comp_pos = topk = local_windows = student = None
@@ -172,7 +172,8 @@ class DSV4Attention(nn.Module):
                 )
                 topk = self.indexer(
                     x_i, q_lat_i, meta.rope_compress, meta.seq_ids, meta.position_ids, index_keys, comp_seq,
-                    comp_pos, local_windows=local_windows, with_scores=train_indexer, chunk_starts=meta.chunk_starts,
+                    comp_pos, local_windows=local_windows, with_scores=train_indexer,
+                    key_floors=meta.key_floors[self.ratio],
                 )
                 if train_indexer:
                     topk, student = topk
@@ -182,7 +183,7 @@ class DSV4Attention(nn.Module):
         if kernel is sparse_attention:
             tuning["chunk_size"] = self.config.attention_chunk_size
             tuning["compressed_local_rows"] = local_windows
-            tuning["chunk_starts"] = meta.chunk_starts
+            tuning["key_floors"] = meta.key_floors.get(self.ratio)
         out = kernel(
             q,
             kv,

@@ -32,10 +32,12 @@ from dsv4.model.attention_backend import indexer_kernel
 from dsv4.model.compressor import Compressor, WindowMetadata
 from dsv4.model.rope import RopeTable, apply_rope
 from dsv4.model.sparse_attention import (
+    by_floor_groups,
     causal_prefix,
     chunk_document_starts,
     compressed_key_allowed,
     document_floors,
+    floor_groups,
     stable_topk,
 )
 
@@ -77,7 +79,7 @@ class Indexer(nn.Module):
         key_positions: Tensor,
         local_windows: int | None = None,
         with_scores: bool = False,
-        chunk_starts: list[int] | None = None,
+        key_floors: list[list[int]] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Top-k compressed-key indices ``[B, L, min(index_topk, P)]`` (int64, ``-1`` = invalid); with
         ``with_scores`` also the selected rows' scores ``[B, L, k]`` fp32 (for the indexer loss).
@@ -92,9 +94,9 @@ class Indexer(nn.Module):
                 queries ending at row ``end`` scores only the causal prefix ``P - local_windows + end // 4``: the
                 later keys are future windows, which no query of the chunk may select (documents start on multiples
                 of 4, as the model's metadata guarantees), and only from the first window of the chunk's
-                earliest document on. None: every key.
-            chunk_starts: ``AttentionMetadata.chunk_starts`` (the chunks' document starts, read once per forward);
-                None: read here.
+                earliest document on (rows with different floors are scored apart). None: every key.
+            key_floors: ``AttentionMetadata.key_floors[4]`` (per row and query chunk, the first key a query of the
+                chunk may see; read once per forward); None: derived here (one host read).
         """
         b, length, _ = x.shape
         with torch.set_grad_enabled(self.trainable and torch.is_grad_enabled()):
@@ -102,14 +104,14 @@ class Indexer(nn.Module):
             w = torch.nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
         with torch.no_grad():
             topk = self._select(q.detach(), w.detach(), keys.detach(), query_seq_ids, query_positions, key_seq_ids,
-                                key_positions, local_windows, chunk_starts)
+                                key_positions, local_windows, key_floors)
         if not with_scores:
             return topk
         return topk, selected_scores(q, w, keys, topk, self.head_dim, self.chunk_size)
 
     def _select(self, q: Tensor, w: Tensor, keys: Tensor, query_seq_ids: Tensor, query_positions: Tensor,
                 key_seq_ids: Tensor, key_positions: Tensor, local_windows: int | None,
-                chunk_starts: list[int] | None) -> Tensor:
+                key_floors: list[list[int]] | None) -> Tensor:
         """The top-k selection (no gradient): the Triton kernel where the backend has one, else chunks in torch."""
         kernel = indexer_kernel(self.backend, q.device)
         if kernel is not None:  # the same selection, fused (scores exact in fp32 from the same inputs)
@@ -119,32 +121,37 @@ class Indexer(nn.Module):
         p = keys.shape[1]
         k = min(self.topk, p)
         q, keys_f = q.float(), keys.float()
+        floors = key_floors
         if local_windows is None:
-            floors = [0] * -(-length // self.chunk_size)
-        else:
-            if chunk_starts is None:  # one host read (the model passes them, read once per forward)
-                chunk_starts = chunk_document_starts(query_seq_ids, query_positions, self.chunk_size).tolist()
-            floors = document_floors(chunk_starts, p, local_windows, INDEX_RATIO)
+            floors = [[0] * -(-length // self.chunk_size)] * b
+        elif floors is None:  # one host read (the model passes them, read once per forward)
+            starts = chunk_document_starts(query_seq_ids, query_positions, self.chunk_size).tolist()
+            floors = document_floors(starts, p, local_windows, INDEX_RATIO)
         out = []
         for chunk, start in enumerate(range(0, length, self.chunk_size)):
             end = min(start + self.chunk_size, length)
             hi = causal_prefix(p, local_windows, end, INDEX_RATIO)
-            lo = min(floors[chunk], hi)  # the windows of the chunk's documents only, up to the causal prefix
-            # [B, C, H_I, hi - lo] -> weighted sum over heads -> [B, C, hi - lo]
-            logits = torch.einsum("bchd,bpd->bchp", q[:, start:end], keys_f[:, lo:hi]).relu()
-            scores = torch.einsum("bchp,bch->bcp", logits, w[:, start:end]) * self.head_dim**-0.5
-            allowed = compressed_key_allowed(
-                query_seq_ids[:, start:end], query_positions[:, start:end], key_seq_ids[:, lo:hi],
-                key_positions[:, lo:hi], INDEX_RATIO,
-            )
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            # Equal scores (e.g. all heads ReLU'd to 0) pick the lowest window index, as a stable sort would, so the
-            # choice does not depend on how many other keys (documents, ranks) sit in the row.
-            idx = stable_topk(scores, k)
-            idx = torch.where(idx >= 0, idx + lo, idx)
-            if idx.shape[-1] < k:  # a short causal prefix: the rest selects nothing
-                idx = torch.nn.functional.pad(idx, (0, k - idx.shape[-1]), value=-1)
-            out.append(idx)
+
+            def select(lo: int, rows: list[int] | None, start=start, end=end, hi=hi) -> Tensor:
+                pick = (lambda t: t) if rows is None else (lambda t: t[rows])
+                lo = min(lo, hi)  # the windows of the chunk's documents only, up to the causal prefix
+                # [B, C, H_I, hi - lo] -> weighted sum over heads -> [B, C, hi - lo]
+                logits = torch.einsum("bchd,bpd->bchp", pick(q[:, start:end]), pick(keys_f[:, lo:hi])).relu()
+                scores = torch.einsum("bchp,bch->bcp", logits, pick(w[:, start:end])) * self.head_dim**-0.5
+                allowed = compressed_key_allowed(
+                    pick(query_seq_ids[:, start:end]), pick(query_positions[:, start:end]),
+                    pick(key_seq_ids[:, lo:hi]), pick(key_positions[:, lo:hi]), INDEX_RATIO,
+                )
+                scores = scores.masked_fill(~allowed, float("-inf"))
+                # Equal scores (e.g. all heads ReLU'd to 0) pick the lowest window index, as a stable sort would, so
+                # the choice does not depend on how many other keys (documents, ranks) sit in the row.
+                idx = stable_topk(scores, k)
+                idx = torch.where(idx >= 0, idx + lo, idx)
+                if idx.shape[-1] < k:  # a short causal prefix: the rest selects nothing
+                    idx = torch.nn.functional.pad(idx, (0, k - idx.shape[-1]), value=-1)
+                return idx
+
+            out.append(by_floor_groups(floor_groups([row[chunk] for row in floors]), select))
         if not out:
             return torch.empty(b, 0, k, dtype=torch.long, device=q.device)
         return torch.cat(out, dim=1)

@@ -91,10 +91,16 @@ def resolve_inputs(
     if packed_seq_ids is None and seq_lens is not None:
         return _aligned_inputs(config, input_ids, position_ids, padding_mask, cp, labels, seq_lens,
                                batch_keys.get("seq_lens_padded"))
-    if position_ids is None:  # rank * L + arange(L)
+    if position_ids is None:  # the global columns of each local row: its chunk's start + arange(L)
         b, length = input_ids.shape
-        start = (cp.rank if cp is not None else 0) * length
-        position_ids = torch.arange(start, start + length, device=input_ids.device).expand(b, length)
+        starts = [0] * b
+        if cp is not None and cp.size > 1:
+            k = cp.layout.chunks_per_rank
+            if b % k:
+                raise ValueError(f"input_ids has {b} rows but cp_balance={cp.balance!r} holds {k} chunks per row")
+            starts = [v * length for _, v in cp.layout.local_rows(cp.rank, b // k)]
+        position_ids = (torch.tensor(starts, device=input_ids.device)[:, None]
+                        + torch.arange(length, device=input_ids.device))
     if packed_seq_ids is None:
         packed_seq_ids = torch.ones_like(input_ids)
     for name, t in (("position_ids", position_ids), ("packed_seq_ids", packed_seq_ids),

@@ -32,37 +32,39 @@ from dsv4.model.norm import RMSNorm
 
 
 class DocumentShift:
-    """Shift per-token integer tensors left inside documents, for this rank's rows ``[rank*L, (rank+1)*L)``.
+    """Shift per-token integer tensors left inside documents, for this rank's local rows (each a chunk of a whole
+    row: ``meta.columns`` / ``meta.row_batch``).
 
     Built once per forward from the attention metadata (whole-row document ids and padding); calling it with a
-    local tensor ``[B, L]`` gathers it over CP (identity without CP) and returns ``[B, L]``.
+    local tensor ``[R, L]`` gathers it over CP into whole rows (identity without CP) and returns ``[R, L]``.
     """
 
     def __init__(self, meta: AttentionMetadata, cp=None) -> None:
         self.cp = cp if cp is not None and cp.enabled else None
-        self.local_len = meta.seq_ids.shape[1]
-        self.start = self.cp.rank * self.local_len if self.cp is not None else 0
+        self.columns = meta.columns  # [R, L] global columns
+        self.rows = meta.row_batch[:, None]  # [R, 1] whole row
         self.seq_ids = meta.full_seq_ids
         self.pad = None if meta.padding is None else meta.full_padding
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.cp is None else self.cp.all_gather_metadata(t, dim=1, kind="mtp_metadata")
+        return t if self.cp is None else self.cp.gather_rows(t, kind="mtp_metadata")
 
     def valid(self, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(valid [B, L] bool, src [L] long)``: whether local token ``i`` has a same-document source ``i+s``."""
+        """``(valid [R, L] bool, src [R, L] long)``: whether local token ``i`` has a same-document source
+        ``i + s`` (``src``: its global column)."""
         total = self.seq_ids.shape[1]
-        g = torch.arange(self.start, self.start + self.local_len, device=self.seq_ids.device)
-        src = (g + shift).clamp(max=total - 1)
-        here = self.seq_ids[:, g]
-        ok = (g + shift < total) & (self.seq_ids[:, src] == here) & (here > 0)
+        src = (self.columns + shift).clamp(max=total - 1)
+        here = self.seq_ids[self.rows, self.columns]
+        ok = (self.columns + shift < total) & (self.seq_ids[self.rows, src] == here) & (here > 0)
         if self.pad is not None:
-            ok = ok & ~self.pad[:, src]
+            ok = ok & ~self.pad[self.rows, src]
         return ok, src
 
     def __call__(self, local_values: torch.Tensor, shift: int, fill: int) -> torch.Tensor:
         full = self._gather(local_values)
         ok, src = self.valid(shift)
-        return torch.where(ok, full[:, src], torch.full_like(full[:, src], fill))
+        shifted = full[self.rows, src]
+        return torch.where(ok, shifted, torch.full_like(shifted, fill))
 
 
 class MTPLayer(DSV4Block):

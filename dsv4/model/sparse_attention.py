@@ -158,27 +158,58 @@ NO_DOCUMENT = 2**62  # chunk_document_starts of a chunk holding only padding
 
 
 def chunk_document_starts(query_seq_ids: Tensor, query_positions: Tensor, chunk_size: int) -> Tensor:
-    """For each chunk of ``chunk_size`` queries, the local row where the earliest document of its real queries
-    begins (over the batch rows): negative when that document began before this block (an earlier CP rank),
-    :data:`NO_DOCUMENT` for a chunk of padding only. ``[n_chunks]`` int64 on the queries' device (no host read)."""
-    length = query_seq_ids.shape[1]
+    """For each row and chunk of ``chunk_size`` queries, the local row where the earliest document of its real
+    queries begins: negative when that document began before this block (an earlier chunk of the row),
+    :data:`NO_DOCUMENT` for a chunk of padding only. ``[B, n_chunks]`` int64 on the queries' device (no host read)."""
+    b, length = query_seq_ids.shape
     n_chunks = -(-length // chunk_size)
     starts = torch.arange(length, device=query_positions.device) - query_positions  # each query's document start
-    starts = torch.where(query_seq_ids > 0, starts, torch.full_like(starts, NO_DOCUMENT)).amin(dim=0)
+    starts = torch.where(query_seq_ids > 0, starts, torch.full_like(starts, NO_DOCUMENT))
     starts = torch.nn.functional.pad(starts, (0, n_chunks * chunk_size - length), value=NO_DOCUMENT)
-    return starts.view(n_chunks, chunk_size).amin(dim=1)
+    return starts.view(b, n_chunks, chunk_size).amin(dim=2)
 
 
-def document_floors(chunk_starts: list[int], rows: int, local_rows: int | None, ratio: int) -> list[int]:
-    """Per chunk, the first of ``rows`` compressed rows any of its queries may see (every row before it belongs to
-    other documents): the last ``local_rows`` rows are this block's windows in order (window ``j`` pools query rows
-    ``[r j, r (j + 1))``; documents start on multiples of ``r``), the rows before them earlier windows of the document
-    the block starts in. ``chunk_starts``: :func:`chunk_document_starts` read to the host. A document begun before
-    the block gives 0, a chunk of padding ``rows``; ``local_rows`` None gives 0 everywhere."""
+def document_floors(chunk_starts: list[list[int]], rows: int, local_rows: int | None, ratio: int,
+                    earlier: list[int] | None = None) -> list[list[int]]:
+    """Per row and chunk, the first of ``rows`` compressed rows any of its queries may see (every row before it
+    belongs to other documents or is padding): the last ``local_rows`` rows are this block's windows in order (window
+    ``j`` pools query rows ``[r j, r (j + 1))``; documents start on multiples of ``r``), the ``earlier[i]`` rows
+    before them earlier windows of the document row ``i`` starts in (default: all ``rows - local_rows``; any rows
+    before those are padding). ``chunk_starts``: :func:`chunk_document_starts` read to the host. A document begun
+    before the block gives the first earlier row, a chunk of padding ``rows``; ``local_rows`` None gives 0
+    everywhere."""
     if local_rows is None:
-        return [0] * len(chunk_starts)
-    earlier = rows - local_rows
-    return [rows if s >= NO_DOCUMENT else 0 if s < 0 else min(rows, earlier + s // ratio) for s in chunk_starts]
+        return [[0] * len(starts) for starts in chunk_starts]
+    own = rows - local_rows
+    if earlier is None:
+        earlier = [own] * len(chunk_starts)
+    return [[rows if s >= NO_DOCUMENT else own - before if s < 0 else min(rows, own + s // ratio) for s in starts]
+            for starts, before in zip(chunk_starts, earlier)]
+
+
+def floor_groups(floors: list[int]) -> list[tuple[int, list[int] | None]]:
+    """The batch rows of one query chunk grouped by their key floor: ``[(floor, None)]`` when every row shares one
+    (one batched call), else ``[(floor, rows)]`` per distinct floor, so each row scores only its own keys."""
+    if len(set(floors)) <= 1:
+        return [(floors[0] if floors else 0, None)]
+    groups: dict[int, list[int]] = {}
+    for row, floor in enumerate(floors):
+        groups.setdefault(floor, []).append(row)
+    return sorted(groups.items())
+
+
+def by_floor_groups(groups: list[tuple[int, list[int] | None]], run) -> Tensor | tuple[Tensor, ...]:
+    """``run(floor, rows)`` for each of :func:`floor_groups`'s groups, the results put back in batch-row order
+    (dim 0; ``run`` may return a tensor or a tuple of tensors)."""
+    if len(groups) == 1:
+        return run(groups[0][0], None)
+    parts = [run(floor, rows) for floor, rows in groups]
+    order = torch.tensor([row for _, rows in groups for row in rows])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(p)[inverse.to(p[0].device)] for p in zip(*parts))
+    return torch.cat(parts)[inverse.to(parts[0].device)]
 
 
 def stable_topk(scores: Tensor, k: int) -> Tensor:
@@ -234,7 +265,7 @@ def sparse_attention(
     checkpoint: bool | None = None,
     compressed_local_rows: int | None = None,
     compressed_probs: bool = False,
-    chunk_starts: list[int] | None = None,
+    key_floors: list[list[int]] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Sliding-window + compressed sparse attention. Returns ``[B, L, H, D]`` in ``q.dtype``; with
     ``compressed_probs`` (CSA only) also ``[B, L, k]`` fp32: for each selected compressed row, its attention
@@ -259,9 +290,10 @@ def sparse_attention(
             ``end`` scores only the causal prefix ``P - compressed_local_rows + end // r`` (later rows are future
             windows no query of the chunk may see; documents start on multiples of ``r``, as the model's metadata
             guarantees), from the first row of the chunk's earliest document on (:func:`document_floors`: a packed
-            row costs what its documents cost). None: every row.
-        chunk_starts: :func:`chunk_document_starts` of these queries and ``chunk_size``, already on the host
-            (``AttentionMetadata.chunk_starts``); None: read here.
+            row costs what its documents cost; rows with different floors are scored apart). None: every row.
+        key_floors: per row and query chunk of ``chunk_size``, the first compressed row a query of the chunk may see
+            (``AttentionMetadata.key_floors``, already on the host); None: derived here from the queries (one host
+            read), every compressed row before the block's own counted as the earlier windows of its document.
     """
     b, length, h, d = q.shape
     l_kv = kv.shape[1]
@@ -279,23 +311,34 @@ def sparse_attention(
     hca_window = compressed is not None and topk_indices is None and compressed_local_rows is not None
     floors = None
     if hca_window:
-        if chunk_starts is None:  # one host read; the model reads them once per forward (AttentionMetadata)
-            chunk_starts = chunk_document_starts(query_seq_ids, query_positions, chunk_size).tolist()
-        floors = document_floors(chunk_starts, compressed.shape[1], compressed_local_rows, ratio)
+        floors = key_floors
+        if floors is None:  # one host read; the model reads them once per forward (AttentionMetadata)
+            starts = chunk_document_starts(query_seq_ids, query_positions, chunk_size).tolist()
+            floors = document_floors(starts, compressed.shape[1], compressed_local_rows, ratio)
     for chunk, start in enumerate(range(0, length, chunk_size)):
         end = min(start + chunk_size, length)
-        comp, comp_seq, comp_pos = compressed, compressed_seq_ids, compressed_positions
-        if hca_window:  # only the rows of the chunk's documents, up to the causal prefix
-            hi = causal_prefix(comp.shape[1], compressed_local_rows, end, ratio)
-            lo = min(floors[chunk], hi)
-            comp, comp_seq, comp_pos = comp[:, lo:hi], comp_seq[:, lo:hi], comp_pos[:, lo:hi]
-        args = (
-            q[:, start:end], kv, sink, query_seq_ids[:, start:end], query_positions[:, start:end], kv_seq_ids,
-            kv_padding, comp, comp_seq, comp_pos,
-            None if topk_indices is None else topk_indices[:, start:end],
-            start, query_offset, window, ratio, scale, compressed_probs,
-        )
-        out = _checkpoint(_chunk_attention, *args, use_reentrant=False) if checkpoint else _chunk_attention(*args)
+        hi = causal_prefix(compressed.shape[1], compressed_local_rows, end, ratio) if hca_window else None
+        groups = floor_groups([row[chunk] for row in floors]) if hca_window else [(0, None)]
+
+        def run(lo: int, rows: list[int] | None, start=start, end=end, hi=hi):
+            pick = (lambda t: t) if rows is None else (lambda t: None if t is None else t[rows])
+            comp, comp_seq, comp_pos = compressed, compressed_seq_ids, compressed_positions
+            if hca_window:  # only the rows of the chunk's documents, up to the causal prefix
+                lo = min(lo, hi)
+                comp, comp_seq, comp_pos = comp[:, lo:hi], comp_seq[:, lo:hi], comp_pos[:, lo:hi]
+            # a group of rows takes only the kv rows its window bands cover (the query chunk's kv row moves by lo_kv)
+            lo_kv = 0 if rows is None else max(0, query_offset + start - window + 1)
+            kv_rows = slice(lo_kv, None if rows is None else query_offset + end)
+            args = (
+                pick(q[:, start:end]), pick(kv[:, kv_rows]), sink, pick(query_seq_ids[:, start:end]),
+                pick(query_positions[:, start:end]), pick(kv_seq_ids[:, kv_rows]), pick(kv_padding[:, kv_rows]),
+                pick(comp), pick(comp_seq), pick(comp_pos),
+                None if topk_indices is None else pick(topk_indices[:, start:end]),
+                start, query_offset - lo_kv, window, ratio, scale, compressed_probs,
+            )
+            return _checkpoint(_chunk_attention, *args, use_reentrant=False) if checkpoint else _chunk_attention(*args)
+
+        out = by_floor_groups(groups, run)
         if compressed_probs:
             out, p = out
             probs.append(p)

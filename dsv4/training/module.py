@@ -185,7 +185,8 @@ class DSV4LightningModule(L.LightningModule):
         """``batch``: this dp replica's whole rows; returns this rank's share of the global token-mean loss."""
         parallel = self.parallel
         self._batch_stats = batch_statistics(batch, self.config.shard_multiple, self._flops)
-        local = batch.cut(parallel.cp_rank, parallel.cp_size, self.config.shard_multiple)
+        balance = parallel.cp.balance if parallel.cp is not None else "none"
+        local = batch.cut(parallel.cp_rank, parallel.cp_size, self.config.shard_multiple, balance)
         out = forward_outputs(self.model, local, cp=parallel.cp)
         group = parallel.loss_group if parallel.loss_group is not None else False
         loss = reduce_token_loss(out.loss_sum, out.label_count, group)

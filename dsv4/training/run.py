@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from dsv4.config import DSV4Config, check_cp_length
+from dsv4.cp.layout import check_balance, cp_chunks
 from dsv4.parallel.mesh import ParallelDims
 from dsv4.training.schema import lora_config, model_config
 from dsv4.training.strategy import compute_dtype_for
@@ -105,6 +106,13 @@ def validate(cfg: DictConfig) -> tuple[DSV4Config, int | None]:
         ParallelDims(world_size=world, cp=cfg.cp, dp=cfg.dp, ep=cfg.ep).validate(config.n_routed_experts)
     elif cfg.cp < 1:
         raise ValueError(f"`cp` must be a positive integer, got {cfg.cp}")
+    check_balance(cfg.cp_balance)
+    chunks = cp_chunks(cfg.cp, cfg.cp_balance)
+    if chunks != cfg.cp and cfg.seq_len % (chunks * config.shard_multiple):
+        step = chunks * config.shard_multiple
+        raise ValueError(f"`seq_len`={cfg.seq_len} must be a multiple of 2 x cp x shard multiple = {step} under "
+                         f"cp_balance=full (rank r holds chunks r and 2cp-1-r of {chunks}); e.g. "
+                         f"seq_len={max(1, round(cfg.seq_len / step)) * step}")
     check_cp_length(cfg.seq_len, cfg.cp, config.shard_multiple)
     if cfg.micro_batch_size < 1:
         raise ValueError(f"`micro_batch_size` must be >= 1, got {cfg.micro_batch_size}")
@@ -253,7 +261,8 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     data = DSV4DataModule(
         source=OmegaConf.to_container(cfg.data, resolve=True), seq_len=cfg.seq_len,
-        shard_multiple=config.shard_multiple, micro_batch_size=cfg.micro_batch_size, cp_size=cfg.cp, seed=cfg.seed,
+        shard_multiple=config.shard_multiple, micro_batch_size=cfg.micro_batch_size,
+        cp_size=cp_chunks(cfg.cp, cfg.cp_balance), seed=cfg.seed,
     )
     dataset = data.build_dataset()  # tokenizes and packs: bad data fails here, before any rank starts
     if cfg.dry_run:
@@ -264,7 +273,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     max_steps = int(trainer_cfg.get("max_steps", 100))
     compute_dtype = compute_dtype_for(str(trainer_cfg.pop("precision", "auto")), config.torch_dtype)
     log.info("compute dtype %s (fp32 master weights, optimizer state and gradient reduction)", compute_dtype)
-    strategy = DSV4Strategy(cp=cfg.cp, dp=cfg.dp, ep=cfg.ep,
+    strategy = DSV4Strategy(cp=cfg.cp, dp=cfg.dp, ep=cfg.ep, cp_balance=cfg.cp_balance,
                             dispatcher=resolve_dispatcher(cfg.dispatcher.name, cfg.ep),
                             compute_dtype=compute_dtype)
     ckpt_dir = output_dir / "checkpoints"

@@ -127,6 +127,7 @@ def lora_config(peft_cfg: Any):
 @dataclass
 class FinetuneConfig:
     cp: int = 1
+    cp_balance: str = "none"
     dp: int = -1
     ep: int = 1
     seq_len: int = 2048

@@ -70,13 +70,15 @@ class ParallelState:
 
 
 class DSV4Strategy(ModelParallelStrategy):
-    """Args: ``cp``, ``dp`` (-1 = world // cp), ``ep``, ``dispatcher`` name, ``compute_dtype``; the rest goes to
+    """Args: ``cp``, ``dp`` (-1 = world // cp), ``ep``, ``dispatcher`` name, ``compute_dtype``, ``cp_balance``
+    (:class:`~dsv4.cp.layout.CPLayout`); the rest goes to
     ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``)."""
 
     def __init__(self, cp: int = 1, dp: int = -1, ep: int = 1, dispatcher: str = "local",
-                 compute_dtype: torch.dtype = torch.float32, **kwargs: Any) -> None:
+                 compute_dtype: torch.dtype = torch.float32, cp_balance: str = "none", **kwargs: Any) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
         self.cp_size, self._dp, self.ep_size = cp, dp, ep
+        self.cp_balance = cp_balance
         self.dispatcher = dispatcher
         self.compute_dtype = compute_dtype
         self.meshes: Meshes | None = None
@@ -92,7 +94,7 @@ class DSV4Strategy(ModelParallelStrategy):
         self._device_mesh = self.meshes.world
         self.lightning_module._device_mesh = self._device_mesh
         self.parallel = ParallelState(
-            cp=CPContext(self.meshes.cp.get_group()) if dims.cp > 1 else None,
+            cp=CPContext(self.meshes.cp.get_group(), balance=self.cp_balance) if dims.cp > 1 else None,
             cp_rank=self.meshes.cp.get_local_rank(),
             cp_size=dims.cp,
             dp_size=dims.dp,

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from dsv4.cp.layout import CPLayout
+
 from dsv4.config import DSV4Config
 from dsv4.model.attention import DSV4Attention
 from dsv4.model.attention_metadata import build_attention_metadata
@@ -138,6 +140,7 @@ def test_prebuilt_metadata_and_cp_hook():
     class FakeCP:  # no collective may run: every check below must fire before one
         def __init__(self, size, halo=None):
             self.size, self.rank, self.halo = size, 0, halo
+            self.layout = CPLayout(size)
 
         def __getattr__(self, name):
             raise AssertionError(f"collective {name} called")
@@ -152,7 +155,7 @@ def test_prebuilt_metadata_and_cp_hook():
     x128, pos128, seq128 = torch.randn(1, 128, CONFIG.hidden_size), arange_pos(128), torch.ones(1, 128, dtype=torch.long)
     with pytest.raises(ValueError, match=r"CPContext.halo=3 is smaller than the 15 rows"):
         attend(layer, x128, pos128, seq128, None, cp=FakeCP(2, halo=3))
-    with pytest.raises(ValueError, match=r"L=128 tokens but each rank needs a halo of 200 rows"):
+    with pytest.raises(ValueError, match=r"each local chunk has L=128 tokens but needs a halo of 200 rows"):
         attend(layer, x128, pos128, seq128, None, cp=FakeCP(2, halo=200))
 
 

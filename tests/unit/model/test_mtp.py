@@ -16,10 +16,14 @@ PAD = torch.tensor([[False, False, False, True, False, False, False, True]])
 IDS = torch.tensor([[10, 11, 12, 99, 20, 21, 22, 0]])
 
 
-def meta(seq, pad, full_seq=None, full_pad=None):
-    """The four attention-metadata fields DocumentShift reads (local and whole-row document ids and padding)."""
+def meta(seq, pad, full_seq=None, full_pad=None, columns=None):
+    """The attention-metadata fields DocumentShift reads: local and whole-row document ids and padding, and each
+    local token's global column (``columns [R, L]``; one whole row per local row by default)."""
+    if columns is None:
+        columns = torch.arange(seq.shape[1]).expand(seq.shape[0], -1)
+    row_batch = torch.zeros(columns.shape[0], dtype=torch.long) if full_seq is not None else torch.arange(seq.shape[0])
     return SimpleNamespace(seq_ids=seq, padding=pad, full_seq_ids=seq if full_seq is None else full_seq,
-                           full_padding=pad if full_pad is None else full_pad)
+                           full_padding=pad if full_pad is None else full_pad, columns=columns, row_batch=row_batch)
 
 
 def test_shift_stays_inside_documents():
@@ -33,25 +37,27 @@ def test_shift_stays_inside_documents():
 
 
 class _FakeCP:
-    """Rank ``rank`` of a 2-way split of the full row; the metadata all-gather returns the full tensor."""
+    """Rank ``rank`` of a CP group whose metadata gather returns the whole row of the tensor it is handed."""
 
-    def __init__(self, rank: int, full: dict[int, torch.Tensor]) -> None:
+    def __init__(self, rank: int, full: torch.Tensor) -> None:
         self.rank, self.size, self.enabled, self.full = rank, 2, True, full
 
-    def all_gather_metadata(self, t, dim=1, kind="metadata"):
-        for full in self.full.values():
-            if torch.equal(full[:, self.rank * 4 : (self.rank + 1) * 4], t) and full.dtype == t.dtype:
-                return full
-        raise AssertionError("unexpected tensor")
+    def gather_rows(self, t, kind="metadata"):
+        assert kind == "mtp_metadata" and t.dtype == self.full.dtype
+        return self.full
 
 
 def test_shift_under_cp_matches_the_global_slice():
-    full = {2: IDS}  # ids are gathered per depth; document ids and padding come from the metadata
     expected = DocumentShift(meta(SEQ, PAD))(IDS, 1, fill=0)
-    for rank in (0, 1):
-        sl = slice(rank * 4, (rank + 1) * 4)
-        shift = DocumentShift(meta(SEQ[:, sl], PAD[:, sl], SEQ, PAD), cp=_FakeCP(rank, full))
-        assert torch.equal(shift(IDS[:, sl], 1, fill=0), expected[:, sl])
+    # contiguous halves, and the head-tail layout of 2 ranks (4 chunks of 2: rank 0 holds 0 and 3, rank 1: 1 and 2)
+    layouts = {"none": [[0], [1]], "full": [[0, 3], [1, 2]]}
+    for balance, chunks in layouts.items():
+        width = 8 // sum(len(c) for c in chunks)
+        for rank in (0, 1):
+            cols = torch.stack([torch.arange(v * width, (v + 1) * width) for v in chunks[rank]])
+            local = lambda t: t[0, cols]  # noqa: E731 - one local row per chunk
+            shift = DocumentShift(meta(local(SEQ), local(PAD), SEQ, PAD, columns=cols), cp=_FakeCP(rank, IDS))
+            assert torch.equal(shift(local(IDS), 1, fill=0), expected[0, cols]), (balance, rank)
 
 
 def test_mtp_depths_see_exactly_their_inputs():

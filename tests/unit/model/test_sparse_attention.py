@@ -284,13 +284,16 @@ def test_chunk_document_floors_by_hand():
     seq = torch.tensor([[1] * 8 + [2] * 8 + [0] * 8 + [3] * 8])
     pos = torch.tensor([list(range(40, 48)) + list(range(8)) + [0] * 8 + list(range(8))])
     starts = chunk_document_starts(seq, pos, chunk_size=8).tolist()
-    assert starts == [-40, 8, NO_DOCUMENT, 24]
+    assert starts == [[-40, 8, NO_DOCUMENT, 24]]
     # chunk 0: the earlier document -> 0; chunk 1: doc 2 starts at row 8 -> 2 + 8 // 4 = 4; chunk 2: only
     # padding -> 10 (nothing); chunk 3: doc 3 at row 24 -> 2 + 6 = 8
-    assert document_floors(starts, rows=10, local_rows=8, ratio=4) == [0, 4, 10, 8]
-    assert document_floors(chunk_document_starts(seq, pos, 16).tolist(), rows=10, local_rows=8, ratio=4) == [0, 8]
-    assert document_floors(starts, rows=10, local_rows=None, ratio=4) == [0, 0, 0, 0]
-    # two batch rows: the earliest document start of the chunk over both rows
+    assert document_floors(starts, rows=10, local_rows=8, ratio=4) == [[0, 4, 10, 8]]
+    assert document_floors(chunk_document_starts(seq, pos, 16).tolist(), rows=10, local_rows=8, ratio=4) == [[0, 8]]
+    assert document_floors(starts, rows=10, local_rows=None, ratio=4) == [[0, 0, 0, 0]]
+    # only 1 of the 2 earlier rows is this row's (the first is left padding): the continuing chunk starts at row 1
+    assert document_floors(starts, rows=10, local_rows=8, ratio=4, earlier=[1]) == [[1, 4, 10, 8]]
+    # two batch rows: each row its own floors (the second row is one document from row 0 on)
     seq2 = torch.cat([seq, torch.tensor([[5] * 32])])
     pos2 = torch.cat([pos, torch.arange(32)[None]])
-    assert chunk_document_starts(seq2, pos2, 8).tolist() == [-40, 0, 0, 0]
+    assert chunk_document_starts(seq2, pos2, 8).tolist() == [[-40, 8, NO_DOCUMENT, 24], [0, 0, 0, 0]]
+    assert document_floors(chunk_document_starts(seq2, pos2, 8).tolist(), 10, 8, 4) == [[0, 4, 10, 8], [2, 2, 2, 2]]
