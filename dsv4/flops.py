@@ -236,18 +236,43 @@ def forward_flops_per_token(config: DSV4Config, seq_len: int) -> float:
     return sum(forward_flops_breakdown(config, seq_len).values())
 
 
-def training_flops_per_token(config: DSV4Config, seq_len: int) -> float:
+POSITION_DEPENDENT_KEYS = ("indexer_scores", "attention_core")  # the parts whose per-token cost grows with position
+
+
+def training_flops_per_token(config: DSV4Config, seq_len: int, parts: tuple[str, ...] | None = None) -> float:
     """Forward + backward FLOPs per real token: ``3 x`` trainable parts, ``1 x`` the indexer unless it trains
-    (``indexer_loss_coeff > 0``)."""
-    parts = forward_flops_breakdown(config, seq_len)
+    (``indexer_loss_coeff > 0``); ``parts``: only those breakdown keys (default all)."""
+    breakdown = forward_flops_breakdown(config, seq_len)
     forward_only = set() if config.indexer_loss_coeff > 0 else set(INDEXER_KEYS)
-    return sum(v * (1 if k in forward_only else 1 + BACKWARD_FACTOR) for k, v in parts.items())
+    return sum(v * (1 if k in forward_only else 1 + BACKWARD_FACTOR) for k, v in breakdown.items()
+               if parts is None or k in parts)
 
 
-def document_training_flops(config: DSV4Config, length: int) -> float:
+def document_training_flops(config: DSV4Config, length: int, parts: tuple[str, ...] | None = None) -> float:
     """Training FLOPs of one causal document of ``length`` tokens (its attention reach grows with its own
     length, not the row's): ``length * training_flops_per_token(config, length)``; 0 for an empty one."""
-    return float(length) * training_flops_per_token(config, length) if length > 0 else 0.0
+    return float(length) * training_flops_per_token(config, length, parts) if length > 0 else 0.0
+
+
+def position_range_training_flops(config: DSV4Config, lo: int, hi: int, parts: tuple[str, ...] | None = None) -> float:
+    """Training FLOPs of the queries at positions ``[lo, hi)`` of one causal document (at least ``hi`` long): the
+    document's first ``hi`` positions minus its first ``lo`` (:func:`document_training_flops` is exact per prefix,
+    so the difference is exactly these queries' work, the position-dependent attention and indexer terms included)."""
+    return document_training_flops(config, hi, parts) - document_training_flops(config, lo, parts)
+
+
+def cp_rank_training_flops(config: DSV4Config, seq_len: int, cp: int, balance: str = "none",
+                           parts: tuple[str, ...] | None = None) -> list[float]:
+    """Training FLOPs each of ``cp`` ranks does for one causal document of ``seq_len`` tokens cut by the layout
+    ``balance`` (:class:`~dsv4.cp.layout.CPLayout`): the sum of :func:`position_range_training_flops` over the
+    rank's chunks (``parts``: only those breakdown keys, e.g. :data:`POSITION_DEPENDENT_KEYS`). Their max / mean is
+    the straggler factor of the step (every layer waits for the slowest rank)."""
+    from dsv4.cp.layout import CPLayout
+
+    layout = CPLayout(cp, balance)
+    length = layout.chunk_length(seq_len)
+    return [sum(position_range_training_flops(config, v * length, (v + 1) * length, parts) for v in layout.chunks(r))
+            for r in range(cp)]
 
 
 # ---------------------------------------------------------------------------------------------- peak FLOP/s

@@ -137,17 +137,21 @@ def cast_for_compute(model: nn.Module, dtypes: dict[nn.Parameter, torch.dtype]) 
 
 class StepTracer:
     """Traces the segments of a training step of ``model`` (on ``meta``, cast with :func:`cast_for_compute`)
-    for ``rows`` rows of ``local_len`` tokens on CP rank ``cp_size - 1`` of ``cp_size`` (the rank that receives
-    the most earlier rows of a document spanning the sequence)."""
+    for ``rows`` rows of ``local_len`` tokens per rank on the CP rank that receives the most earlier rows of a
+    document spanning the sequence: ``cp_size - 1`` of the contiguous split, rank 0 under ``cp_balance="full"``
+    (it holds the last chunk, and its first chunk's keys are padded to that length; the rank's ``2 rows`` local rows
+    are chunks of ``local_len / 2``)."""
 
     def __init__(self, model: DSV4ForCausalLM, rows: int, local_len: int, cp_size: int,
-                 expert_parallel: bool, return_logits: bool = False, root_parameters: set | frozenset = frozenset()
-                 ) -> None:
+                 expert_parallel: bool, return_logits: bool = False, root_parameters: set | frozenset = frozenset(),
+                 cp_balance: str = "none") -> None:
         self.model, self.config = model, model.config
         self.root_parameters = root_parameters
+        self.cp = PlanCP(0 if cp_balance == "full" else cp_size - 1, cp_size, cp_balance)
+        k = self.cp.layout.chunks_per_rank
+        rows, local_len = rows * k, local_len // k
         self.rows, self.local_len = rows, local_len
         self.return_logits = return_logits
-        self.cp = PlanCP(cp_size - 1, cp_size)
         self.cp_arg = self.cp if cp_size > 1 else None
         set_dispatcher(model, PlanDispatcher(expert_parallel))
         model.eval()  # no expert-load statistics (a bincount over routed ids, which meta tensors do not have)

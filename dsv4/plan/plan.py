@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from dsv4.config import DSV4Config
+from dsv4.cp.layout import cp_chunks
 from dsv4.model.model import DSV4ForCausalLM
 from dsv4.parallel.expert_shard import shard_experts
 from dsv4.parallel.wrap import fsdp_units, store_frozen_in_compute_dtype
@@ -51,6 +52,7 @@ class PlanSetup:
     device_memory_bytes: int = 80 * GIB
     chunked_loss: bool = True  # the training step's loss; False: through full [L, vocab] logits
     lora: LoRAConfig | None = None  # a LoRA fine-tune (dsv4.peft): frozen base, trainable adapters
+    cp_balance: str = "none"  # the CP layout (dsv4.cp.layout): "full" = head-tail chunks
 
     @property
     def world(self) -> int:
@@ -67,9 +69,10 @@ class PlanSetup:
         if self.config.n_routed_experts % self.ep:
             raise ValueError(f"memory plan: `ep`={self.ep} must divide model.n_routed_experts="
                              f"{self.config.n_routed_experts}")
-        if self.seq_len % (self.cp * self.config.shard_multiple):
-            raise ValueError(f"memory plan: `seq_len`={self.seq_len} must be a multiple of cp x shard multiple = "
-                             f"{self.cp} x {self.config.shard_multiple}")
+        chunks = cp_chunks(self.cp, self.cp_balance)
+        if self.seq_len % (chunks * self.config.shard_multiple):
+            raise ValueError(f"memory plan: `seq_len`={self.seq_len} must be a multiple of chunks x shard multiple = "
+                             f"{chunks} x {self.config.shard_multiple} (cp={self.cp}, cp_balance={self.cp_balance})")
         if self.device_memory_bytes <= 0:
             raise ValueError(f"memory plan: the device memory must be positive, got {self.device_memory_bytes} bytes")
 
@@ -212,7 +215,7 @@ def memory_plan(setup: PlanSetup) -> MemoryPlan:
     cast_for_compute(model, {p: unit.param_dtype for p, unit in owners.items()})
     root = {p for p, unit in owners.items() if unit is units[-1]}
     tracer = StepTracer(model, setup.micro_batch_size, setup.seq_len // setup.cp, setup.cp, setup.ep > 1,
-                        return_logits=not setup.chunked_loss, root_parameters=root)
+                        return_logits=not setup.chunked_loss, root_parameters=root, cp_balance=setup.cp_balance)
     return MemoryPlan(setup, states, plan_activations(tracer), segment_gradients)
 
 

@@ -3,9 +3,10 @@
 The memory plan runs real model code on the ``meta`` device (:mod:`dsv4.plan.trace`); three things cannot run
 there as they do on a rank, so these replace them with what has the same shapes, dtypes and lifetimes:
 
-* :class:`PlanCP`: the ``CPContext`` of rank ``rank`` of ``size`` for one document spanning every rank (the worst
-  case: the last rank receives every earlier compressed row). Received tensors are new tensors of the received
-  shape; integer metadata all-gathers tile the local block (right shapes, window-aligned positions).
+* :class:`PlanCP`: the ``CPContext`` of rank ``rank`` of ``size`` (layout ``balance``) for one document spanning
+  every rank (the worst case: the rank holding the last chunk receives every earlier compressed row). Received
+  tensors are new tensors of the received shape; integer metadata gathers tile the local chunk (right shapes,
+  window-aligned positions).
 * :class:`PlanDispatcher`: the MoE with every expert receiving the same number of (token, expert) pairs (the
   balance the load-balancing bias aims for); with expert parallelism the all-to-all's receive buffers are new
   tensors of the sent size (uniform routing sends and receives as many rows as it routes).
@@ -20,35 +21,36 @@ import dataclasses
 import torch
 
 from dsv4.config import DSV4Config
+from dsv4.cp.layout import CPLayout
 from dsv4.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from dsv4.model.dispatch import weighted_sum
 
 
 class PlanCP:
-    """A ``CPContext`` stand-in for rank ``rank`` of ``size`` (see the module docstring)."""
+    """A ``CPContext`` stand-in for rank ``rank`` of ``size`` under ``balance`` (see the module docstring)."""
 
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size, self.halo = rank, size, None
+    def __init__(self, rank: int, size: int, balance: str = "none") -> None:
+        self.rank, self.size, self.halo, self.balance = rank, size, None, balance
+        self.layout = CPLayout(size, balance)
 
     @property
     def enabled(self) -> bool:
         return self.size > 1
 
-    def all_gather_metadata(self, tensor: torch.Tensor, dim: int = 1, kind: str = "") -> torch.Tensor:
-        """Every rank's block: this rank's tiled (on the CPU, where the metadata is built, only the document ids
-        decide shapes: every rank holds the same one document)."""
-        if tensor.device.type == "meta":
-            shape = list(tensor.shape)
-            shape[dim] *= self.size
-            return tensor.new_empty(shape)
-        return torch.cat([tensor] * self.size, dim=dim)
+    def gather_rows(self, local: torch.Tensor, kind: str = "") -> torch.Tensor:
+        """Whole rows ``[B, S, ...]``: this rank's chunk tiled (on the CPU, where the metadata is built, only the
+        document ids decide shapes: every rank holds the same one document)."""
+        if local.device.type == "meta":
+            batch = local.shape[0] // self.layout.chunks_per_rank
+            return local.new_empty((batch, local.shape[1] * self.layout.num_chunks) + tuple(local.shape[2:]))
+        return self.layout.assemble(torch.stack([local] * self.size))
 
     def halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "",
-                      batch_rows=None) -> torch.Tensor:
+                      route=None) -> torch.Tensor:
         return tensor.narrow(dim, tensor.shape[dim] - rows, rows).clone()  # received: a new tensor, same shape
 
-    def gather_preceding(self, tensor: torch.Tensor, starts: list[int], dim: int = 1, kind: str = "") -> torch.Tensor:
-        received = self.rank * tensor.shape[dim] - starts[self.rank]
+    def exchange_rows(self, tensor: torch.Tensor, plan, dim: int = 1, kind: str = "") -> torch.Tensor:
+        received = plan.out_len - tensor.shape[dim]
         if received == 0:
             return tensor
         shape = list(tensor.shape)
@@ -93,8 +95,9 @@ def _to_meta(value):
 
 
 def plan_metadata(config: DSV4Config, rows: int, local_len: int, cp: PlanCP) -> AttentionMetadata:
-    """The metadata of rank ``cp.rank``'s slice of ``rows`` rows, each one document over all ranks, on ``meta``."""
-    start = cp.rank * local_len
-    positions = torch.arange(start, start + local_len).expand(rows, local_len)
+    """The metadata of rank ``cp.rank``'s ``rows`` local rows of ``local_len`` (its chunks of whole rows, each one
+    document over all ranks), on ``meta``."""
+    local = cp.layout.local_rows(cp.rank, rows // cp.layout.chunks_per_rank)
+    positions = torch.stack([torch.arange(v * local_len, (v + 1) * local_len) for _, v in local])
     return _to_meta(build_attention_metadata(config, positions, torch.ones_like(positions), None,
                                              cp if cp.size > 1 else None))

@@ -109,6 +109,7 @@ def plan_setup(cfg: DictConfig, config: DSV4Config, world: int | None, device_me
         config=config, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, cp=cfg.cp, dp=dp, ep=cfg.ep,
         compute_dtype=compute_dtype_for(str(trainer_cfg.get("precision", "auto")), config.torch_dtype),
         optimizer=optimizer_profile(optimizer), device_memory_bytes=device_memory, lora=lora_config(cfg.peft),
+        cp_balance=cfg.cp_balance,
     )
 
 

@@ -45,6 +45,17 @@ def test_cp1_and_cp2_follow_the_same_loss_trajectory(runs):
         assert abs(one[step] - two[step]) <= 1e-5, (step, one[step], two[step])
 
 
+def test_balanced_cp2_follows_the_cp1_trajectory(tmp_path):
+    """cp_balance=full (rank r holds chunks r and 3 - r of 4) trains exactly as one rank (rows of 512: 4 x 128)."""
+    common = [*FAST, "seq_len=512", "trainer.max_steps=3", "checkpoint.every_n_steps=0"]
+    run_recipe([*common, "cp=1"], tmp_path / "cp1")
+    run_recipe([*common, "cp=2", "cp_balance=full"], tmp_path / "balanced")
+    one, balanced = losses(tmp_path / "cp1"), losses(tmp_path / "balanced")
+    assert one.keys() == balanced.keys() == {0, 1, 2}
+    for step in one:
+        assert abs(one[step] - balanced[step]) <= 1e-5, (step, one[step], balanced[step])
+
+
 def test_alltoall_expert_parallel_matches_local(runs, tmp_path):
     run_recipe([*FAST, "cp=2", "ep=2", "dispatcher=alltoall", "trainer.max_steps=4", "checkpoint.every_n_steps=0"],
                tmp_path)

@@ -191,3 +191,36 @@ def test_peak_flops_table():
     assert peak_flops_for_device_name("NVIDIA GeForce RTX 4090") is None
     assert peak_flops_per_device("cpu") is None
     assert peak_flops_per_device(torch.device("cpu")) is None
+
+
+def test_cp_rank_flops_by_position_brute_force_and_balance():
+    """Per-rank FLOPs of one document: the position-dependent part of each rank equals a per-query count over
+    its chunks (window keys min(n, W), CSA selection min(K, n // 4) plus the indexer's n // 4 scored keys), the
+    ranks sum to the whole document in both layouts, and head-tail chunks give every rank the same work."""
+    from dsv4.flops import POSITION_DEPENDENT_KEYS, cp_rank_training_flops
+
+    cfg = _one_layer()
+    s, cp = 64, 4
+    pair, index_pair = 4 * 2 * 4, 2 * 2 * (4 + 1)  # 4 H D per (query, key); 2 H_I (D_I + 1) per scored key
+    chunks = {"none": [[0], [1], [2], [3]], "full": [[0, 7], [1, 6], [2, 5], [3, 4]]}
+    for balance, held in chunks.items():
+        length = s // (len(held) * len(held[0]))
+        expected = []
+        for rank_chunks in held:
+            total = 0
+            for v in rank_chunks:
+                for n in range(v * length + 1, (v + 1) * length + 1):
+                    # attention trains (3x forward); the frozen indexer's scoring runs forward only (1x)
+                    total += 3 * pair * (min(n, 4) + min(2, n // 4)) + index_pair * (n // 4)
+            expected.append(total)
+        got = cp_rank_training_flops(cfg, s, cp, balance, POSITION_DEPENDENT_KEYS)
+        assert got == pytest.approx(expected, rel=1e-12), balance
+        whole = cp_rank_training_flops(cfg, s, cp, balance)
+        assert sum(whole) == pytest.approx(document_training_flops(cfg, s), rel=1e-12)
+    flash = DSV4Config.preset("flash")
+    contiguous = cp_rank_training_flops(flash, 131072, 8, "none", POSITION_DEPENDENT_KEYS)
+    balanced = cp_rank_training_flops(flash, 131072, 8, "full", POSITION_DEPENDENT_KEYS)
+    assert contiguous == sorted(contiguous) and max(contiguous) / (sum(contiguous) / 8) > 1.5
+    assert max(balanced) / (sum(balanced) / 8) < 1.01
+    with pytest.raises(ValueError, match="does not split into 16 chunks"):
+        cp_rank_training_flops(flash, 1000, 8, "full")

@@ -8,17 +8,19 @@ from dsv4.model.model import DSV4ForCausalLM
 from dsv4.plan.activations import StepTracer, plan_activations
 
 
-def _tracer(mode: str, cp: int, local_len: int = 512, return_logits: bool = False) -> StepTracer:
+def _tracer(mode: str, cp: int, local_len: int = 512, return_logits: bool = False, balance: str = "none"
+            ) -> StepTracer:
     config = DSV4Config.preset("tiny", activation_checkpointing=mode)
     with torch.device("meta"):
         model = DSV4ForCausalLM(config)
-    return StepTracer(model, 1, local_len, cp, expert_parallel=False, return_logits=return_logits)
+    return StepTracer(model, 1, local_len, cp, expert_parallel=False, return_logits=return_logits, cp_balance=balance)
 
 
-@pytest.mark.parametrize("mode,cp,return_logits", [("none", 1, False), ("block", 1, False), ("selective", 1, False),
-                                                   ("none", 2, True), ("block", 4, False)])
-def test_composed_peak_matches_the_whole_step(mode, cp, return_logits):
-    tracer = _tracer(mode, cp, return_logits=return_logits)
+@pytest.mark.parametrize("mode,cp,return_logits,balance", [
+    ("none", 1, False, "none"), ("block", 1, False, "none"), ("selective", 1, False, "none"),
+    ("none", 2, True, "none"), ("block", 4, False, "none"), ("none", 4, False, "full")])
+def test_composed_peak_matches_the_whole_step(mode, cp, return_logits, balance):
+    tracer = _tracer(mode, cp, return_logits=return_logits, balance=balance)
     plan = plan_activations(tracer)
     whole = tracer.whole_step() + plan.metadata
     assert plan.peak == pytest.approx(whole, rel=0.02), (plan.peak, whole, plan.phase)
@@ -43,3 +45,9 @@ def test_the_last_cp_rank_receives_more_than_an_even_share():
     attention = lambda plan: sum(seg.saved_by_component.get("attention", 0) for seg in plan.segments[1:-1])  # noqa: E731
     assert attention(four) > attention(one) / 4  # halo and the earlier compressed rows come on top
     assert four.peak < one.peak
+    # head-tail: rank 0 holds two chunks of 256 (0 and 7); its last chunk's keys span the whole row, and its first
+    # chunk's keys are padded to the same length, so it keeps more attention than the contiguous last rank
+    tracer = _tracer("none", 4, balance="full")
+    assert (tracer.rows, tracer.local_len, tracer.cp.rank) == (2, 256, 0)
+    balanced = plan_activations(tracer)
+    assert attention(four) < attention(balanced) < 2 * attention(four)

@@ -42,6 +42,9 @@ def _compose(overrides):
         (["plan.device_memory_gib=-1"], "`plan.device_memory_gib` must be a positive number of GiB, got -1"),
         (["plan.only=maybe"], "`plan.only` must be true or false, got 'maybe'"),
         (["cp=0"], "`cp` must be a positive integer"),
+        (["cp_balance=half"], "cp_balance='half' is not one of ['none', 'full']"),
+        (["seq_len=256", "cp=2", "cp_balance=full"], "`seq_len`=256 must be a multiple of 2 x cp x shard multiple = "
+                                                     "512 under cp_balance=full"),
         (["micro_batch_size=0"], "`micro_batch_size` must be >= 1, got 0"),
         (["trainer.precision=bf16-true"], "`trainer.precision`='bf16-true' must be auto or one of"),
         (["checkpoint.every_n_steps=-1"], "`checkpoint.every_n_steps` must be >= 0, got -1"),
