@@ -35,11 +35,13 @@ def peak_rss_kib() -> int:
     raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
-def cp_training_step(config, seq_len: int, world_size: int, before_step=None, balance: str = "none"):
+def cp_training_step(config, seq_len: int, world_size: int, before_step=None, balance: str = "none",
+                     overlap: bool = True):
     """Inside a ``dsv4.launch.run_on_ranks`` rank: one forward+backward of ``config`` on one document of ``seq_len``
     tokens packed into a row (:class:`dsv4.batch.TokenBatch`), cut for this rank (``balance``: the CP layout,
-    :class:`dsv4.cp.layout.CPLayout`), through the training step's model call. ``before_step()`` runs just before
-    the step; returns the ``CPContext`` (None on one rank) and ``before_step``'s result."""
+    :class:`dsv4.cp.layout.CPLayout`; ``overlap``: ``CPContext.overlap``), through the training step's model call.
+    ``before_step()`` runs just before the step; returns the ``CPContext`` (None on one rank) and ``before_step``'s
+    result."""
     import torch
     import torch.distributed as dist
 
@@ -56,7 +58,7 @@ def cp_training_step(config, seq_len: int, world_size: int, before_step=None, ba
     batch = pack_documents([ids.tolist()], seq_len, config.shard_multiple)[0].cut(rank, world_size,
                                                                                        config.shard_multiple, balance)
     group = dist.new_group(list(range(world_size)))
-    cp = CPContext(group, balance=balance) if world_size > 1 else None
+    cp = CPContext(group, balance=balance, overlap=overlap) if world_size > 1 else None
     marker = before_step() if before_step is not None else None
     loss_sum, count = forward_step(model, batch, cp)
     reduce_token_loss(loss_sum, count, group).loss.backward()

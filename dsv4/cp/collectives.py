@@ -11,6 +11,7 @@ of ``n`` bytes per rank over ``C`` ranks: ``n*(C-1)`` each way). Backward traffi
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -107,15 +108,20 @@ def all_gather_metadata(
     return out
 
 
-def _p2p(ops: list[tuple[str, torch.Tensor, int]], group: ProcessGroup) -> None:
-    """Run (``"send"|"recv"``, tensor, group rank) operations together and wait for all of them."""
+def _start_p2p(ops: list[tuple[str, torch.Tensor, int]], group: ProcessGroup) -> list:
+    """Post (``"send"|"recv"``, tensor, group rank) operations together; return their work handles."""
     if not ops:
-        return
+        return []
     p2p = [
         dist.P2POp(dist.isend if op == "send" else dist.irecv, t, dist.get_global_rank(group, peer), group)
         for op, t, peer in ops
     ]
-    for work in dist.batch_isend_irecv(p2p):
+    return dist.batch_isend_irecv(p2p)
+
+
+def _p2p(ops: list[tuple[str, torch.Tensor, int]], group: ProcessGroup) -> None:
+    """Run (``"send"|"recv"``, tensor, group rank) operations together and wait for all of them."""
+    for work in _start_p2p(ops, group):
         work.wait()
 
 
@@ -169,18 +175,30 @@ def _pack(x: torch.Tensor, pieces: list[tuple[int, int, int]]) -> torch.Tensor:
     return torch.cat([x[row, lo:hi] for row, lo, hi in pieces])
 
 
+def _post_rows(x: torch.Tensor, plan: RowPlan, group) -> tuple[list, dict, dict]:
+    """Post the sends and receives of ``plan`` for ``x``; ``(work handles, outgoing, incoming buffers)``."""
+    outgoing = {p: _pack(x, [(t.src_row, t.lo, t.hi) for t in ts]) for p, ts in plan.sends.items()}
+    incoming = {p: x.new_empty((sum(t.hi - t.lo for t in ts),) + tuple(x.shape[2:])) for p, ts in plan.recvs.items()}
+    works = _start_p2p([("send", b, p) for p, b in outgoing.items()] + [("recv", b, p) for p, b in incoming.items()],
+                       group)
+    return works, outgoing, incoming
+
+
 class _RowExchange(torch.autograd.Function):
     """Run a :class:`RowPlan` on ``x [rows, n, ...]`` (the exchanged dim is 1); backward returns every piece's
-    gradient to its source row, summed there."""
+    gradient to its source row, summed there. ``posted``: the exchange already posted and waited for
+    (:class:`PendingRows`), so forward only assembles what arrived."""
 
     @staticmethod
-    def forward(ctx, x, plan, group, traffic, kind):  # type: ignore[override]
+    def forward(ctx, x, plan, group, traffic, kind, posted=None):  # type: ignore[override]
         ctx.plan, ctx.group, ctx.traffic, ctx.kind, ctx.shape = plan, group, traffic, kind, x.shape
         out = x.new_zeros((plan.out_rows, plan.out_len) + tuple(x.shape[2:]))
-        outgoing = {p: _pack(x, [(t.src_row, t.lo, t.hi) for t in ts]) for p, ts in plan.sends.items()}
-        incoming = {p: x.new_empty((sum(t.hi - t.lo for t in ts),) + tuple(x.shape[2:]))
-                    for p, ts in plan.recvs.items()}
-        _p2p([("send", b, p) for p, b in outgoing.items()] + [("recv", b, p) for p, b in incoming.items()], group)
+        if posted is None:
+            works, outgoing, incoming = _post_rows(x, plan, group)
+            for work in works:
+                work.wait()
+        else:
+            outgoing, incoming = posted
         for p, buf in incoming.items():
             for t, piece in zip(plan.recvs[p], buf.split([t.hi - t.lo for t in plan.recvs[p]])):
                 out[t.dst_row, t.offset:t.offset + t.hi - t.lo] = piece
@@ -210,7 +228,55 @@ class _RowExchange(torch.autograd.Function):
         if ctx.traffic is not None:
             ctx.traffic.add(f"{ctx.kind}.backward", sent=sum(_nbytes(b) for b in returned.values()),
                             received=sum(_nbytes(b) for b in incoming.values()))
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None
+
+
+class PendingRows:
+    """A row exchange whose messages are in flight (:func:`start_exchange_rows`): the work between the start and
+    :meth:`wait` overlaps the transfer. :meth:`wait` returns what :func:`exchange_rows` would have (differentiable;
+    the backward exchange runs synchronously). Time blocked in :meth:`wait` is recorded as the kind's wait time."""
+
+    def __init__(self, x: torch.Tensor, plan: RowPlan, dim: int, group, traffic: TrafficCounter | None, kind: str
+                 ) -> None:
+        self.x, self.plan, self.dim, self.group, self.traffic, self.kind = x, plan, dim, group, traffic, kind
+        self.works, self.outgoing, self.incoming = _post_rows(x, plan, group)
+
+    def wait(self) -> torch.Tensor:
+        start = time.perf_counter()
+        for work in self.works:
+            work.wait()
+        if self.traffic is not None:
+            self.traffic.add_wait(self.kind, time.perf_counter() - start)
+        out = _RowExchange.apply(self.x, self.plan, self.group, self.traffic, self.kind,
+                                 (self.outgoing, self.incoming))
+        return out.movedim(1, self.dim)
+
+
+class ReadyRows:
+    """A finished exchange in :class:`PendingRows`'s shape (no CP, nothing to exchange, or no overlap)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+def start_exchange_rows(
+    tensor: torch.Tensor,
+    plan: RowPlan,
+    dim: int = 1,
+    cp_group: ProcessGroup | None = None,
+    *,
+    traffic: TrafficCounter | None = None,
+    kind: str = "rows",
+) -> PendingRows:
+    """:func:`exchange_rows`, started: post the messages now and return a handle whose ``wait()`` gives the result
+    (``tensor`` must not change in place before it)."""
+    dim = dim % tensor.dim()
+    if dim == 0:
+        raise ValueError("exchange_rows: dim 0 indexes the rows; exchange along another dim")
+    return PendingRows(tensor.movedim(dim, 1), plan, dim, cp_group, traffic, kind)
 
 
 def exchange_rows(
@@ -225,11 +291,7 @@ def exchange_rows(
     """Differentiable row exchange: run ``plan`` (this rank's part of a global list of :class:`Transfer` pieces)
     on ``tensor`` with the pieces along ``dim``; the result has ``plan.out_rows`` rows (dim 0) and
     ``plan.out_len`` along ``dim``. Only peers with pieces exchange messages (one per direction)."""
-    dim = dim % tensor.dim()
-    if dim == 0:
-        raise ValueError("exchange_rows: dim 0 indexes the rows; exchange along another dim")
-    out = _RowExchange.apply(tensor.movedim(dim, 1), plan, cp_group, traffic, kind)
-    return out.movedim(1, dim)
+    return start_exchange_rows(tensor, plan, dim, cp_group, traffic=traffic, kind=kind).wait()
 
 
 @dataclass(frozen=True)
@@ -251,7 +313,7 @@ class HaloRoute:
                         rank, out_rows, rows)
 
 
-def halo_exchange(
+def start_halo_exchange(
     tensor: torch.Tensor,
     rows: int,
     dim: int = 1,
@@ -260,8 +322,9 @@ def halo_exchange(
     traffic: TrafficCounter | None = None,
     kind: str = "halo",
     route: HaloRoute | None = None,
-) -> torch.Tensor:
-    """Differentiable halo exchange: return the previous chunk's last ``rows`` rows of ``tensor`` along ``dim``.
+) -> PendingRows | ReadyRows:
+    """Differentiable halo exchange, started: ``.wait()`` returns the previous chunk's last ``rows`` rows of
+    ``tensor`` along ``dim`` (the work done before it overlaps the transfer).
 
     Shapes: ``tensor`` has ``L >= rows`` rows along ``dim``; the result has the same shape with ``rows`` rows
     along ``dim``. The gradient of the received rows is returned to their owner and added to the gradient of its
@@ -278,13 +341,28 @@ def halo_exchange(
             "the local shard is shorter than the halo (use fewer CP ranks or a longer sequence)"
         )
     if not _enabled(cp_group) or rows == 0:
-        return tensor.new_zeros(tensor.shape[:dim] + (rows,) + tensor.shape[dim + 1 :])
+        return ReadyRows(tensor.new_zeros(tensor.shape[:dim] + (rows,) + tensor.shape[dim + 1 :]))
     if dim == 0:
         raise ValueError("halo_exchange: dim 0 indexes the batch rows, so the halo dim must not be 0")
     if route is None:
         route = HaloRoute.contiguous(group_size(cp_group), tensor.shape[0])
     plan = route.plan(group_rank(cp_group), tensor.shape[0], length, rows)
-    return exchange_rows(tensor, plan, dim, cp_group, traffic=traffic, kind=kind)
+    return start_exchange_rows(tensor, plan, dim, cp_group, traffic=traffic, kind=kind)
+
+
+def halo_exchange(
+    tensor: torch.Tensor,
+    rows: int,
+    dim: int = 1,
+    cp_group: ProcessGroup | None = None,
+    *,
+    traffic: TrafficCounter | None = None,
+    kind: str = "halo",
+    route: HaloRoute | None = None,
+) -> torch.Tensor:
+    """The previous chunk's last ``rows`` rows of ``tensor`` along ``dim`` (:func:`start_halo_exchange`, waited
+    for)."""
+    return start_halo_exchange(tensor, rows, dim, cp_group, traffic=traffic, kind=kind, route=route).wait()
 
 
 def preceding_transfers(starts: list[list[int]], layout_chunks: list[list[int]], owners: list[tuple[int, int]],

@@ -20,12 +20,15 @@ import torch
 
 from dsv4.cp.collectives import (
     HaloRoute,
+    ReadyRows,
     RowPlan,
     all_gather,
     all_gather_metadata,
     exchange_rows,
     gather_preceding,
     halo_exchange,
+    start_exchange_rows,
+    start_halo_exchange,
 )
 from dsv4.cp.layout import CPLayout, check_balance
 from dsv4.cp.traffic import TrafficCounter
@@ -42,12 +45,16 @@ class CPContext(GroupMember):
             ``sliding_window - 1``, at least the compressor overlap).
         traffic: counter of bytes moved per exchange kind (shared by every verb of this context).
         balance: ``"none"`` (contiguous split) or ``"full"`` (head-tail chunks; :class:`~dsv4.cp.layout.CPLayout`).
+        overlap: the model starts its halo and preceding-row exchanges before the work that does not need them and
+            waits where it does (``start_*`` verbs); False completes each exchange where it starts (to measure what
+            the overlap hides).
     """
 
     group: ProcessGroup | None = None
     halo: int | None = None
     traffic: TrafficCounter = field(default_factory=TrafficCounter)
     balance: str = "none"
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         check_balance(self.balance)
@@ -80,6 +87,18 @@ class CPContext(GroupMember):
         """The previous chunk's last ``rows`` rows along ``dim`` (zeros where there is none), differentiable;
         ``route``: which rows feed which (see :func:`dsv4.cp.collectives.halo_exchange`)."""
         return halo_exchange(tensor, rows, dim, self.group, traffic=self.traffic, kind=kind, route=route)
+
+    def start_halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "halo",
+                            route: HaloRoute | None = None):
+        """:meth:`halo_exchange`, started: returns a handle whose ``wait()`` gives the rows. With ``overlap``
+        False the exchange completes here (the handle is already done)."""
+        pending = start_halo_exchange(tensor, rows, dim, self.group, traffic=self.traffic, kind=kind, route=route)
+        return pending if self.overlap else ReadyRows(pending.wait())
+
+    def start_exchange_rows(self, tensor: torch.Tensor, plan: RowPlan, dim: int = 1, kind: str = "rows"):
+        """:meth:`exchange_rows`, started (see :meth:`start_halo_exchange`)."""
+        pending = start_exchange_rows(tensor, plan, dim, self.group, traffic=self.traffic, kind=kind)
+        return pending if self.overlap else ReadyRows(pending.wait())
 
     def exchange_rows(self, tensor: torch.Tensor, plan: RowPlan, dim: int = 1, kind: str = "rows") -> torch.Tensor:
         """Run this rank's part of a row exchange (:func:`dsv4.cp.collectives.exchange_rows`), differentiable."""

@@ -21,6 +21,7 @@ class TrafficRecord:
     calls: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    wait_s: float = 0.0  # time this rank was blocked waiting for the kind's messages (forward)
 
 
 @dataclass
@@ -35,6 +36,16 @@ class TrafficCounter:
         rec.calls += 1
         rec.bytes_sent += int(sent)
         rec.bytes_received += int(received)
+
+    def add_wait(self, kind: str, seconds: float) -> None:
+        """Record ``seconds`` this rank spent blocked waiting for a ``kind`` exchange to arrive."""
+        self.records[kind].wait_s += float(seconds)
+
+    def wait_seconds(self, kind: str | None = None) -> float:
+        """Seconds blocked waiting for ``kind`` (all kinds when None)."""
+        if kind is not None:
+            return self.records[kind].wait_s if kind in self.records else 0.0
+        return sum(r.wait_s for r in self.records.values())
 
     def bytes_received(self, kind: str | None = None) -> int:
         """Bytes received for ``kind`` (all kinds when None)."""

@@ -28,6 +28,10 @@ Context parallelism only ADDS exchanges to this path, through the ``CPContext`` 
   the first local window pools its overlap exactly as on one rank;
 * ``compressed_gather`` / ``index_key_gather``: the earlier compressed rows / index keys of the document each
   local row's first token belongs to, received point-to-point from their owners (``meta.preceding``).
+
+Each exchange starts as soon as its input exists and is waited for where its result is first needed: the halo and
+both compressor boundaries overlap the query projections and the compressors, the compressed-row gather overlaps
+the index keys and the indexer (``CPContext.overlap``; the backward exchanges run where autograd reaches them).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from dsv4.config import DSV4Config
+from dsv4.cp.collectives import ReadyRows
 from dsv4.model.attention_backend import attention_kernel
 from dsv4.model.attention_metadata import AttentionMetadata
 from dsv4.model.compressor import Compressor
@@ -115,19 +120,23 @@ class DSV4Attention(nn.Module):
         nn.init.zeros_(self.sink.logits)
 
     # ---------------------------------------------------------------- CP exchanges (none on a single rank)
+    # Each exchange is started as soon as its input exists and waited for where its result is needed, so the work in
+    # between (the query projections, the compressors, the indexer) overlaps the transfer (``CPContext.overlap``).
     @staticmethod
-    def _preceding(rows: Tensor, meta: AttentionMetadata, ratio: int, cp, kind: str) -> Tensor:
-        """Compressed rows of every window in ``meta.key_windows[ratio]``: the needed earlier ones, then ours."""
+    def _start_preceding(rows: Tensor, meta: AttentionMetadata, ratio: int, cp, kind: str):
+        """Compressed rows of every window in ``meta.key_windows[ratio]`` (the needed earlier ones, then ours),
+        started: ``.wait()`` gives them."""
         if not meta.preceding:
-            return rows
-        return cp.exchange_rows(rows, meta.preceding[ratio], dim=1, kind=kind)
+            return ReadyRows(rows)
+        return cp.start_exchange_rows(rows, meta.preceding[ratio], dim=1, kind=kind)
 
     @staticmethod
-    def _prev_features(module, x: Tensor, meta: AttentionMetadata, cp, kind: str) -> Tensor | None:
-        """An overlap compressor's boundary features of the previous rank (None on a single rank)."""
+    def _start_prev_features(module, x: Tensor, meta: AttentionMetadata, cp, kind: str):
+        """An overlap compressor's boundary features of the previous chunk, started (``.wait()`` is None on a
+        single rank)."""
         if not meta.halo or not module.overlap:
-            return None
-        return cp.halo_exchange(module(x, boundary=True), module.ratio, dim=1, kind=kind, route=meta.halo_route)
+            return ReadyRows(None)
+        return cp.start_halo_exchange(module(x, boundary=True), module.ratio, dim=1, kind=kind, route=meta.halo_route)
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: Tensor, meta: AttentionMetadata, cp: object | None = None) -> Tensor:
@@ -143,33 +152,32 @@ class DSV4Attention(nn.Module):
         """
         b, length, _ = x.shape
         rope = meta.rope_compress if self.ratio else meta.rope_main
+        train_indexer = self.indexer is not None and self.indexer.trainable and torch.is_grad_enabled()
+        # the indexer loss reaches the indexer only: no gradient flows back into the main model
+        x_i = zero_gradient(x) if train_indexer else x
+
+        kv = apply_rope(self.kv_norm(self.wkv(x)), rope)  # [B, L, D]
+        halo = cp.start_halo_exchange(kv, meta.halo, dim=1, kind="halo", route=meta.halo_route) if meta.halo else None
+        if self.ratio > 0:
+            prev = self._start_prev_features(self.compressor, x, meta, cp, "compressor_halo")
+        if self.indexer is not None:
+            prev_i = self._start_prev_features(self.indexer.compressor, x_i, meta, cp, "index_compressor_halo")
 
         q_lat = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_lat).view(b, length, self.n_heads, self.head_dim)
         q = apply_rope(self.q_head_norm(q), rope)
 
-        kv = apply_rope(self.kv_norm(self.wkv(x)), rope)  # [B, L, D]
-        if meta.halo:
-            halo = cp.halo_exchange(kv, meta.halo, dim=1, kind="halo", route=meta.halo_route)
-            kv = torch.cat((halo, kv), dim=1)  # [B, halo + L, D]
-
         compressed = comp_seq = comp_pos = topk = local_windows = student = None
-        train_indexer = self.indexer is not None and self.indexer.trainable and torch.is_grad_enabled()
         if self.ratio > 0:
             windows, key_windows = meta.windows[self.ratio], meta.key_windows[self.ratio]
             local_windows = windows.seq_ids.shape[1]  # this block's own windows, the last rows of key_windows
-            prev = self._prev_features(self.compressor, x, meta, cp, "compressor_halo")
-            compressed = self._preceding(
-                self.compressor(x, windows, prev_features=prev), meta, self.ratio, cp, "compressed_gather"
-            )
+            compressed = self._start_preceding(self.compressor(x, windows, prev_features=prev.wait()), meta,
+                                               self.ratio, cp, "compressed_gather")
             comp_seq, comp_pos = key_windows.seq_ids, key_windows.positions
             if self.indexer is not None:
-                # the indexer loss reaches the indexer only: no gradient flows back into the main model
-                x_i, q_lat_i = (zero_gradient(x), zero_gradient(q_lat)) if train_indexer else (x, q_lat)
-                prev_i = self._prev_features(self.indexer.compressor, x_i, meta, cp, "index_compressor_halo")
-                index_keys = self._preceding(
-                    self.indexer.keys(x_i, windows, prev_features=prev_i), meta, self.ratio, cp, "index_key_gather"
-                )
+                q_lat_i = zero_gradient(q_lat) if train_indexer else q_lat
+                index_keys = self._start_preceding(self.indexer.keys(x_i, windows, prev_features=prev_i.wait()), meta,
+                                                   self.ratio, cp, "index_key_gather").wait()
                 topk = self.indexer(
                     x_i, q_lat_i, meta.rope_compress, meta.seq_ids, meta.position_ids, index_keys, comp_seq,
                     comp_pos, local_windows=local_windows, with_scores=train_indexer,
@@ -177,6 +185,9 @@ class DSV4Attention(nn.Module):
                 )
                 if train_indexer:
                     topk, student = topk
+            compressed = compressed.wait()
+        if halo is not None:
+            kv = torch.cat((halo.wait(), kv), dim=1)  # [B, halo + L, D]
 
         kernel = attention_kernel(self.config.attention_backend, q.device)
         tuning = {"compressed_probs": True} if student is not None else {}  # the indexer loss's teacher

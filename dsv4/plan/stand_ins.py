@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from dsv4.config import DSV4Config
+from dsv4.cp.collectives import ReadyRows
 from dsv4.cp.layout import CPLayout
 from dsv4.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from dsv4.model.dispatch import weighted_sum
@@ -48,6 +49,12 @@ class PlanCP:
     def halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "",
                       route=None) -> torch.Tensor:
         return tensor.narrow(dim, tensor.shape[dim] - rows, rows).clone()  # received: a new tensor, same shape
+
+    def start_halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "", route=None):
+        return ReadyRows(self.halo_exchange(tensor, rows, dim))
+
+    def start_exchange_rows(self, tensor: torch.Tensor, plan, dim: int = 1, kind: str = ""):
+        return ReadyRows(self.exchange_rows(tensor, plan, dim))
 
     def exchange_rows(self, tensor: torch.Tensor, plan, dim: int = 1, kind: str = "") -> torch.Tensor:
         received = plan.out_len - tensor.shape[dim]
