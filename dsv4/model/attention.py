@@ -24,7 +24,7 @@ Context parallelism only ADDS exchanges to this path, through the ``CPContext`` 
   prepended to the window keys (the kernel's ``query_offset``); only for the local rows whose document continues
   across the chunk boundary (``meta.halo_route``: a row whose first token starts a document or is padding
   receives nothing, zeros stand in);
-* ``compressor_halo`` / ``index_compressor_halo`` (ratio 4): the previous window's first-half projections, so
+* ``compressor_halo`` / ``index_compressor_halo`` (ratio 4): the previous window's first-half softmax summary, so
   the first local window pools its overlap exactly as on one rank;
 * ``compressed_gather`` / ``index_key_gather``: the earlier compressed rows / index keys of the document each
   local row's first token belongs to, received point-to-point from their owners (``meta.preceding``).
@@ -136,7 +136,8 @@ class DSV4Attention(nn.Module):
         single rank)."""
         if not meta.halo or not module.overlap:
             return ReadyRows(None)
-        return cp.start_halo_exchange(module(x, boundary=True), module.ratio, dim=1, kind=kind, route=meta.halo_route)
+        boundary = module(x, boundary=True)  # [B, 1, 2D]: the last window's softmax summary
+        return cp.start_halo_exchange(boundary, boundary.shape[1], dim=1, kind=kind, route=meta.halo_route)
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: Tensor, meta: AttentionMetadata, cp: object | None = None) -> Tensor:

@@ -7,6 +7,9 @@ Shapes: input block ``x [B, L, d_m]`` (window-aligned: row 0 starts a window), o
 * Overlap (``r == 4``, projections of width ``2D``): window ``p`` pools ``2r`` slots, slots ``r..2r-1`` are the
   second feature half of its own tokens, slots ``0..r-1`` the first feature half of window ``p-1``'s tokens.
   Missing/other-document previous window -> kv 0 / gate -inf; a gate that is -inf in every slot becomes 0.
+  The ``r`` previous slots enter as ONE slot per channel, their softmax summary: gate ``logsumexp_i g_i`` and kv
+  ``sum_i softmax(g)_i kv_i`` (the same softmax over the ``2r`` slots, regrouped). That summary ``[2, D]`` is the
+  smallest exact state a window passes to the next, and what the next CP chunk receives.
 * Window metadata (section 3): a window's id is the document id if all its ``r`` tokens share an id > 0, else 0
   (an id-0 window pools nothing: its own slots are masked); its position is ``position_ids[first] // r``. The
   overlap "previous" slots are kept only when the previous window has the same id > 0 (reset at document start).
@@ -64,14 +67,22 @@ def window_metadata(seq_ids: Tensor, position_ids: Tensor, ratio: int) -> tuple[
     return win_seq, win_pos
 
 
+def softmax_summary(kv: Tensor, gate: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """The slots along ``dim`` as one softmax slot per channel: ``(logsumexp(gate), sum softmax(gate) * kv)``;
+    slots whose gates are all -inf give ``(-inf, 0)`` with finite gradients."""
+    empty = torch.isneginf(gate).all(dim=dim, keepdim=True)
+    safe = gate.masked_fill(empty, 0.0)
+    mean = (kv * torch.softmax(safe, dim=dim)).sum(dim=dim).masked_fill(empty.squeeze(dim), 0.0)
+    return torch.logsumexp(safe, dim=dim).masked_fill(empty.squeeze(dim), float("-inf")), mean
+
+
 def pool_windows(
     kv: Tensor,
     gate: Tensor,
     ape: Tensor,
     win_seq: Tensor,
     overlap: bool,
-    prev_kv: Tensor | None = None,
-    prev_gate: Tensor | None = None,
+    prev_summary: Tensor | None = None,
     prev_seq: Tensor | None = None,
 ) -> Tensor:
     """Softmax-pool windows per channel (fp32). Returns ``[B, P, D]``.
@@ -80,8 +91,8 @@ def pool_windows(
         kv, gate: projections ``[B, P*r, c*D]`` of the block's complete windows (``c = 2`` if ``overlap``).
         ape: ``[r, c*D]`` added to the gate by in-window position.
         win_seq: ``[B, P]`` window ids (0 = invalid window).
-        prev_kv, prev_gate: ``[B, r, 2D]`` (or just their first halves ``[B, r, D]``) projections of the window
-            before the block (overlap only) or None.
+        prev_summary: ``[B, 2, D]``: the softmax summary (gate, kv; :func:`softmax_summary`) of the first feature
+            halves of the window before the block (overlap only: ``Compressor(..., boundary=True)``) or None.
         prev_seq: ``[B]`` id of that window (0 / None = no predecessor).
     """
     b, p = win_seq.shape
@@ -93,24 +104,23 @@ def pool_windows(
     gate = gate.masked_fill(~valid, float("-inf"))
     if overlap:
         d = cd // 2
-        if prev_kv is None:
-            prev_kv = kv.new_zeros(b, 1, r, cd)
-            prev_gate = kv.new_zeros(b, 1, r, cd)
+        own_gate, own_kv = softmax_summary(kv[..., :d], gate[..., :d], dim=2)  # [B, P, D]: each window's first half
+        if prev_summary is None:
+            prev_gate = own_gate.new_full((b, 1, d), float("-inf"))
+            prev_kv = own_kv.new_zeros(b, 1, d)
             prev_seq = torch.zeros(b, dtype=win_seq.dtype, device=win_seq.device)
         else:
-            # only the first feature half of the previous window is pooled: accept width D or 2D
-            prev_kv = prev_kv.float().reshape(b, 1, r, -1)[..., :d]
-            prev_gate = prev_gate.float().reshape(b, 1, r, -1)[..., :d] + ape.float()[:, :d]
+            prev_gate, prev_kv = prev_summary.float()[:, 0:1], prev_summary.float()[:, 1:2]
             prev_seq = torch.zeros(b, dtype=win_seq.dtype, device=win_seq.device) if prev_seq is None else prev_seq
         # Window p's predecessor: the block's previous window for p = 0, else window p - 1.
-        before_kv = torch.cat((prev_kv[..., :d], kv[:, : p - 1, :, :d]), dim=1) if p > 0 else kv[..., :d]
-        before_gate = torch.cat((prev_gate[..., :d], gate[:, : p - 1, :, :d]), dim=1) if p > 0 else gate[..., :d]
+        before_gate = torch.cat((prev_gate, own_gate[:, : p - 1]), dim=1)[:, :p]
+        before_kv = torch.cat((prev_kv, own_kv[:, : p - 1]), dim=1)[:, :p]
         before_seq = torch.cat((prev_seq.reshape(b, 1).to(win_seq.dtype), win_seq[:, : p - 1]), dim=1)[:, :p]
-        keep = ((before_seq > 0) & (before_seq == win_seq))[:, :, None, None]
+        keep = ((before_seq > 0) & (before_seq == win_seq))[:, :, None]
         before_kv = before_kv.masked_fill(~keep, 0.0)
         before_gate = before_gate.masked_fill(~keep, float("-inf"))
-        kv = torch.cat((before_kv, kv[..., d:]), dim=2)  # [B, P, 2r, D]
-        gate = torch.cat((before_gate, gate[..., d:]), dim=2)
+        kv = torch.cat((before_kv[:, :, None], kv[..., d:]), dim=2)  # [B, P, 1 + r, D]
+        gate = torch.cat((before_gate[:, :, None], gate[..., d:]), dim=2)
     # A window with no usable slot would give softmax(-inf...) = NaN; its kv is all 0, so a zero gate yields 0.
     empty = torch.isneginf(gate).all(dim=2, keepdim=True)
     gate = gate.masked_fill(empty, 0.0)
@@ -147,34 +157,35 @@ class Compressor(nn.Module):
             x: ``[B, L, d_m]``, row 0 starts a window.
             windows: this block's window metadata for ``self.ratio`` (``seq_ids``/``positions``/``rope`` of the
                 ``L // ratio`` complete windows, ``prev_seq_ids`` of the window before the block).
-            prev_features: the boundary features of the block before (``[B, ratio, 2D]``, overlap mode only), or
+            prev_features: the boundary features of the block before (``[B, 1, 2D]``, overlap mode only), or
                 None at the sequence start.
             boundary: return what the next block's first window needs from this one (overlap mode):
-                ``[B, ratio, 2 * head_dim]``, the first feature halves of the kv and gate projections (fp32, ape not
-                added) of the last ``ratio`` rows. Under context parallelism this is the compressor's halo: the next
-                rank receives it instead of raw rows. (A method call of its own would bypass the hooks of a sharded
-                module, hence a forward mode.)
+                ``[B, 1, 2 * head_dim]`` fp32, the softmax summary (:func:`softmax_summary`: the gates'
+                logsumexp, then the softmax-weighted kv) of the first feature halves of the last window (``ape``
+                added): the smallest exact state, a quarter of the window's ``ratio`` rows of kv and gate halves.
+                Under context parallelism this is the compressor's halo: the next chunk receives it instead of raw
+                rows. (A method call of its own would bypass the hooks of a sharded module, hence a forward mode.)
         Returns:
             ``[B, P, head_dim]`` in ``x.dtype``: normalised, RoPE'd compressed K=V rows.
         """
         if boundary:
             kv, gate = self._project(x[:, x.shape[1] - self.ratio :])
-            return torch.cat((kv[..., : self.head_dim], gate[..., : self.head_dim]), dim=-1)
+            d = self.head_dim
+            summary_gate, summary_kv = softmax_summary(kv[..., :d], gate[..., :d] + self.ape.float()[:, :d], dim=1)
+            return torch.stack((summary_gate, summary_kv), dim=1).reshape(x.shape[0], 1, 2 * d)
         b, length, _ = x.shape
         p = length // self.ratio
         if windows.seq_ids.shape != (b, p):
             raise ValueError(f"Compressor: window metadata {tuple(windows.seq_ids.shape)} != ({b}, {p})")
         kv, gate = self._project(x[:, : p * self.ratio])
-        prev_kv = prev_gate = None
+        prev_summary = None
         if self.overlap and prev_features is not None:
-            if prev_features.shape[1:] != (self.ratio, 2 * self.head_dim):
+            if prev_features.shape[1:] != (1, 2 * self.head_dim):
                 raise ValueError(
-                    f"Compressor: prev_features {tuple(prev_features.shape)} != [B, {self.ratio}, {2 * self.head_dim}]"
+                    f"Compressor: prev_features {tuple(prev_features.shape)} != [B, 1, {2 * self.head_dim}]"
                 )
-            prev_kv, prev_gate = prev_features[..., : self.head_dim], prev_features[..., self.head_dim :]
-        pooled = pool_windows(
-            kv, gate, self.ape, windows.seq_ids, self.overlap, prev_kv, prev_gate, windows.prev_seq_ids
-        )
+            prev_summary = prev_features.reshape(b, 2, self.head_dim)
+        pooled = pool_windows(kv, gate, self.ape, windows.seq_ids, self.overlap, prev_summary, windows.prev_seq_ids)
         out = self.norm(pooled.to(x.dtype))
         if windows.rope is None:
             raise ValueError("Compressor: windows.rope (cos, sin at positions * ratio) is required")

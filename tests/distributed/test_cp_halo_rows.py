@@ -3,7 +3,8 @@
 Two rows of 512 tokens, 256 per rank: row 0 holds two documents of 256, so rank 1's first token starts a
 document; row 1 holds one document of 512 across the boundary. From first principles, per layer and direction rank 1
 receives the window halo (``sliding_window - 1`` K/V rows of ``head_dim`` fp32 values) for row 1 only, and the ratio-4
-compressor boundaries (main and indexer) for row 1 only; rank 0 receives nothing. A batch of row 0 alone exchanges
+compressor boundaries (main and indexer: the previous window's softmax summary, 2 fp32 values per channel) for row 1
+only; rank 0 receives nothing. A batch of row 0 alone exchanges
 no halo or boundary bytes at all. The logits equal the single-rank forward's.
 """
 
@@ -64,9 +65,11 @@ def test_only_continuing_rows_receive_the_halo_and_boundary():
     # every attention layer (backbone and MTP) receives one window halo of one row
     attention_layers = config.num_hidden_layers + config.num_nextn_predict_layers
     assert both["halo"]["bytes_received"] == attention_layers * (config.sliding_window - 1) * config.head_dim * 4
-    # ratio 4 (overlap) compressors: the previous window's first half of one row, main and indexer
-    assert both["compressor_halo"]["bytes_received"] > 0 and both["index_compressor_halo"]["bytes_received"] > 0
+    # ratio 4 (overlap) compressors: the previous window's first-half softmax summary (a logsumexp and a weighted
+    # mean per channel, fp32) of one row, main (head_dim channels) and indexer (index_head_dim channels)
     assert layers_by_ratio[4] == 2
+    assert both["compressor_halo"]["bytes_received"] == layers_by_ratio[4] * 2 * config.head_dim * 4
+    assert both["index_compressor_halo"]["bytes_received"] == layers_by_ratio[4] * 2 * config.index_head_dim * 4
     for kind in ("halo", "compressor_halo", "index_compressor_halo"):
         assert results[0]["both"]["traffic"].get(kind, {"bytes_received": 0})["bytes_received"] == 0
         starts = results[1]["starts"]["traffic"].get(kind, {"bytes_received": 0, "bytes_sent": 0})
