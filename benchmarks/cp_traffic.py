@@ -1,21 +1,42 @@
-"""Context-parallel traffic per layer type versus its analytic lower bound and an all-gather design.
+"""Context-parallel traffic of a training step against a first-principles lower bound, in several layouts.
 
-For each layer type (SWA ratio 0, CSA ratio 4, HCA ratio 128) a one-layer tiny model runs forward+backward on one
-unpacked document of ``--seq-len`` tokens over ``--cp`` gloo ranks. Every exchange counts its bytes in the
-``CPContext`` traffic counter; this script prints, per layer type and rank, one JSON object per measurement:
+The tiny model (window, CSA and HCA layers, MTP) runs one forward+backward on ``--cp`` gloo ranks for each layout:
 
-* ``received``: forward bytes this rank received for the layer (halo, compressor boundary, compressed rows,
-  index keys; the once-per-forward token metadata is reported separately as ``metadata``);
-* ``lower_bound``: what the rank must receive at minimum: the ``sliding_window - 1`` K/V rows of its predecessor,
-  the previous window's first-half compressor (and indexer) projections, and every earlier compressed row /
-  index key of the document that is visible to one of its queries (for one document: all earlier windows);
-* ``ratio`` = received / lower_bound (null where the bound is 0, i.e. rank 0);
-* ``allgather_everything``: what an all-gather design (NeMo Automodel / Miles style) moves to this rank: raw K/V of every other rank, the fp32 compressor (and indexer) overlap windows
-  (kv + gate), and the pooled rows;
-* ``backward_received``: gradient bytes received in backward (the mirror of what was sent).
+* ``one_document``: one row, one document of ``S`` tokens;
+* ``short_documents``: one row of 512-token documents (every chunk starts a document);
+* ``starts_and_padding``: one row where chunk 1 continues a document, chunk 2 starts one and chunk 3 starts with
+  padding (as far as the row reaches);
+* ``two_rows``: ``one_document`` and ``short_documents`` in one batch (each row needs its own, not the union);
+* ``one_document_balanced``: ``one_document`` with ``cp_balance=full`` (head-tail chunks).
 
-    python benchmarks/cp_traffic.py                     # S = 32768, CP = 4 (about a minute on 2 cores)
-    python benchmarks/cp_traffic.py --seq-len 4096 --cp 2
+Every exchange counts its bytes in the ``CPContext`` traffic counter; every kind it reports must be one this script
+classifies (an unknown kind fails). The bound is computed from the token layout alone (documents, positions, the
+chunk cut), not from the implementation's exchange plans. Per local row (chunk ``v`` of row ``b``, first column
+``c``) whose first token continues a document from column ``c - 1`` (both real, one document) and per attention
+layer of ratio ``r``:
+
+* window keys: the K/V rows of that document among the ``W - 1`` columns before ``c`` (the first query's window);
+* ratio 4: the previous window's first feature halves as the next window pools them: per channel one logsumexp and
+  one weighted mean (2 values per channel, fp32; fewer cannot carry both the weight and the value), for the
+  compressor and the indexer's compressor;
+* ratio > 0: every complete window of that document before ``c`` is visible to the chunk's queries by the causal
+  rule, so its compressed row must arrive (and, ratio 4, its index key, to be scored). This assumes one pass:
+  a design that first scores and then fetches only the selected rows could move fewer compressed rows at the
+  price of a second round trip per layer;
+* multi-token prediction: the ids and labels (int32) of the next chunk's first ``D`` tokens when the document
+  continues into it;
+* backward: the gradient of every differentiable received value returns to its owner (halo, compressor boundary,
+  compressed rows; the frozen indexer's keys carry none);
+* metadata: documents are defined by their ids, so a chunk must learn its predecessor's last document id (does
+  its first token continue it?), and every chunk must learn where each other chunk's continued document began (who
+  sends it what): two int32 per chunk, so a rank receives at least ``8 (V - k)`` bytes per row (``V`` chunks, ``k``
+  held).
+
+Per layout and rank one JSON object per measurement: received bytes by category (``payload``, ``backward``,
+``metadata``) and their bounds, and ``ratio`` = total received / total bound.
+
+    python benchmarks/cp_traffic.py                     # S = 16384, CP = 4
+    python benchmarks/cp_traffic.py --seq-len 4096 --cp 2 --layouts one_document
 """
 
 from __future__ import annotations
@@ -24,81 +45,152 @@ import argparse
 
 import torch
 
-from common import cp_training_step, emit
-from dsv4.config import DSV4Config
+from common import emit
 from dsv4.launch import run_on_ranks
 
-LAYER_TYPES = {"swa": 0, "csa": 4, "hca": 128}
-FORWARD_KINDS = ("halo", "compressor_halo", "index_compressor_halo", "compressed_gather", "index_key_gather")
+ELEM = 4  # the tiny preset trains in fp32
+PAYLOAD = ("halo", "compressor_halo", "index_compressor_halo", "compressed_gather", "index_key_gather")
+METADATA = ("metadata", "metadata_halo", "mtp_metadata")
+LAYOUTS = ("one_document", "short_documents", "starts_and_padding", "two_rows", "one_document_balanced")
 
 
-def layer_config(ratio: int) -> DSV4Config:
-    return DSV4Config.preset("tiny", num_hidden_layers=1, compress_ratios=[ratio], num_nextn_predict_layers=0,
-                             num_hash_layers=0)
+def category(kind: str) -> str:
+    """``payload`` / ``backward`` / ``metadata`` of an exchange kind; KeyError for a kind this script does not know
+    (a new exchange must be classified and bounded here before it is counted)."""
+    base, _, suffix = kind.partition(".")
+    if base in PAYLOAD:
+        return "backward" if suffix == "backward" else "payload"
+    if base in METADATA and not suffix:
+        return "metadata"
+    raise KeyError(f"cp_traffic: unknown exchange kind {kind!r}; classify it in benchmarks/cp_traffic.py")
 
 
-def _rank_body(rank: int, world_size: int, ratio: int, seq_len: int) -> dict:
-    cp, _ = cp_training_step(layer_config(ratio), seq_len, world_size)
+def _rows(layout: str, seq_len: int, l: int):
+    """``(seq_ids, positions)`` ``[B, S]`` of a layout (padding = id 0, documents on multiples of 128)."""
+    def row(docs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        seq, pos = torch.zeros(seq_len, dtype=torch.long), torch.zeros(seq_len, dtype=torch.long)
+        col = 0
+        for i, n in enumerate(docs):
+            n = max(min(n, seq_len - col), -(seq_len - col))  # the row ends where it ends
+            if n > 0:
+                seq[col:col + n], pos[col:col + n] = i + 1, torch.arange(n)
+            col += abs(n)  # a negative length is that much padding
+        return seq, pos
+
+    short = [512] * (seq_len // 512)
+    rows = {
+        "one_document": [[seq_len]], "one_document_balanced": [[seq_len]], "short_documents": [short],
+        # a document from chunk 0 into chunk 1, padding to chunk 2, which starts a document that ends 128 early;
+        # chunk 3 starts with 256 padding, then a document (cut where the row ends)
+        "starts_and_padding": [[l + l // 2, -(l // 2), l - 128, -128, -256, l - 256]],
+        "two_rows": [[seq_len], short],
+    }[layout]
+    built = [row(docs) for docs in rows]
+    return torch.stack([s for s, _ in built]), torch.stack([p for _, p in built])
+
+
+def _config():
+    from dsv4.config import DSV4Config
+
+    return DSV4Config.preset("tiny")
+
+
+def _rank_body(rank: int, world_size: int, layout: str, seq_len: int) -> dict:
+    import torch.distributed as dist
+
+    from dsv4.batch import TokenBatch
+    from dsv4.cp import CPContext
+    from dsv4.model import DSV4ForCausalLM
+    from dsv4.training.loss import reduce_token_loss
+    from dsv4.training.step import forward_step
+
+    torch.manual_seed(0)
+    config = _config()
+    model = DSV4ForCausalLM(config)
+    balance = "full" if layout.endswith("balanced") else "none"
+    chunks = world_size * (2 if balance == "full" else 1)
+    seq, pos = _rows(layout, seq_len, seq_len // chunks)
+    ids = torch.randint(1, config.vocab_size, seq.shape, generator=torch.Generator().manual_seed(1)) * (seq > 0)
+    labels = torch.where((seq > 0) & (torch.roll(seq, -1, 1) == seq), torch.roll(ids, -1, 1), -100)
+    batch = TokenBatch(ids, labels, seq, pos).cut(rank, world_size, config.shard_multiple, balance)
+    group = dist.new_group(list(range(world_size)))
+    cp = CPContext(group, balance=balance)
+    loss_sum, count = forward_step(model, batch, cp)
+    reduce_token_loss(loss_sum, count, group).loss.backward()
     return cp.traffic.as_dict()
 
 
-def lower_bound(config: DSV4Config, ratio: int, rank: int, local_len: int, elem: int) -> int:
-    """Minimum forward bytes rank ``rank`` receives for one layer (one unpacked document)."""
-    if rank == 0:
-        return 0
-    d, d_i = config.head_dim, config.index_head_dim
-    total = (config.sliding_window - 1) * d * elem  # K/V halo
-    if ratio > 0:
-        total += rank * (local_len // ratio) * d * elem  # every earlier pooled row is visible to a local query
-    if ratio == 4:
-        total += ratio * 2 * d * 4 + ratio * 2 * d_i * 4  # boundary window: first-half kv + gate, fp32
-        total += rank * (local_len // ratio) * d_i * elem  # index keys of every earlier window
-    return total
+def lower_bound(layout: str, seq_len: int, world_size: int) -> list[dict[str, int]]:
+    """Per rank, the minimum bytes received by category (see the module docstring)."""
+    from dsv4.cp.layout import CPLayout
 
+    config = _config()
+    cut = CPLayout(world_size, "full" if layout.endswith("balanced") else "none")
+    l = seq_len // cut.num_chunks
+    seq, pos = _rows(layout, seq_len, l)
+    ratios = [config.ratio_for_layer(i) for i in range(config.num_hidden_layers + config.num_nextn_predict_layers)]
+    window, d, d_i = config.sliding_window, config.head_dim, config.index_head_dim
+    bound = [{"payload": 0, "backward": 0, "metadata": 0} for _ in range(world_size)]
+    for b in range(seq.shape[0]):
+        for v in range(cut.num_chunks):
+            rank, c = cut.owner(v)[0], v * l
+            bound[rank]["metadata"] += 8 * (cut.num_chunks - cut.chunks_per_rank) // cut.chunks_per_rank
+            end = c + l
+            after = v + 1 < cut.num_chunks and cut.owner(v + 1)[0] != rank  # the next chunk lives on another rank
+            if after and seq[b, end] > 0 and seq[b, end] == seq[b, end - 1]:  # MTP: the next chunk's head
+                bound[rank]["metadata"] += config.num_nextn_predict_layers * 2 * 4
+            if not (c > 0 and seq[b, c] > 0 and seq[b, c] == seq[b, c - 1]):
+                continue
+            start = c - int(pos[b, c])  # the continuing document's first column
+            for r in ratios:
+                grads, frozen = {}, {}  # source chunk -> bytes; the differentiable ones' gradients go back there
 
-def allgather_everything(config: DSV4Config, ratio: int, local_len: int, cp: int, elem: int) -> int:
-    """Bytes an all-gather design receives per rank for one layer: (C-1)/C of the gathered buffers."""
-    d, d_i = config.head_dim, config.index_head_dim
-    per_token = d * elem  # raw K/V
-    if ratio > 0:
-        per_token += d * elem / ratio  # pooled rows
-    if ratio == 4:
-        per_token += 2 * (2 * d) * 4 + 2 * (2 * d_i) * 4  # fp32 overlap windows (kv + gate), attention and indexer
-        per_token += d_i * elem / ratio  # pooled index keys
-    return int((cp - 1) * local_len * per_token)
+                def add(into: dict, source: int, nbytes: int) -> None:
+                    into[source] = into.get(source, 0) + nbytes
+
+                for col in range(c - min(window - 1, c - start), c):
+                    add(grads, col // l, d * ELEM)
+                if r == 4 and c - start >= 4:
+                    add(grads, v - 1, 2 * d * 4)
+                    add(frozen, v - 1, 2 * d_i * 4)
+                if r > 0:
+                    for w in range(start // r, c // r):
+                        add(grads, w * r // l, d * ELEM)
+                        if r == 4:
+                            add(frozen, w * r // l, d_i * ELEM)
+                for pieces, backward in ((grads, True), (frozen, False)):
+                    for source, nbytes in pieces.items():
+                        if cut.owner(source)[0] == rank:  # held by this rank: nothing crosses
+                            continue
+                        bound[rank]["payload"] += nbytes
+                        if backward:
+                            bound[cut.owner(source)[0]]["backward"] += nbytes
+    return bound
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-len", type=int, default=32768)
+    parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--cp", type=int, default=4)
-    parser.add_argument("--layers", nargs="*", default=list(LAYER_TYPES), choices=list(LAYER_TYPES))
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = parser.parse_args()
-    local_len = args.seq_len // args.cp
-    elem = torch.finfo(torch.float32).bits // 8  # the tiny preset trains in fp32
-    for name in args.layers:
-        ratio = LAYER_TYPES[name]
-        config = layer_config(ratio)
-        traffic = run_on_ranks(_rank_body, args.cp, args=(ratio, args.seq_len))
-        shape = {"layer": name, "ratio": ratio, "seq_len": args.seq_len, "cp": args.cp, "local_len": local_len,
-                 "preset": "tiny", "dtype": "float32"}
-        total_received = total_bound = 0
-        for rank, kinds in enumerate(traffic):
-            received = sum(kinds.get(k, {}).get("bytes_received", 0) for k in FORWARD_KINDS)
-            backward = sum(kinds.get(f"{k}.backward", {}).get("bytes_received", 0) for k in FORWARD_KINDS)
-            bound = lower_bound(config, ratio, rank, local_len, elem)
-            total_received, total_bound = total_received + received, total_bound + bound
+    for layout in args.layouts:
+        traffic = run_on_ranks(_rank_body, args.cp, args=(layout, args.seq_len))
+        bounds = lower_bound(layout, args.seq_len, args.cp)
+        shape = {"layout": layout, "seq_len": args.seq_len, "cp": args.cp, "preset": "tiny", "dtype": "float32"}
+        totals = [0, 0]
+        for rank, (kinds, bound) in enumerate(zip(traffic, bounds)):
+            received = {"payload": 0, "backward": 0, "metadata": 0}
+            for kind, record in kinds.items():
+                received[category(kind)] += record["bytes_received"]
             rank_shape = {**shape, "rank": rank}
-            emit(f"cp_traffic.{name}.received", rank_shape, received, "bytes")
-            emit(f"cp_traffic.{name}.lower_bound", rank_shape, bound, "bytes")
-            emit(f"cp_traffic.{name}.ratio", rank_shape, round(received / bound, 4) if bound else None, "x")
-            emit(f"cp_traffic.{name}.allgather_everything", rank_shape,
-                 allgather_everything(config, ratio, local_len, args.cp, elem), "bytes")
-            emit(f"cp_traffic.{name}.backward_received", rank_shape, backward, "bytes")
-            emit(f"cp_traffic.{name}.metadata", rank_shape, kinds.get("metadata", {}).get("bytes_received", 0),
-                 "bytes")
-        emit(f"cp_traffic.{name}.ratio_all_ranks", shape,
-             round(total_received / total_bound, 4) if total_bound else None, "x")
+            for part in received:
+                emit(f"cp_traffic.{part}", rank_shape, received[part], "bytes")
+                emit(f"cp_traffic.{part}.bound", rank_shape, bound[part], "bytes")
+            got, least = sum(received.values()), sum(bound.values())
+            totals[0], totals[1] = totals[0] + got, totals[1] + least
+            emit("cp_traffic.ratio", rank_shape, round(got / least, 3) if least else None, "x")
+        emit("cp_traffic.ratio_all_ranks", shape, round(totals[0] / totals[1], 3) if totals[1] else None, "x")
 
 
 if __name__ == "__main__":

@@ -300,6 +300,7 @@ class HaloRoute:
     same order on every rank (the receiving chunk ascending, then the batch row)."""
 
     pairs: tuple[tuple[int, int, int, int], ...]
+    first: bool = False  # send the FIRST rows instead of the last (a chunk's head to its predecessor)
 
     @staticmethod
     def contiguous(size: int, rows: int, send: list[int] | None = None) -> "HaloRoute":
@@ -308,9 +309,10 @@ class HaloRoute:
         return HaloRoute(tuple((r - 1, b, r, b) for r in range(1, size) for b in rows_sent))
 
     def plan(self, rank: int, out_rows: int, length: int, rows: int) -> RowPlan:
-        """The :class:`RowPlan` moving the last ``rows`` of ``length`` along the halo dim to offset 0."""
-        return row_plan([Transfer(s, i, length - rows, length, d, j, 0) for s, i, d, j in self.pairs],
-                        rank, out_rows, rows)
+        """The :class:`RowPlan` moving the last (``first``: the first) ``rows`` of ``length`` along the halo dim to
+        offset 0."""
+        lo = 0 if self.first else length - rows
+        return row_plan([Transfer(s, i, lo, lo + rows, d, j, 0) for s, i, d, j in self.pairs], rank, out_rows, rows)
 
 
 def start_halo_exchange(

@@ -10,7 +10,9 @@ CP of size C with layout ``cp.layout`` (:class:`~dsv4.cp.layout.CPLayout`): a ro
 ``V`` chunks of ``l`` columns (``l % shard_multiple == 0``), this rank holds ``k = V / C`` of them, and every local
 row ``[k B, l]`` is one chunk ``v`` of one whole row ``b`` (contiguous split: ``k = 1``, chunk = rank):
 
-* The token metadata (document ids, document-local positions, padding) is gathered once into whole rows.
+* Token metadata crosses ranks as one int64 per chunk (:mod:`~dsv4.model.chunk_summary`, one all-gather per
+  forward); the halo's own metadata only when a caller's padding lies inside a document (``metadata_halo``). Never
+  the row's token metadata. (Multi-token prediction receives the ids and labels it shifts in, ``mtp_metadata``.)
 * Window keys: ``halo = sliding_window - 1`` K/V rows of chunk ``v - 1`` precede each local row (``kv_*`` fields are
   ``[k B, halo + l]``); they travel only to a row whose first token continues a document from chunk ``v - 1``
   (``halo_route``), the others get zeros marked as padding.
@@ -31,6 +33,7 @@ from torch import Tensor
 from dsv4.config import DSV4Config, check_cp_length
 from dsv4.cp.collectives import HaloRoute, RowPlan, preceding_transfers, row_plan
 from dsv4.cp.layout import CPLayout
+from dsv4.model.chunk_summary import RowRuns, chunk_summaries, misaligned_error, misaligned_windows, row_runs
 from dsv4.model.compressor import WindowMetadata, window_metadata
 from dsv4.model.moe import non_padding_tokens
 from dsv4.model.rope import RopeTable, rope_inv_freq, rope_table
@@ -52,14 +55,16 @@ class AttentionMetadata:
     ``attention_chunk_size``, the first key row any of the chunk's queries may see (the rows before it are other
     documents' or padding; read with the metadata's one host sync), so the torch kernels score only a chunk's own
     documents.
-    ``full_seq_ids`` / ``full_padding``: ``[B, S]`` metadata of the whole rows (the local tensors on one rank);
-    ``columns`` ``[R, L]``: the global column of every local token and ``row_batch`` ``[R]`` its whole row.
+    ``columns`` ``[R, L]``: the global column of every local token, ``row_batch`` ``[R]`` its whole row and
+    ``row_length`` the whole row's columns ``S``.
     ``real_tokens``: ``[N]`` flat indices of the local non-padding tokens (None without padding): the tokens
     every MoE layer routes, found once per forward (a host sync on GPUs) instead of once per layer.
     ``halo_route``: under CP, which local rows feed which with their last rows (:class:`~dsv4.cp.collectives.
     HaloRoute`): only rows whose document continues across a chunk boundary; None on a single rank.
     ``preceding[r]``: under CP, this rank's part of the causal gather of compressed rows (:class:`~dsv4.cp.
     collectives.RowPlan`); empty on a single rank.
+    ``next_route`` / ``next_rows`` ``[R]`` bool: under CP, which local rows' documents continue into the next chunk
+    (whose first tokens the multi-token prediction shifts read, through ``next_route``); None on a single rank.
     """
 
     position_ids: Tensor
@@ -73,29 +78,14 @@ class AttentionMetadata:
     key_windows: dict[int, WindowMetadata]
     halo: int = 0
     key_floors: dict[int, list[list[int]]] = field(default_factory=dict)
-    full_seq_ids: Tensor | None = None
-    full_padding: Tensor | None = None
     columns: Tensor | None = None
     row_batch: Tensor | None = None
+    row_length: int = 0
     real_tokens: Tensor | None = None
     halo_route: HaloRoute | None = None
     preceding: dict[int, RowPlan] = field(default_factory=dict)
-
-
-def document_ids_without_trailing_padding(seq_ids: Tensor, padding: Tensor) -> Tensor:
-    """``seq_ids`` with the padding that ends a row (every later slot padding too) set to 0: a slot no later query
-    belongs to. Padding inside a document (a caller's mask) keeps its id, since later queries of the document may
-    still need what precedes it."""
-    trailing = padding.flip(1).long().cumprod(1).flip(1).bool()
-    return seq_ids.masked_fill(trailing, 0)
-
-
-def _continues_into(doc: Tensor, length: int, chunks: int) -> Tensor:
-    """``[B, V]`` bool: whether chunk ``v``'s first token continues the document of chunk ``v - 1``'s last token
-    (same id > 0 in ``doc``, :func:`document_ids_without_trailing_padding`); False for chunk 0."""
-    firsts = torch.arange(1, chunks, device=doc.device) * length
-    across = (doc[:, firsts] > 0) & (doc[:, firsts] == doc[:, firsts - 1])
-    return torch.cat([torch.zeros_like(across[:, :1]), across], dim=1)
+    next_route: HaloRoute | None = None
+    next_rows: Tensor | None = None
 
 
 def check_cp_layout(config: DSV4Config, local_len: int, cp) -> int:
@@ -120,34 +110,6 @@ def check_cp_layout(config: DSV4Config, local_len: int, cp) -> int:
             "sequence"
         )
     return halo
-
-
-def _run_starts(seq_ids: Tensor) -> Tensor:
-    """``[B, S]``: index of the first token of the run of equal ids each token belongs to."""
-    s = seq_ids.shape[1]
-    idx = torch.arange(s, device=seq_ids.device).expand_as(seq_ids)
-    change = torch.ones_like(seq_ids, dtype=torch.bool)
-    change[:, 1:] = seq_ids[:, 1:] != seq_ids[:, :-1]
-    return torch.where(change, idx, torch.zeros_like(idx)).cummax(dim=1).values
-
-
-def window_starts(doc: Tensor, ratio: int, length: int, chunks: int) -> Tensor:
-    """``[B, V]``: the first global window (of ``ratio``) chunk ``v`` of row ``b`` needs, ``<= v * length / ratio``:
-    the earlier windows of the document its first token belongs to (``doc``: document ids without trailing padding;
-    0 needs none)."""
-    firsts = torch.arange(chunks, device=doc.device) * length  # [V]
-    first_doc = doc[:, firsts]  # [B, V]
-    run_start = _run_starts(doc)[:, firsts]
-    return torch.where(first_doc > 0, run_start // ratio, (firsts // ratio).expand_as(first_doc))
-
-
-def _rows_of(full: Tensor, row_batch: Tensor, cols: Tensor, fill) -> Tensor:
-    """``full[row_batch[i], cols[i, j]]`` (``[R, n]``), ``fill`` where ``cols`` is outside ``full``."""
-    inside = (cols >= 0) & (cols < full.shape[1])
-    if not full.shape[1]:
-        return torch.full(cols.shape, fill, dtype=full.dtype, device=full.device)
-    picked = full[row_batch[:, None], cols.clamp(0, full.shape[1] - 1)]
-    return torch.where(inside, picked, torch.full_like(picked, fill))
 
 
 def build_attention_metadata(
@@ -187,104 +149,85 @@ def build_attention_metadata(
         raise ValueError(f"build_attention_metadata: {rows} local rows under cp_balance={layout.balance!r} must be "
                          f"{layout.chunks_per_rank} chunks per whole row (cut the batch with the same layout)")
     batch, chunks = rows // layout.chunks_per_rank, layout.num_chunks
-    if layout.size > 1:
-        halo = check_cp_layout(config, length, cp)
-        # one gather of int32 (ids and positions fit; 12 bytes per token) instead of three int64 gathers
-        stacked = torch.stack((seq_ids, position_ids, padding.long()), dim=-1).to(torch.int32)  # [R, L, 3]
-        full = cp.gather_rows(stacked, kind="metadata").long()  # [B, S, 3]
-        full_seq, full_pos, full_pad = full[..., 0], full[..., 1], full[..., 2].bool()
-        local = layout.local_rows(cp.rank, batch)
-    else:
-        halo = 0
-        full_seq, full_pos, full_pad = seq_ids, position_ids, padding
-        local = [(b, 0) for b in range(rows)]
+    ratios = list(config.active_ratios)
+    halo = check_cp_layout(config, length, cp) if layout.size > 1 else 0
+    local = layout.local_rows(cp.rank, batch) if layout.size > 1 else [(b, 0) for b in range(rows)]
     row_batch = torch.tensor([b for b, _ in local], dtype=torch.long, device=device)
-    row_start = torch.tensor([v * length for _, v in local], dtype=torch.long, device=device)
-    columns = row_start[:, None] + torch.arange(length, device=device)
+    columns = torch.tensor([v * length for _, v in local], dtype=torch.long, device=device)[:, None] + torch.arange(
+        length, device=device)
 
     rope_dim = config.qk_rope_head_dim
     inv_main = rope_inv_freq(rope_dim, config.rope_theta)
     inv_compress = rope_inv_freq(rope_dim, config.compress_rope_theta, config.rope_scaling)
-    rope_main = rope_table(position_ids, inv_main)
-    rope_compress = rope_table(position_ids, inv_compress)
-
-    if halo:  # the halo rows' metadata; before the row's first column they are padding no query may see
-        cols = row_start[:, None] - halo + torch.arange(halo, device=device)
-        kv_seq = torch.cat((_rows_of(full_seq, row_batch, cols, 0), seq_ids), 1)
-        kv_pad = torch.cat((_rows_of(full_pad, row_batch, cols, True), padding), 1)
-    else:
-        kv_seq, kv_pad = seq_ids, padding
-
-    doc = document_ids_without_trailing_padding(full_seq, full_pad)
     windows: dict[int, WindowMetadata] = {}
-    starts: dict[int, Tensor] = {}
-    full_windows: dict[int, tuple[Tensor, Tensor]] = {}
-    misaligned = []
-    for ratio in config.active_ratios:
-        full_win_seq, full_win_pos = full_windows[ratio] = window_metadata(full_seq, full_pos, ratio)
-        first_pos = full_pos[:, : full_win_seq.shape[1] * ratio : ratio]
-        misaligned.append(((full_win_seq > 0) & (first_pos % ratio != 0)).any())
-        w0, n = row_start // ratio, length // ratio
-        cols = w0[:, None] + torch.arange(n, device=device)
-        win_pos = _rows_of(full_win_pos, row_batch, cols, 0)
-        windows[ratio] = WindowMetadata(
-            ratio=ratio,
-            seq_ids=_rows_of(full_win_seq, row_batch, cols, 0),
-            positions=win_pos,
-            rope=rope_table(win_pos * ratio, inv_compress),
-            prev_seq_ids=_rows_of(full_win_seq, row_batch, (w0 - 1)[:, None], 0)[:, 0],
-        )
-        if layout.size > 1:
-            starts[ratio] = window_starts(doc, ratio, length, chunks)
-    flags = torch.stack(misaligned).any().reshape(1) if misaligned else torch.zeros(1, dtype=torch.bool)
+    for ratio in ratios:
+        win_seq, win_pos = window_metadata(seq_ids, position_ids, ratio)
+        windows[ratio] = WindowMetadata(ratio=ratio, seq_ids=win_seq, positions=win_pos,
+                                        rope=rope_table(win_pos * ratio, inv_compress))
+
+    # under CP one gather of one int64 per chunk (not the row's tokens), read to the host with the chunk starts
     chunk_starts = chunk_document_starts(seq_ids, position_ids, config.attention_chunk_size)  # [R, n_chunks]
-    extra = [chunk_starts.reshape(-1)]
     if layout.size > 1:
-        extra.append(_continues_into(doc, length, chunks).reshape(-1))
-    extra += [starts[r].reshape(-1) for r in starts]
-    synced = torch.cat([flags.long().cpu()] + [t.long().cpu() for t in extra]).tolist()  # one host sync
-    if synced[0]:
-        raise ValueError(
-            "build_attention_metadata: a compressor window starts at a document-local position that is not a "
-            f"multiple of its ratio (ratios {config.active_ratios}); every document must start on a multiple of "
-            f"{config.shard_multiple} with positions counted from 0 (pack with dsv4.data.pack_documents or "
-            "dsv4.packing.aligned_packed_layout), otherwise compressed keys would leak future tokens"
-        )
-    values = iter(synced[1:])
-    take = lambda count: [next(values) for _ in range(count)]  # noqa: E731 - consume the synced list in order
+        summary = chunk_summaries(seq_ids, position_ids, padding, ratios, config.shard_multiple)  # [R] int64
+        shared = cp.gather_rows(summary[:, None], kind="metadata")  # [B, V]
+    else:
+        shared = misaligned_windows(seq_ids, position_ids, ratios)
+    host = torch.cat([chunk_starts.reshape(-1).cpu(), shared.reshape(-1).long().cpu()]).tolist()  # one host sync
     per_row_chunks = chunk_starts.shape[1]
-    chunk_start_rows = [take(per_row_chunks) for _ in range(rows)]
+    chunk_start_rows = [host[i * per_row_chunks:(i + 1) * per_row_chunks] for i in range(rows)]
+    flat = host[rows * per_row_chunks:]
+    if layout.size > 1:
+        summaries = [flat[b * chunks:(b + 1) * chunks] for b in range(batch)]
+        runs = row_runs(summaries, length, ratios, config.shard_multiple)
+    elif any(flat):
+        raise misaligned_error(ratios, config.shard_multiple)
 
     key_windows = dict(windows)
     key_floors: dict[int, list[list[int]]] = {}
     preceding: dict[int, RowPlan] = {}
-    halo_route = None
+    halo_route = next_route = next_rows = None
+    kv_seq, kv_pad = seq_ids, padding
     if layout.size > 1:
-        continues = [take(chunks) for _ in range(batch)]  # [B][V]
         halo_route = HaloRoute(tuple(
             (*_local_row(layout, v - 1, b, batch), *_local_row(layout, v, b, batch))
-            for v in range(1, chunks) for b in range(batch) if continues[b][v]
+            for v in range(1, chunks) for b in range(batch) if runs.continues(b, v)
         ))
+        # the halo's own metadata: the continued document's tokens from its start on, all real; only a caller's padding
+        # inside a document makes it travel (with the halo route)
+        span = max(halo, max((r for r in ratios if r == 4), default=0))
+        if runs.caller_padding:
+            tail = torch.stack((seq_ids[:, length - span:], (~padding[:, length - span:]).long()), dim=-1).int()
+            received = cp.halo_exchange(tail, span, dim=1, kind="metadata_halo", route=halo_route)  # [R, span, 2]
+            h_seq, h_real = received[..., 0].long(), received[..., 1].bool()
+        else:
+            starts = torch.tensor([-1 if runs.start[b][v] is None else runs.start[b][v] for b, v in local],
+                                  dtype=torch.long, device=device)
+            cols = columns[:, :1] - span + torch.arange(span, device=device)
+            h_real = (starts[:, None] >= 0) & (cols >= starts[:, None])
+            h_seq = torch.where(h_real, seq_ids[:, :1], torch.zeros_like(cols))
+        kv_seq = torch.cat((h_seq[:, span - halo:], seq_ids), 1)
+        kv_pad = torch.cat((~h_real[:, span - halo:], padding), 1)
+        for ratio in ratios:
+            if ratio == 4:  # the window before the chunk: valid when its 4 tokens share an id > 0
+                before = h_seq[:, span - ratio:]
+                valid = (before[:, 0] > 0) & (before == before[:, :1]).all(-1)
+                windows[ratio].prev_seq_ids = torch.where(valid, before[:, 0], torch.zeros_like(before[:, 0]))
+        # multi-token prediction reads the first tokens of the chunk a row continues into, from that chunk
+        next_route = HaloRoute(tuple((d, j, s, i) for s, i, d, j in halo_route.pairs), first=True)
+        next_rows = torch.zeros(rows, dtype=torch.bool, device=device)
+        next_rows[[i for s, i, d, j in halo_route.pairs if s == cp.rank]] = True
         owners = [layout.owner(v) for v in range(chunks)]
         rank_chunks = [layout.chunks(r) for r in range(layout.size)]
-        for ratio in starts:
-            need = [take(chunks) for _ in range(batch)]  # [B][V] first global window
+        for ratio in ratios:
             n = length // ratio
+            need = [[runs.need(b, v, ratio) for v in range(chunks)] for b in range(batch)]
             transfers, out_len = preceding_transfers(need, rank_chunks, owners, n)
             width = out_len[cp.rank]
             preceding[ratio] = row_plan(transfers, cp.rank, rows, width)
             earlier = [v * n - need[b][v] for b, v in local]
-            first = torch.tensor([v * n + n - width for _, v in local], dtype=torch.long, device=device)
-            cols = first[:, None] + torch.arange(width, device=device)
-            visible = cols >= torch.tensor([need[b][v] for b, v in local], device=device)[:, None]
-            full_win_seq, full_win_pos = full_windows[ratio]
-            key_windows[ratio] = WindowMetadata(
-                ratio=ratio,
-                seq_ids=_rows_of(full_win_seq, row_batch, cols, 0).masked_fill(~visible, 0),
-                positions=_rows_of(full_win_pos, row_batch, cols, 0).masked_fill(~visible, 0),
-            )
+            key_windows[ratio] = _key_windows(windows[ratio], seq_ids[:, 0], runs, local, need, width, ratio, length)
             key_floors[ratio] = document_floors(chunk_start_rows, width, n, ratio, earlier)
-    for ratio in windows:
+    for ratio in ratios:
         if ratio not in key_floors:
             n = windows[ratio].seq_ids.shape[1]
             key_floors[ratio] = document_floors(chunk_start_rows, n, n, ratio)
@@ -292,22 +235,41 @@ def build_attention_metadata(
         position_ids=position_ids,
         seq_ids=seq_ids,
         padding=None if padding_mask is None else padding,
-        rope_main=rope_main,
-        rope_compress=rope_compress,
+        rope_main=rope_table(position_ids, inv_main),
+        rope_compress=rope_table(position_ids, inv_compress),
         kv_seq_ids=kv_seq,
         kv_padding=kv_pad,
         windows=windows,
         key_windows=key_windows,
         halo=halo,
         key_floors=key_floors,
-        full_seq_ids=full_seq,
-        full_padding=full_pad,
         columns=columns,
         row_batch=row_batch,
+        row_length=chunks * length,
         real_tokens=None if padding_mask is None else non_padding_tokens(padding),
         halo_route=halo_route,
         preceding=preceding,
+        next_route=next_route,
+        next_rows=next_rows,
     )
+
+
+def _key_windows(own: WindowMetadata, first_ids: Tensor, runs: RowRuns, local: list[tuple[int, int]],
+                 need: list[list[int]], width: int, ratio: int, length: int) -> WindowMetadata:
+    """The compressed keys of each local row ``(b, v)``: left padding (id 0), the received windows ``[need, v n)``
+    of the document its first token continues (``first_ids``; valid where the whole window lies in that document,
+    positions counted from its start), then its own windows."""
+    n = length // ratio
+    device = own.seq_ids.device
+    earlier = width - n
+    w = torch.arange(earlier, device=device) + torch.tensor([v * n - earlier for _, v in local], device=device)[:, None]
+    start = torch.tensor([-1 if runs.start[b][v] is None else runs.start[b][v] for b, v in local], device=device)
+    first = torch.tensor([need[b][v] for b, v in local], device=device)
+    inside = (start[:, None] >= 0) & (w >= first[:, None]) & (w * ratio >= start[:, None])
+    seq = torch.where(inside, first_ids[:, None], torch.zeros_like(w))
+    pos = torch.where(inside, (w * ratio - start[:, None]) // ratio, torch.zeros_like(w))
+    return WindowMetadata(ratio=ratio, seq_ids=torch.cat((seq, own.seq_ids), 1),
+                          positions=torch.cat((pos, own.positions), 1))
 
 
 def _local_row(layout: CPLayout, chunk: int, b: int, batch: int) -> tuple[int, int]:

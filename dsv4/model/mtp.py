@@ -15,9 +15,9 @@ Invalid positions get input id ``0`` and target ``-100`` (ignored). They form a 
 last ``s`` real tokens and its pad slots), so no valid position attends to them and the fill value cannot leak
 into any loss or gradient; a packed row therefore gives the same MTP numbers as running each document alone.
 
-Under context parallelism the shift needs the next rank's first ``s`` tokens; the model all-gathers the integer
-ids and labels (O(S) integers, no activations) through ``cp.all_gather_metadata``; document ids and padding of the
-whole row come from the attention metadata, which already gathered them.
+Under context parallelism the shift needs the first ``s`` tokens after each local row, which belong to the next chunk:
+that chunk sends their ids (or labels), already set to the fill value where they leave the document or are padding
+(``s`` int32 per row and call, ``mtp_metadata``; no activations, nothing when the document does not continue).
 """
 
 from __future__ import annotations
@@ -32,38 +32,45 @@ from dsv4.model.norm import RMSNorm
 
 
 class DocumentShift:
-    """Shift per-token integer tensors left inside documents, for this rank's local rows (each a chunk of a whole
-    row: ``meta.columns`` / ``meta.row_batch``).
+    """Shift per-token integer tensors left inside documents, for this rank's local rows ``[R, L]`` (each a chunk of
+    a whole row under CP).
 
-    Built once per forward from the attention metadata (whole-row document ids and padding); calling it with a
-    local tensor ``[R, L]`` gathers it over CP into whole rows (identity without CP) and returns ``[R, L]``.
+    Built once per forward from the attention metadata; calling it with a local tensor ``[R, L]`` returns ``[R, L]``.
+    Under CP the last ``s`` tokens of a row whose document continues into the next chunk read that chunk's first
+    ``s`` values, which it sends already checked (``fill`` where they leave the document or are padding).
     """
 
     def __init__(self, meta: AttentionMetadata, cp=None) -> None:
-        self.cp = cp if cp is not None and cp.enabled else None
-        self.columns = meta.columns  # [R, L] global columns
-        self.rows = meta.row_batch[:, None]  # [R, 1] whole row
-        self.seq_ids = meta.full_seq_ids
-        self.pad = None if meta.padding is None else meta.full_padding
+        self.cp = cp if cp is not None and cp.enabled and meta.next_route is not None else None
+        self.meta = meta
+        seq = meta.seq_ids
+        self.pad = meta.padding if meta.padding is not None else torch.zeros_like(seq, dtype=torch.bool)
 
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.cp is None else self.cp.gather_rows(t, kind="mtp_metadata")
-
-    def valid(self, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(valid [R, L] bool, src [R, L] long)``: whether local token ``i`` has a same-document source
-        ``i + s`` (``src``: its global column)."""
-        total = self.seq_ids.shape[1]
-        src = (self.columns + shift).clamp(max=total - 1)
-        here = self.seq_ids[self.rows, self.columns]
-        ok = (self.columns + shift < total) & (self.seq_ids[self.rows, src] == here) & (here > 0)
-        if self.pad is not None:
-            ok = ok & ~self.pad[self.rows, src]
-        return ok, src
+    def _ahead(self, local_values: torch.Tensor, shift: int, fill: int) -> torch.Tensor:
+        """``[R, shift]``: the values of the ``shift`` tokens after each local row, ``fill`` where none counts."""
+        seq = self.meta.seq_ids
+        none = torch.full((seq.shape[0], shift), fill, dtype=local_values.dtype, device=local_values.device)
+        if self.cp is None:
+            return none
+        # what this row's predecessor reads: my first tokens while they stay in my first document, unpadded
+        head = seq[:, :shift]
+        keep = (head == seq[:, :1]) & (head > 0) & ~self.pad[:, :shift]
+        sent = torch.where(keep, local_values[:, :shift], torch.full_like(local_values[:, :shift], fill))
+        received = self.cp.halo_exchange(sent.to(torch.int32), shift, dim=1, kind="mtp_metadata",
+                                         route=self.meta.next_route).to(local_values.dtype)  # ids and labels fit
+        return torch.where(self.meta.next_rows[:, None], received, none)
 
     def __call__(self, local_values: torch.Tensor, shift: int, fill: int) -> torch.Tensor:
-        full = self._gather(local_values)
-        ok, src = self.valid(shift)
-        shifted = full[self.rows, src]
+        seq, length = self.meta.seq_ids, self.meta.seq_ids.shape[1]
+        if shift > length:
+            raise ValueError(f"DocumentShift: shift {shift} is longer than the local rows ({length} tokens)")
+        src = torch.arange(length, device=seq.device) + shift
+        inside = src < length
+        shifted = torch.cat((local_values, self._ahead(local_values, shift, fill)), dim=1)[:, shift:]
+        src_seq = seq[:, src.clamp(max=length - 1)]
+        src_pad = self.pad[:, src.clamp(max=length - 1)]
+        # inside the row: the same document and no padding; beyond it: the row's last document, checked by the sender
+        ok = torch.where(inside, (src_seq == seq) & ~src_pad, seq == seq[:, -1:]) & (seq > 0)
         return torch.where(ok, shifted, torch.full_like(shifted, fill))
 
 

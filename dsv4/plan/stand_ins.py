@@ -5,8 +5,7 @@ there as they do on a rank, so these replace them with what has the same shapes,
 
 * :class:`PlanCP`: the ``CPContext`` of rank ``rank`` of ``size`` (layout ``balance``) for one document spanning
   every rank (the worst case: the rank holding the last chunk receives every earlier compressed row). Received
-  tensors are new tensors of the received shape; integer metadata gathers tile the local chunk (right shapes,
-  window-aligned positions).
+  tensors are new tensors of the received shape; the chunk summaries are those of that one document.
 * :class:`PlanDispatcher`: the MoE with every expert receiving the same number of (token, expert) pairs (the
   balance the load-balancing bias aims for); with expert parallelism the all-to-all's receive buffers are new
   tensors of the sent size (uniform routing sends and receives as many rows as it routes).
@@ -23,6 +22,7 @@ import torch
 from dsv4.config import DSV4Config
 from dsv4.cp.collectives import ReadyRows
 from dsv4.cp.layout import CPLayout
+from dsv4.model.chunk_summary import FIELD
 from dsv4.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from dsv4.model.dispatch import weighted_sum
 
@@ -39,12 +39,18 @@ class PlanCP:
         return self.size > 1
 
     def gather_rows(self, local: torch.Tensor, kind: str = "") -> torch.Tensor:
-        """Whole rows ``[B, S, ...]``: this rank's chunk tiled (on the CPU, where the metadata is built, only the
-        document ids decide shapes: every rank holds the same one document)."""
+        """Every chunk's summary ``[B, V]`` from this rank's ``[R, 1]`` (:mod:`dsv4.model.chunk_summary`): on
+        the CPU, where the metadata is built, those of one document over every chunk; on ``meta``, the shape."""
+        batch = local.shape[0] // self.layout.chunks_per_rank
         if local.device.type == "meta":
-            batch = local.shape[0] // self.layout.chunks_per_rank
             return local.new_empty((batch, local.shape[1] * self.layout.num_chunks) + tuple(local.shape[2:]))
-        return self.layout.assemble(torch.stack([local] * self.size))
+        # one document over every chunk: chunk v continues it from position v * l, its last token ends at (v + 1) l
+        chunk = self.layout.chunks(self.rank)[0]
+        units = ((int(local[0, 0]) >> 16) & (FIELD - 1)) // (chunk + 1)  # l in shard multiples, from its tail field
+        v = torch.arange(self.layout.num_chunks)
+        ids = FIELD**2 * (1 + FIELD)  # document 1 first and last
+        rows = (torch.where(v > 0, v * units + 1, 0) + FIELD * (v + 1) * units + ids).to(local.dtype)[None]
+        return rows.expand(batch, -1).clone()
 
     def halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "",
                       route=None) -> torch.Tensor:

@@ -109,3 +109,21 @@ def test_packed_attention_benchmark_compares_a_packed_row_with_its_documents():
     ratios = {r["shape"]["ratio"]: r["value"] for r in rows if r["name"] == "packed_attention.packed_over_documents"}
     assert set(ratios) == {4, 128} and all(v > 0 for v in ratios.values())
     assert all(r["shape"]["tokens"] == 1024 for r in rows)
+
+
+@pytest.mark.e2e
+def test_cp_traffic_counts_every_kind_against_the_layout_bound():
+    """Two small layouts on 2 ranks: every exchange kind is classified, and each rank receives within 1.25x of the
+    first-principles bound (payload, backward and metadata together); an unknown kind fails."""
+    from cp_traffic import category, lower_bound
+
+    rows = _run("cp_traffic.py", "--seq-len", "2048", "--cp", "2", "--layouts", "starts_and_padding", "two_rows")
+    ratios = [r for r in rows if r["name"] == "cp_traffic.ratio"]
+    assert len(ratios) == 4 and all(r["value"] is not None and r["value"] <= 1.25 for r in ratios), ratios
+    bounds = lower_bound("two_rows", 2048, 2)  # row 0 continues into rank 1: payload only there, backward to rank 0
+    assert bounds[0]["payload"] == 0 < bounds[1]["payload"] and 0 < bounds[0]["backward"] <= bounds[1]["payload"]
+    # metadata: two int32 from the other chunk per row; rank 0 also reads row 0's next MTP id and label from rank 1
+    assert bounds[1]["backward"] == 0 and (bounds[0]["metadata"], bounds[1]["metadata"]) == (2 * 8 + 8, 2 * 8)
+    assert category("halo.backward") == "backward" and category("metadata") == "metadata"
+    with pytest.raises(KeyError, match="unknown exchange kind 'all_gather'"):
+        category("all_gather")

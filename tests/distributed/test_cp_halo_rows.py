@@ -74,3 +74,28 @@ def test_only_continuing_rows_receive_the_halo_and_boundary():
         assert results[0]["both"]["traffic"].get(kind, {"bytes_received": 0})["bytes_received"] == 0
         starts = results[1]["starts"]["traffic"].get(kind, {"bytes_received": 0, "bytes_sent": 0})
         assert starts["bytes_received"] == 0 and starts.get("bytes_sent", 0) == 0, kind
+
+
+def _bad_positions_body(rank, world_size):
+    from dsv4.cp import CPContext
+
+    model = _model()
+    ids, seq, pos = _rows()
+    part = slice(rank * L // 2, (rank + 1) * L // 2)
+    errors = []
+    # row 0's second document (rank 1's first token) counts from 128, not 0: it claims to continue a document that
+    # the previous chunk does not end with; row 1's document restarts its positions at rank 1's first token
+    for bad in (pos[[0]].clone() + torch.cat([torch.zeros(256, dtype=torch.long), torch.full((256,), 128)]),
+                torch.cat([pos[[1], :256], pos[[1], :256] + 4], dim=1)):
+        try:
+            model(ids[[0], part], position_ids=bad[:, part], packed_seq_ids=seq[[0], part], cp=CPContext(dist.new_group([0, 1])))
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_positions_that_do_not_continue_fail_on_every_rank_before_any_layer():
+    for errors in run_on_ranks(_bad_positions_body, 2):
+        assert len(errors) == 2, errors
+        assert "chunk 1 starts at document position 128 but the document does not continue there" in errors[0]
+        assert "positions must count from 0 at each document's first token" in errors[1]

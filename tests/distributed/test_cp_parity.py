@@ -136,7 +136,7 @@ def test_cp_matches_single_rank(world_size, kind):
         torch.testing.assert_close(res["mtp"][covered], ref_mtp[covered], atol=1e-5, rtol=0)
         torch.testing.assert_close(res["loss"], ref_loss.to(res["loss"].dtype), atol=1e-6, rtol=0)
     # only the designed exchanges ran; rank 0 receives nothing from a predecessor
-    kinds = {"metadata", "halo", "compressor_halo", "index_compressor_halo", "compressed_gather",
+    kinds = {"metadata", "metadata_halo", "halo", "compressor_halo", "index_compressor_halo", "compressed_gather",
              "index_key_gather", "mtp_metadata"}
     for res in results:
         assert {k.removesuffix(".backward") for k in res["traffic"]} <= kinds, sorted(res["traffic"])

@@ -16,14 +16,11 @@ PAD = torch.tensor([[False, False, False, True, False, False, False, True]])
 IDS = torch.tensor([[10, 11, 12, 99, 20, 21, 22, 0]])
 
 
-def meta(seq, pad, full_seq=None, full_pad=None, columns=None):
-    """The attention-metadata fields DocumentShift reads: local and whole-row document ids and padding, and each
-    local token's global column (``columns [R, L]``; one whole row per local row by default)."""
-    if columns is None:
-        columns = torch.arange(seq.shape[1]).expand(seq.shape[0], -1)
-    row_batch = torch.zeros(columns.shape[0], dtype=torch.long) if full_seq is not None else torch.arange(seq.shape[0])
-    return SimpleNamespace(seq_ids=seq, padding=pad, full_seq_ids=seq if full_seq is None else full_seq,
-                           full_padding=pad if full_pad is None else full_pad, columns=columns, row_batch=row_batch)
+def meta(seq, pad, next_rows=None):
+    """The attention-metadata fields DocumentShift reads: the local rows' ids and padding and, under CP, which rows
+    continue into the next chunk."""
+    return SimpleNamespace(seq_ids=seq, padding=pad, next_route=None if next_rows is None else "next",
+                           next_rows=next_rows)
 
 
 def test_shift_stays_inside_documents():
@@ -37,27 +34,41 @@ def test_shift_stays_inside_documents():
 
 
 class _FakeCP:
-    """Rank ``rank`` of a CP group whose metadata gather returns the whole row of the tensor it is handed."""
+    """A CP group whose exchange along ``next_route`` hands each local row (global columns ``cols``) what the next
+    chunk of the whole row sends: its first values while they stay in its first document, unpadded, else ``fill``."""
 
-    def __init__(self, rank: int, full: torch.Tensor) -> None:
-        self.rank, self.size, self.enabled, self.full = rank, 2, True, full
+    enabled = True
 
-    def gather_rows(self, t, kind="metadata"):
-        assert kind == "mtp_metadata" and t.dtype == self.full.dtype
-        return self.full
+    def __init__(self, cols, values, fill) -> None:
+        self.cols, self.values, self.fill = cols, values, fill
+
+    def halo_exchange(self, t, rows, dim=1, kind="halo", route=None):
+        assert kind == "mtp_metadata" and route == "next" and t.dtype == torch.int32 and t.shape[1] == rows
+        out = torch.zeros(self.cols.shape[0], rows, dtype=torch.int32)
+        for i, last in enumerate(self.cols[:, -1].tolist()):
+            for j in range(rows):
+                col = last + 1 + j
+                if col < SEQ.shape[1]:
+                    same = SEQ[0, col] == SEQ[0, last + 1] and SEQ[0, col] > 0 and not PAD[0, col]
+                    out[i, j] = int(self.values[0, col]) if same else self.fill
+        return out
 
 
 def test_shift_under_cp_matches_the_global_slice():
-    expected = DocumentShift(meta(SEQ, PAD))(IDS, 1, fill=0)
     # contiguous halves, and the head-tail layout of 2 ranks (4 chunks of 2: rank 0 holds 0 and 3, rank 1: 1 and 2)
     layouts = {"none": [[0], [1]], "full": [[0, 3], [1, 2]]}
-    for balance, chunks in layouts.items():
-        width = 8 // sum(len(c) for c in chunks)
-        for rank in (0, 1):
-            cols = torch.stack([torch.arange(v * width, (v + 1) * width) for v in chunks[rank]])
-            local = lambda t: t[0, cols]  # noqa: E731 - one local row per chunk
-            shift = DocumentShift(meta(local(SEQ), local(PAD), SEQ, PAD, columns=cols), cp=_FakeCP(rank, IDS))
-            assert torch.equal(shift(local(IDS), 1, fill=0), expected[0, cols]), (balance, rank)
+    for fill in (0, -100):
+        expected = {s: DocumentShift(meta(SEQ, PAD))(IDS, s, fill=fill) for s in (1, 2)}
+        for balance, chunks in layouts.items():
+            width = 8 // sum(len(c) for c in chunks)
+            for rank in (0, 1):
+                cols = torch.stack([torch.arange(v * width, (v + 1) * width) for v in chunks[rank]])
+                last, after = SEQ[0, cols[:, -1]], SEQ[0, (cols[:, -1] + 1).clamp(max=7)]
+                continues = (cols[:, -1] + 1 < 8) & (last > 0) & (last == after)  # the document goes on
+                shift = DocumentShift(meta(SEQ[0, cols], PAD[0, cols], continues), cp=_FakeCP(cols, IDS, fill))
+                for s in (1, 2):
+                    got = shift(IDS[0, cols], s, fill=fill)
+                    assert torch.equal(got, expected[s][0, cols]), (balance, rank, s, fill)
 
 
 def test_mtp_depths_see_exactly_their_inputs():
