@@ -124,7 +124,7 @@ def _bwd_block(q, do, k, allowed, lse, delta, dq, scale, PRECISION: tl.constexpr
 
 @triton.jit
 def _sparse_attn_fwd(
-    Q, KV, SINK, QDOC, QPOS, KDOC, COMP, CDOC, CPOS, TOPK, OUT, LSE,
+    Q, KV, SINK, QDOC, QPOS, KDOC, COMP, CDOC, CPOS, TOPK, CLO, CHI, OUT, LSE,
     L, H, D, L_KV, P, K_SEL, query_offset, window, ratio, scale,
     HAS_COMP: tl.constexpr, IS_CSA: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -166,10 +166,12 @@ def _sparse_attn_fwd(
                 k, allowed, rows = _comp_block(comp_b, cdoc_b, cpos_b, idx, valid, q_doc, limit, offs_d, D)
                 m_i, l_i, acc = _fwd_update(q, k, allowed, m_i, l_i, acc, scale, PRECISION, UPCAST)
         else:
-            n_comp = tl.where(q_doc > 0, P, 0)
-            for c0 in range(0, n_comp, BLOCK_C):
+            # the rows of the query's document up to its causal prefix ([CLO, CHI), computed by the wrapper)
+            c_lo = tl.load(CLO + bi)
+            c_hi = tl.where(q_doc > 0, tl.load(CHI + bi), c_lo)
+            for c0 in range(c_lo, c_hi, BLOCK_C):
                 idx = c0 + offs_c
-                k, allowed, rows = _comp_block(comp_b, cdoc_b, cpos_b, idx, idx < P, q_doc, limit, offs_d, D)
+                k, allowed, rows = _comp_block(comp_b, cdoc_b, cpos_b, idx, idx < c_hi, q_doc, limit, offs_d, D)
                 m_i, l_i, acc = _fwd_update(q, k, allowed, m_i, l_i, acc, scale, PRECISION, UPCAST)
 
     # Sink: one more denominator term exp(sink_h), no value.
@@ -188,7 +190,7 @@ def _sparse_attn_fwd(
 
 @triton.jit
 def _sparse_attn_bwd(
-    Q, KV, SINK, QDOC, QPOS, KDOC, COMP, CDOC, CPOS, TOPK, OUT, LSE, DO,
+    Q, KV, SINK, QDOC, QPOS, KDOC, COMP, CDOC, CPOS, TOPK, CLO, CHI, OUT, LSE, DO,
     DQ, DKV, DCOMP, DSINK,
     L, H, D, L_KV, P, K_SEL, query_offset, window, ratio, scale,
     HAS_COMP: tl.constexpr, IS_CSA: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -239,10 +241,11 @@ def _sparse_attn_bwd(
                 dq, dk = _bwd_block(q, do, k, allowed, lse, delta, dq, scale, PRECISION, UPCAST)
                 tl.atomic_add(dcomp_b + rows[:, None] * D + offs_d[None, :], dk, mask=allowed[:, None] & dmask)
         else:
-            n_comp = tl.where(q_doc > 0, P, 0)
-            for c0 in range(0, n_comp, BLOCK_C):
+            c_lo = tl.load(CLO + bi)
+            c_hi = tl.where(q_doc > 0, tl.load(CHI + bi), c_lo)
+            for c0 in range(c_lo, c_hi, BLOCK_C):
                 idx = c0 + offs_c
-                k, allowed, rows = _comp_block(comp_b, cdoc_b, cpos_b, idx, idx < P, q_doc, limit, offs_d, D)
+                k, allowed, rows = _comp_block(comp_b, cdoc_b, cpos_b, idx, idx < c_hi, q_doc, limit, offs_d, D)
                 dq, dk = _bwd_block(q, do, k, allowed, lse, delta, dq, scale, PRECISION, UPCAST)
                 tl.atomic_add(dcomp_b + rows[:, None] * D + offs_d[None, :], dk, mask=allowed[:, None] & dmask)
 
@@ -285,15 +288,32 @@ def _ptr(t: Tensor | None, like: Tensor) -> Tensor:
     return like.new_zeros(1) if t is None or t.numel() == 0 else t
 
 
+def _hca_ranges(b: int, length: int, p: int, ratio: int, local_rows: int | None, key_floors: list[list[int]] | None,
+                chunk_size: int, device) -> tuple[Tensor, Tensor]:
+    """``(first, end)`` ``[B, L]`` int32: the compressed rows query ``i`` of row ``b`` may need: from its chunk's key
+    floor (0 without floors) to its causal prefix ``P - local_rows + (i + 1) // ratio`` (``P`` without local
+    rows); the kernel still applies the document and causal rule inside."""
+    i = torch.arange(length, device=device)
+    end = torch.full((length,), p, device=device) if local_rows is None else (p - local_rows + (i + 1) // ratio)
+    end = end.clamp(0, p).expand(b, length)
+    if key_floors is None:
+        first = torch.zeros(b, length, dtype=torch.long, device=device)
+    else:
+        floors = torch.tensor(key_floors, dtype=torch.long, device=device)  # [B, n_chunks]
+        first = floors[:, i // chunk_size]
+    return first.minimum(end).to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+
+
 class _SparseAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, sink, compressed, q_doc, q_pos, k_doc, c_doc, c_pos, topk, query_offset, window, ratio,
-                scale, cfg):
+    def forward(ctx, q, kv, sink, compressed, q_doc, q_pos, k_doc, c_doc, c_pos, topk, c_lo, c_hi, query_offset, window,
+                ratio, scale, cfg):
         b, length, h, d = q.shape
         p = compressed.shape[1] if compressed is not None else 0
         k_sel = topk.shape[-1] if topk is not None else 0
         grid = (length, b, triton.cdiv(h, cfg.block_h))
-        meta = (q_doc, q_pos, k_doc, _ptr(compressed, q), _ptr(c_doc, q_doc), _ptr(c_pos, q_doc), _ptr(topk, q_doc))
+        meta = (q_doc, q_pos, k_doc, _ptr(compressed, q), _ptr(c_doc, q_doc), _ptr(c_pos, q_doc), _ptr(topk, q_doc),
+                _ptr(c_lo, q_doc), _ptr(c_hi, q_doc))
         sizes = (length, h, d, kv.shape[1], p, k_sel, query_offset, window, max(ratio, 1), scale)
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32: IEEE dots, no TF32 rounding
         consts = dict(
@@ -306,16 +326,17 @@ class _SparseAttentionFn(torch.autograd.Function):
         lse = torch.empty(b, length, h, device=q.device, dtype=torch.float32)
         if q.device.type != "meta":  # on meta (the memory plan) only the allocations count
             _sparse_attn_fwd[grid](q, kv, sink, *meta, out, lse, *sizes, **consts)
-        ctx.save_for_backward(q, kv, sink, compressed, q_doc, q_pos, k_doc, c_doc, c_pos, topk, out, lse)
+        ctx.save_for_backward(q, kv, sink, compressed, q_doc, q_pos, k_doc, c_doc, c_pos, topk, c_lo, c_hi, out, lse)
         ctx.launch = (grid, sizes, consts)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse=None):
-        q, kv, sink, compressed, q_doc, q_pos, k_doc, c_doc, c_pos, topk, out, lse = ctx.saved_tensors
+        q, kv, sink, compressed, q_doc, q_pos, k_doc, c_doc, c_pos, topk, c_lo, c_hi, out, lse = ctx.saved_tensors
         grid, sizes, consts = ctx.launch
-        meta = (q_doc, q_pos, k_doc, _ptr(compressed, q), _ptr(c_doc, q_doc), _ptr(c_pos, q_doc), _ptr(topk, q_doc))
+        meta = (q_doc, q_pos, k_doc, _ptr(compressed, q), _ptr(c_doc, q_doc), _ptr(c_pos, q_doc), _ptr(topk, q_doc),
+                _ptr(c_lo, q_doc), _ptr(c_hi, q_doc))
         grad_out = grad_out.to(q.dtype).contiguous()
         dq = torch.empty_like(q)
         dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)  # atomics: fp32 accumulation
@@ -327,7 +348,7 @@ class _SparseAttentionFn(torch.autograd.Function):
             )
         d_sink = dsink.sum(dim=(0, 1)).to(sink.dtype)
         d_comp = None if compressed is None else dcomp.to(compressed.dtype)
-        return (dq, dkv.to(kv.dtype), d_sink, d_comp) + (None,) * 11
+        return (dq, dkv.to(kv.dtype), d_sink, d_comp) + (None,) * 13
 
 
 def triton_sparse_attention(
@@ -352,6 +373,9 @@ def triton_sparse_attention(
     block_c: int = 64,
     num_warps: int | None = None,
     compressed_probs: bool = False,
+    compressed_local_rows: int | None = None,
+    key_floors: list[list[int]] | None = None,
+    chunk_size: int = 256,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Sliding-window + compressed sparse attention in Triton; same arguments and result as ``sparse_attention``.
 
@@ -362,6 +386,9 @@ def triton_sparse_attention(
     ``q``, ``kv`` and ``compressed`` must share one dtype (bf16, fp16 or fp32). Tuning (constexpr block sizes):
     ``block_h`` heads per program (default ``min(H, 64)``), ``block_n`` window rows and ``block_c`` compressed rows
     per key block (rounded up to powers of two >= 16), ``num_warps``.
+    HCA: as in ``sparse_attention``, ``compressed_local_rows`` bounds each query's compressed rows to its causal
+    prefix (``P - compressed_local_rows + (i + 1) // ratio``) and ``key_floors`` (per row and chunk of ``chunk_size``
+    queries) starts them at its documents' first row, so a query visits only its document's causal rows.
     """
     b, length, h, d = q.shape
     l_kv = kv.shape[1]
@@ -395,10 +422,14 @@ def triton_sparse_attention(
         c_pos = compressed_positions.to(torch.int32).contiguous()
         if topk_indices is not None:
             topk = topk_indices.to(torch.int32).contiguous()
+    c_lo = c_hi = None
+    if compressed is not None and topk is None:  # HCA: each query's [first, last) compressed rows
+        c_lo, c_hi = _hca_ranges(b, length, compressed.shape[1], ratio, compressed_local_rows, key_floors, chunk_size,
+                                 q.device)
     cfg = _Config(h, d, 0 if topk is None else topk.shape[-1], block_h, block_n, block_c, num_warps)
     out, lse = _SparseAttentionFn.apply(
         q.contiguous(), kv.contiguous(), sink.contiguous(), compressed, q_doc, q_pos, k_doc, c_doc, c_pos, topk,
-        int(query_offset), int(window), int(ratio), scale, cfg,
+        c_lo, c_hi, int(query_offset), int(window), int(ratio), scale, cfg,
     )
     if not compressed_probs:
         return out

@@ -49,7 +49,6 @@ from dsv4.model.indexer_loss import indexer_kl_sum, zero_gradient
 from dsv4.model.norm import RMSNorm
 from dsv4.model.recompute import is_recomputing
 from dsv4.model.rope import apply_rope
-from dsv4.model.sparse_attention import sparse_attention
 
 
 class AttentionSink(nn.Module):
@@ -192,10 +191,9 @@ class DSV4Attention(nn.Module):
 
         kernel = attention_kernel(self.config.attention_backend, q.device)
         tuning = {"compressed_probs": True} if student is not None else {}  # the indexer loss's teacher
-        if kernel is sparse_attention:
-            tuning["chunk_size"] = self.config.attention_chunk_size
-            tuning["compressed_local_rows"] = local_windows
-            tuning["key_floors"] = meta.key_floors.get(self.ratio)
+        tuning["chunk_size"] = self.config.attention_chunk_size  # both kernels visit a query's document rows only
+        tuning["compressed_local_rows"] = local_windows
+        tuning["key_floors"] = meta.key_floors.get(self.ratio)
         out = kernel(
             q,
             kv,

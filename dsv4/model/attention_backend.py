@@ -56,7 +56,7 @@ def resolve_attention_backend(backend: str, device_type: str) -> str:
 
 def attention_kernel(backend: str, device: torch.device) -> Callable[..., torch.Tensor]:
     """The kernel function for ``backend`` on ``device`` (same keyword arguments as ``sparse_attention`` minus
-    ``chunk_size`` / ``checkpoint``, which only the torch path has)."""
+    ``checkpoint``, which only the torch path has)."""
     if resolve_attention_backend(backend, device.type) == "torch":
         return sparse_attention
     from dsv4.kernels.triton_sparse_attention import triton_sparse_attention  # noqa: PLC0415 - optional

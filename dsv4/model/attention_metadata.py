@@ -55,8 +55,6 @@ class AttentionMetadata:
     ``attention_chunk_size``, the first key row any of the chunk's queries may see (the rows before it are other
     documents' or padding; read with the metadata's one host sync), so the torch kernels score only a chunk's own
     documents.
-    ``columns`` ``[R, L]``: the global column of every local token, ``row_batch`` ``[R]`` its whole row and
-    ``row_length`` the whole row's columns ``S``.
     ``real_tokens``: ``[N]`` flat indices of the local non-padding tokens (None without padding): the tokens
     every MoE layer routes, found once per forward (a host sync on GPUs) instead of once per layer.
     ``halo_route``: under CP, which local rows feed which with their last rows (:class:`~dsv4.cp.collectives.
@@ -78,9 +76,6 @@ class AttentionMetadata:
     key_windows: dict[int, WindowMetadata]
     halo: int = 0
     key_floors: dict[int, list[list[int]]] = field(default_factory=dict)
-    columns: Tensor | None = None
-    row_batch: Tensor | None = None
-    row_length: int = 0
     real_tokens: Tensor | None = None
     halo_route: HaloRoute | None = None
     preceding: dict[int, RowPlan] = field(default_factory=dict)
@@ -126,12 +121,13 @@ def build_attention_metadata(
         position_ids: ``[R, L]`` int, document-local positions (global positions for unpacked rows).
         packed_seq_ids: ``[R, L]`` int, 1-based document ids, 0 = pack padding; None = one document per row.
         padding_mask: ``[R, L]`` bool, True = a key no query may see; None = no padding.
-        cp: ``None`` or a ``CPContext``; with more than one rank the metadata is gathered once and the local rows
-            are the rank's chunks (``cp.layout``).
+        cp: ``None`` or a ``CPContext``; with more than one rank the local rows are the rank's chunks
+            (``cp.layout``) and the chunks' summaries are gathered once.
     Raises:
         ValueError: bad shapes; under CP a local length that is not a multiple of the shard multiple or shorter
             than the halo, or a row count that is not a multiple of the chunks per rank (before any collective); a
-            document whose windows are not aligned to its ratio.
+            document whose windows are not aligned to its ratio; under CP, positions that do not restart at 0 per
+            document or count up by one inside it (on every rank, before any layer).
     """
     if position_ids.dim() != 2:
         raise ValueError(f"build_attention_metadata: position_ids must be [B, L], got {tuple(position_ids.shape)}")
@@ -152,9 +148,6 @@ def build_attention_metadata(
     ratios = list(config.active_ratios)
     halo = check_cp_layout(config, length, cp) if layout.size > 1 else 0
     local = layout.local_rows(cp.rank, batch) if layout.size > 1 else [(b, 0) for b in range(rows)]
-    row_batch = torch.tensor([b for b, _ in local], dtype=torch.long, device=device)
-    columns = torch.tensor([v * length for _, v in local], dtype=torch.long, device=device)[:, None] + torch.arange(
-        length, device=device)
 
     rope_dim = config.qk_rope_head_dim
     inv_main = rope_inv_freq(rope_dim, config.rope_theta)
@@ -202,7 +195,8 @@ def build_attention_metadata(
         else:
             starts = torch.tensor([-1 if runs.start[b][v] is None else runs.start[b][v] for b, v in local],
                                   dtype=torch.long, device=device)
-            cols = columns[:, :1] - span + torch.arange(span, device=device)
+            firsts = torch.tensor([v * length for _, v in local], dtype=torch.long, device=device)
+            cols = firsts[:, None] - span + torch.arange(span, device=device)
             h_real = (starts[:, None] >= 0) & (cols >= starts[:, None])
             h_seq = torch.where(h_real, seq_ids[:, :1], torch.zeros_like(cols))
         kv_seq = torch.cat((h_seq[:, span - halo:], seq_ids), 1)
@@ -243,9 +237,6 @@ def build_attention_metadata(
         key_windows=key_windows,
         halo=halo,
         key_floors=key_floors,
-        columns=columns,
-        row_batch=row_batch,
-        row_length=chunks * length,
         real_tokens=None if padding_mask is None else non_padding_tokens(padding),
         halo_route=halo_route,
         preceding=preceding,

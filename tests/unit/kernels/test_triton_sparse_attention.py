@@ -199,3 +199,32 @@ def test_compressed_probs_equal_the_torch_teacher(packed, halo):
     torch.testing.assert_close(out_k, out_t, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(probs_k, probs_t, rtol=1e-5, atol=1e-6)
     assert (probs_t[case["topk"] < 0] == 0).all() and probs_t.sum() > 0
+
+
+@pytest.mark.parametrize("earlier", [0, 3])
+def test_hca_visits_only_the_documents_causal_rows(earlier):
+    """HCA with the block's own windows last and per-chunk key floors (the model's metadata): each query's range is
+    its documents' rows up to its causal prefix, and the result equals the reference over every row. With
+    ``earlier`` rows before the block's own (a CP chunk continuing its first document), the first chunk starts there."""
+    from dsv4.kernels.triton_sparse_attention import _hca_ranges
+    from dsv4.model.sparse_attention import chunk_document_starts, document_floors
+
+    ratio, chunk = 4, 8
+    case = make_case(32, packed=True, ratio=ratio, seed=3)  # documents of 8, 12 and 9 tokens, then padding
+    own = case["comp"].shape[1]
+    if earlier:  # earlier windows of the first document precede the block's own (positions continue before 0)
+        g = torch.Generator().manual_seed(4)
+        case["comp"] = torch.cat([torch.randn(2, earlier, case["comp"].shape[-1], generator=g), case["comp"]], 1)
+        first = case["q_seq"][:, :1].expand(-1, earlier)
+        case["comp_seq"] = torch.cat([first, case["comp_seq"]], 1)
+        case["comp_pos"] = torch.cat([torch.arange(earlier).expand(2, -1), case["comp_pos"] + earlier], 1)
+        case["q_pos"] = case["q_pos"] + (case["q_seq"] == 1) * earlier * ratio
+    rows = case["comp"].shape[1]
+    starts = chunk_document_starts(case["q_seq"], case["q_pos"], chunk).tolist()
+    floors = document_floors(starts, rows, own, ratio)
+    first, end = _hca_ranges(2, 32, rows, ratio, own, floors, chunk, "cpu")
+    # query 20's chunk (rows 16-23) begins with document 2 (row 8 -> window 2 + earlier); its causal prefix ends at
+    # earlier + 21 // 4; query 2 precedes the first complete window of the block's own
+    assert (int(first[0, 20]), int(end[0, 20])) == (earlier + 2, earlier + 5)
+    assert int(end[0, 2]) == earlier and int(end[0, 3]) == earlier + 1
+    assert_matches_reference(case, window=6, compressed_local_rows=own, key_floors=floors, chunk_size=chunk)
