@@ -31,8 +31,11 @@ from dsv4.model.attention_metadata import build_attention_metadata
 
 def dense_eager_attention(q, kv, sink, *, window, query_seq_ids, query_positions, kv_seq_ids, kv_padding=None,
                           query_offset=None, compressed=None, compressed_seq_ids=None, compressed_positions=None,
-                          ratio=0, topk_indices=None, chunk_size=None, scale=None, checkpoint=None):
-    """``sparse_attention``'s contract through full ``[B, H, L, L_kv + P]`` scores and a dense mask."""
+                          ratio=0, topk_indices=None, chunk_size=None, scale=None, checkpoint=None,
+                          compressed_local_rows=None, key_floors=None):
+    """``sparse_attention``'s contract through full ``[B, H, L, L_kv + P]`` scores and a dense mask (the sparse
+    kernels' tuning, ``chunk_size`` / ``compressed_local_rows`` / ``key_floors``, is accepted and unused: the dense
+    path scores every key)."""
     b, length, h, d = q.shape
     l_kv = kv.shape[1]
     offset = l_kv - length if query_offset is None else query_offset
