@@ -151,7 +151,7 @@ class Indexer(nn.Module):
                     idx = torch.nn.functional.pad(idx, (0, k - idx.shape[-1]), value=-1)
                 return idx
 
-            out.append(by_floor_groups(floor_groups([row[chunk] for row in floors]), select))
+            out.append(by_floor_groups(floor_groups([row[chunk] for row in floors], hi), select))
         if not out:
             return torch.empty(b, 0, k, dtype=torch.long, device=q.device)
         return torch.cat(out, dim=1)

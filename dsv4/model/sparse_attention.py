@@ -187,11 +187,19 @@ def document_floors(chunk_starts: list[list[int]], rows: int, local_rows: int | 
             for starts, before in zip(chunk_starts, earlier)]
 
 
-def floor_groups(floors: list[int]) -> list[tuple[int, list[int] | None]]:
-    """The batch rows of one query chunk grouped by their key floor: ``[(floor, None)]`` when every row shares one
-    (one batched call), else ``[(floor, rows)]`` per distinct floor, so each row scores only its own keys."""
-    if len(set(floors)) <= 1:
-        return [(floors[0] if floors else 0, None)]
+GROUP_GAIN = 1.5  # score rows apart only when batching them would score this many times the keys
+
+
+def floor_groups(floors: list[int], end: int) -> list[tuple[int, list[int] | None]]:
+    """The batch rows of one query chunk grouped by their key floor (keys ``[floor, end)``): ``[(min floor, None)]``
+    (one batched call over the union of their keys) unless that would score more than :data:`GROUP_GAIN` times the
+    keys the rows need on their own; then ``[(floor, rows)]`` per distinct floor, each row scoring only its keys
+    (a call per group costs its own overhead, which small shapes feel)."""
+    lowest = min(floors) if floors else 0
+    union = len(floors) * max(end - lowest, 0)
+    own = sum(max(end - f, 0) for f in floors)
+    if union <= GROUP_GAIN * own or len(set(floors)) <= 1:
+        return [(lowest, None)]
     groups: dict[int, list[int]] = {}
     for row, floor in enumerate(floors):
         groups.setdefault(floor, []).append(row)
@@ -318,7 +326,7 @@ def sparse_attention(
     for chunk, start in enumerate(range(0, length, chunk_size)):
         end = min(start + chunk_size, length)
         hi = causal_prefix(compressed.shape[1], compressed_local_rows, end, ratio) if hca_window else None
-        groups = floor_groups([row[chunk] for row in floors]) if hca_window else [(0, None)]
+        groups = floor_groups([row[chunk] for row in floors], hi) if hca_window else [(0, None)]
 
         def run(lo: int, rows: list[int] | None, start=start, end=end, hi=hi):
             pick = (lambda t: t) if rows is None else (lambda t: None if t is None else t[rows])

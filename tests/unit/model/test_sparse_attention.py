@@ -297,3 +297,15 @@ def test_chunk_document_floors_by_hand():
     pos2 = torch.cat([pos, torch.arange(32)[None]])
     assert chunk_document_starts(seq2, pos2, 8).tolist() == [[-40, 8, NO_DOCUMENT, 24], [0, 0, 0, 0]]
     assert document_floors(chunk_document_starts(seq2, pos2, 8).tolist(), 10, 8, 4) == [[0, 4, 10, 8], [2, 2, 2, 2]]
+
+
+def test_rows_are_scored_apart_only_when_batching_would_waste_keys():
+    from dsv4.model.sparse_attention import floor_groups
+
+    # two rows needing keys [0, 100) and [90, 100): batched they would score 200 keys for 110 -> apart
+    assert floor_groups([0, 90], 100) == [(0, [0]), (90, [1])]
+    # [0, 100) and [20, 100): 200 keys for 180 -> one batched call from the lower floor
+    assert floor_groups([0, 20], 100) == [(0, None)]
+    assert floor_groups([7, 7, 7], 100) == [(7, None)] and floor_groups([], 5) == [(0, None)]
+    # rows of padding only (floor = end) cost nothing on their own
+    assert floor_groups([0, 100, 100], 100) == [(0, [0]), (100, [1, 2])]
