@@ -170,9 +170,10 @@ def selected_scores(q: Tensor, w: Tensor, keys: Tensor, topk: Tensor, head_dim: 
     """The indexer scores of the selected rows, ``[B, L, k]`` fp32 (-inf where ``topk`` is -1), differentiable in
     ``q``, ``w`` and ``keys``; each query chunk is recomputed in backward (the gathered ``[B, C, k, D]`` keys are
     never kept)."""
-    out = [checkpoint(_chunk_selected_scores, q[:, s:s + chunk_size], w[:, s:s + chunk_size], keys,
-                      topk[:, s:s + chunk_size], head_dim, use_reentrant=False)
-           for s in range(0, q.shape[1], chunk_size)]
+    # split, not sliced: one backward node concatenates the chunks' gradients (a slice per chunk would allocate a
+    # zero tensor of the whole input per chunk)
+    out = [checkpoint(_chunk_selected_scores, q_part, w_part, keys, t_part, head_dim, use_reentrant=False)
+           for q_part, w_part, t_part in zip(q.split(chunk_size, 1), w.split(chunk_size, 1), topk.split(chunk_size, 1))]
     if not out:
         return q.new_zeros(*topk.shape, dtype=torch.float32)
     return torch.cat(out, dim=1)

@@ -206,6 +206,32 @@ def floor_groups(floors: list[int], end: int) -> list[tuple[int, list[int] | Non
     return sorted(groups.items())
 
 
+class _OverlappingSlices(torch.autograd.Function):
+    """Views ``x[:, lo:hi]`` for each ``(lo, hi)``; backward adds their gradients into one buffer of ``x``'s shape."""
+
+    @staticmethod
+    def forward(ctx, x, bounds):  # type: ignore[override]
+        ctx.shape, ctx.bounds = x.shape, bounds
+        return tuple(x[:, lo:hi] for lo, hi in bounds)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        grad = None
+        for (lo, hi), g in zip(ctx.bounds, grads):
+            if g is not None:
+                grad = g.new_zeros(ctx.shape) if grad is None else grad
+                grad[:, lo:hi] += g
+        return grad, None
+
+
+def overlapping_slices(x: Tensor, bounds: list[tuple[int, int]]) -> tuple[Tensor, ...]:
+    """``x[:, lo:hi]`` for every ``(lo, hi)`` of ``bounds`` (dim 1), through one autograd node when ``x`` needs a
+    gradient: backward allocates one gradient of ``x``'s size, not one per slice."""
+    if not bounds or not x.requires_grad or not torch.is_grad_enabled():
+        return tuple(x[:, lo:hi] for lo, hi in bounds)
+    return _OverlappingSlices.apply(x, bounds)
+
+
 def by_floor_groups(groups: list[tuple[int, list[int] | None]], run) -> Tensor | tuple[Tensor, ...]:
     """``run(floor, rows)`` for each of :func:`floor_groups`'s groups, the results put back in batch-row order
     (dim 0; ``run`` may return a tensor or a tuple of tensors)."""
@@ -323,24 +349,33 @@ def sparse_attention(
         if floors is None:  # one host read; the model reads them once per forward (AttentionMetadata)
             starts = chunk_document_starts(query_seq_ids, query_positions, chunk_size).tolist()
             floors = document_floors(starts, compressed.shape[1], compressed_local_rows, ratio)
+    # Every chunk's slices of q, kv and (HCA) the compressed rows come from ONE autograd node per tensor, so backward
+    # adds the chunks' gradients into one buffer: a slice per chunk would allocate a zero tensor of the whole input
+    # per chunk in backward (quadratic in the row length).
+    plan = []  # (start, end, hi, groups)
     for chunk, start in enumerate(range(0, length, chunk_size)):
         end = min(start + chunk_size, length)
         hi = causal_prefix(compressed.shape[1], compressed_local_rows, end, ratio) if hca_window else None
-        groups = floor_groups([row[chunk] for row in floors], hi) if hca_window else [(0, None)]
+        plan.append((start, end, hi, floor_groups([row[chunk] for row in floors], hi) if hca_window else [(0, None)]))
+    q_parts = q.split(chunk_size, dim=1)
+    kv_bounds = [(max(0, query_offset + start - window + 1), query_offset + end) for start, end, _, _ in plan]
+    kv_parts = overlapping_slices(kv, kv_bounds)
+    comp_parts = iter(overlapping_slices(compressed, [(min(lo, hi), hi) for _, _, hi, groups in plan
+                                                      for lo, _ in groups]) if hca_window else ())
+    for (start, end, hi, groups), q_part, kv_part, (lo_kv, hi_kv) in zip(plan, q_parts, kv_parts, kv_bounds):
 
-        def run(lo: int, rows: list[int] | None, start=start, end=end, hi=hi):
+        def run(lo: int, rows: list[int] | None, start=start, end=end, hi=hi, q_part=q_part, kv_part=kv_part,
+                lo_kv=lo_kv, hi_kv=hi_kv):
             pick = (lambda t: t) if rows is None else (lambda t: None if t is None else t[rows])
             comp, comp_seq, comp_pos = compressed, compressed_seq_ids, compressed_positions
             if hca_window:  # only the rows of the chunk's documents, up to the causal prefix
                 lo = min(lo, hi)
-                comp, comp_seq, comp_pos = comp[:, lo:hi], comp_seq[:, lo:hi], comp_pos[:, lo:hi]
-            # a group of rows takes only the kv rows its window bands cover (the query chunk's kv row moves by lo_kv)
-            lo_kv = 0 if rows is None else max(0, query_offset + start - window + 1)
-            kv_rows = slice(lo_kv, None if rows is None else query_offset + end)
+                comp, comp_seq, comp_pos = next(comp_parts), comp_seq[:, lo:hi], comp_pos[:, lo:hi]
+            # the chunk takes only the kv rows its window bands cover (its first query's kv row moves by lo_kv)
             args = (
-                pick(q[:, start:end]), pick(kv[:, kv_rows]), sink, pick(query_seq_ids[:, start:end]),
-                pick(query_positions[:, start:end]), pick(kv_seq_ids[:, kv_rows]), pick(kv_padding[:, kv_rows]),
-                pick(comp), pick(comp_seq), pick(comp_pos),
+                pick(q_part), pick(kv_part), sink, pick(query_seq_ids[:, start:end]),
+                pick(query_positions[:, start:end]), pick(kv_seq_ids[:, lo_kv:hi_kv]),
+                pick(kv_padding[:, lo_kv:hi_kv]), pick(comp), pick(comp_seq), pick(comp_pos),
                 None if topk_indices is None else pick(topk_indices[:, start:end]),
                 start, query_offset - lo_kv, window, ratio, scale, compressed_probs,
             )
