@@ -22,8 +22,8 @@ import torch
 from dsv4.config import DSV4Config
 from dsv4.cp.collectives import ReadyRows
 from dsv4.cp.layout import CPLayout
-from dsv4.model.chunk_summary import FIELD
 from dsv4.model.attention_metadata import AttentionMetadata, build_attention_metadata
+from dsv4.model.chunk_summary import FIELD
 from dsv4.model.dispatch import weighted_sum
 
 
