@@ -303,10 +303,9 @@ class HaloRoute:
     first: bool = False  # send the FIRST rows instead of the last (a chunk's head to its predecessor)
 
     @staticmethod
-    def contiguous(size: int, rows: int, send: list[int] | None = None) -> "HaloRoute":
-        """Rank ``r`` -> rank ``r + 1``, same local row; ``send``: only those rows (None = all ``rows``)."""
-        rows_sent = range(rows) if send is None else send
-        return HaloRoute(tuple((r - 1, b, r, b) for r in range(1, size) for b in rows_sent))
+    def contiguous(size: int, rows: int) -> "HaloRoute":
+        """Rank ``r`` -> rank ``r + 1``, every one of the ``rows`` local rows to the same row."""
+        return HaloRoute(tuple((r - 1, b, r, b) for r in range(1, size) for b in range(rows)))
 
     def plan(self, rank: int, out_rows: int, length: int, rows: int) -> RowPlan:
         """The :class:`RowPlan` moving the last (``first``: the first) ``rows`` of ``length`` along the halo dim to

@@ -33,7 +33,7 @@ from torch import Tensor
 from dsv4.config import DSV4Config, check_cp_length
 from dsv4.cp.collectives import HaloRoute, RowPlan, preceding_transfers, row_plan
 from dsv4.cp.layout import CPLayout
-from dsv4.model.chunk_summary import RowRuns, chunk_summaries, misaligned_error, misaligned_windows, row_runs
+from dsv4.model.chunk_summary import chunk_summaries, misaligned_error, misaligned_windows, row_runs
 from dsv4.model.compressor import WindowMetadata, window_metadata
 from dsv4.model.moe import non_padding_tokens
 from dsv4.model.rope import RopeTable, rope_inv_freq, rope_table
@@ -185,6 +185,9 @@ def build_attention_metadata(
             (*_local_row(layout, v - 1, b, batch), *_local_row(layout, v, b, batch))
             for v in range(1, chunks) for b in range(batch) if runs.continues(b, v)
         ))
+        # per local row, the column where the document its first token continues began (-1: it starts fresh)
+        continued_from = torch.tensor([-1 if runs.start[b][v] is None else runs.start[b][v] for b, v in local],
+                                      dtype=torch.long, device=device)
         # the halo's own metadata: the continued document's tokens from its start on, all real; only a caller's padding
         # inside a document makes it travel (with the halo route)
         span = max(halo, max((r for r in ratios if r == 4), default=0))
@@ -193,11 +196,9 @@ def build_attention_metadata(
             received = cp.halo_exchange(tail, span, dim=1, kind="metadata_halo", route=halo_route)  # [R, span, 2]
             h_seq, h_real = received[..., 0].long(), received[..., 1].bool()
         else:
-            starts = torch.tensor([-1 if runs.start[b][v] is None else runs.start[b][v] for b, v in local],
-                                  dtype=torch.long, device=device)
             firsts = torch.tensor([v * length for _, v in local], dtype=torch.long, device=device)
             cols = firsts[:, None] - span + torch.arange(span, device=device)
-            h_real = (starts[:, None] >= 0) & (cols >= starts[:, None])
+            h_real = (continued_from[:, None] >= 0) & (cols >= continued_from[:, None])
             h_seq = torch.where(h_real, seq_ids[:, :1], torch.zeros_like(cols))
         kv_seq = torch.cat((h_seq[:, span - halo:], seq_ids), 1)
         kv_pad = torch.cat((~h_real[:, span - halo:], padding), 1)
@@ -219,7 +220,8 @@ def build_attention_metadata(
             width = out_len[cp.rank]
             preceding[ratio] = row_plan(transfers, cp.rank, rows, width)
             earlier = [v * n - need[b][v] for b, v in local]
-            key_windows[ratio] = _key_windows(windows[ratio], seq_ids[:, 0], runs, local, need, width, ratio, length)
+            key_windows[ratio] = _key_windows(windows[ratio], seq_ids[:, 0], continued_from, local, need, width, ratio,
+                                              length)
             key_floors[ratio] = document_floors(chunk_start_rows, width, n, ratio, earlier)
     for ratio in ratios:
         if ratio not in key_floors:
@@ -245,16 +247,15 @@ def build_attention_metadata(
     )
 
 
-def _key_windows(own: WindowMetadata, first_ids: Tensor, runs: RowRuns, local: list[tuple[int, int]],
+def _key_windows(own: WindowMetadata, first_ids: Tensor, start: Tensor, local: list[tuple[int, int]],
                  need: list[list[int]], width: int, ratio: int, length: int) -> WindowMetadata:
     """The compressed keys of each local row ``(b, v)``: left padding (id 0), the received windows ``[need, v n)``
-    of the document its first token continues (``first_ids``; valid where the whole window lies in that document,
-    positions counted from its start), then its own windows."""
+    of the document its first token continues (``first_ids``, beginning at column ``start``, -1 for none; valid
+    where the whole window lies in that document, positions counted from its start), then its own windows."""
     n = length // ratio
     device = own.seq_ids.device
     earlier = width - n
     w = torch.arange(earlier, device=device) + torch.tensor([v * n - earlier for _, v in local], device=device)[:, None]
-    start = torch.tensor([-1 if runs.start[b][v] is None else runs.start[b][v] for b, v in local], device=device)
     first = torch.tensor([need[b][v] for b, v in local], device=device)
     inside = (start[:, None] >= 0) & (w >= first[:, None]) & (w * ratio >= start[:, None])
     seq = torch.where(inside, first_ids[:, None], torch.zeros_like(w))
