@@ -3,8 +3,12 @@
 Prints JSON objects (one per measurement): documents/s and tokens/s of a frozen capture
 (:func:`dsv4.speculative.capture_dspark_features`) when the documents are packed ``docs_per_row`` to a row
 (aligned to the model's document alignment) versus one document per row (rows padded to the longest document),
-the alignment padding fraction of the packed layout (alignment slots / aligned slots), and the slot ratio
-(one-document-per-row slots / packed slots: the speed-up if time followed the slots run). Random token ids,
+the alignment padding fraction of the packed layout (alignment slots / aligned slots), the slot ratio
+(one-document-per-row slots / packed slots: the speed-up if time followed the slots run) the row bound
+(one-document-per-row slots / (packed rows x the most tokens in one of them): the speed-up of any layout that keeps
+the caller's rows, with no alignment at all, if time followed the slots run) and the token bound
+(one-document-per-row slots / tokens: the same for a perfect packing that may also move documents between rows; no
+layout of these documents runs fewer slots than there are tokens). Random token ids,
 random document lengths, median of ``--repeats`` runs, one process.
 
     python benchmarks/dspark_capture.py                          # tiny (alignment 128) and v41_tiny (2)
@@ -85,6 +89,11 @@ def main() -> None:
         emit("dspark_capture_packed_speedup", shape, results["one_per_row"] / results["packed"], "x")
         # the bound when time follows the slots the model runs: one-document-per-row slots / packed slots
         emit("dspark_capture_slot_ratio", shape, slots["one_per_row"] / slots["packed"], "x")
+        # the bounds of any layout: keeping the caller's rows (each as wide as the most tokens in a row), and not
+        groups = [lengths[i : i + args.docs_per_row] for i in range(0, len(lengths), args.docs_per_row)]
+        row_slots = len(groups) * max(sum(grp) for grp in groups)
+        emit("dspark_capture_row_bound", shape, slots["one_per_row"] / row_slots, "x")
+        emit("dspark_capture_token_bound", shape, slots["one_per_row"] / tokens, "x")
 
 
 if __name__ == "__main__":

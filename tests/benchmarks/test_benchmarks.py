@@ -127,3 +127,23 @@ def test_cp_traffic_counts_every_kind_against_the_layout_bound():
     assert category("halo.backward") == "backward" and category("metadata") == "metadata"
     with pytest.raises(KeyError, match="unknown exchange kind 'all_gather'"):
         category("all_gather")
+
+
+@pytest.mark.e2e
+def test_dspark_capture_benchmark_reports_the_slot_ratio_and_the_token_bound():
+    """Four documents, two to a row, on the V4.1-style preset (alignment 2): the token bound is the one-document-per-
+    row slots over the tokens and the row bound the same over two rows as wide as the wider one's tokens, worked out
+    here from the same seeded lengths; the packed layout's slot ratio cannot exceed them."""
+    import torch
+
+    rows = _run("dspark_capture.py", "--presets", "v41_tiny", "--docs", "4", "--min-len", "8", "--max-len", "64",
+                "--docs-per-row", "2", "--repeats", "1")
+    value = {r["name"]: r["value"] for r in rows}
+    lengths = torch.randint(8, 65, (4,), generator=torch.Generator().manual_seed(0)).tolist()
+    one_per_row_slots = 4 * (-(-max(lengths) // 2) * 2)
+    assert value["dspark_capture_token_bound"] == pytest.approx(one_per_row_slots / sum(lengths))
+    widest_row = max(sum(lengths[:2]), sum(lengths[2:]))
+    assert value["dspark_capture_row_bound"] == pytest.approx(one_per_row_slots / (2 * widest_row))
+    assert 1.0 <= value["dspark_capture_slot_ratio"] <= value["dspark_capture_row_bound"] \
+        <= value["dspark_capture_token_bound"]
+    assert value["dspark_capture_packed_speedup"] > 0
