@@ -23,6 +23,9 @@ frozen (``requires_grad=False``) and it runs under ``no_grad``.
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -35,10 +38,13 @@ from dsv4.model.sparse_attention import (
     by_floor_groups,
     causal_prefix,
     chunk_document_starts,
+    chunk_key_bounds,
     compressed_key_allowed,
     document_floors,
     floor_groups,
+    overlapping_slices,
     stable_topk,
+    within,
 )
 
 INDEX_RATIO = 4
@@ -102,17 +108,34 @@ class Indexer(nn.Module):
         with torch.set_grad_enabled(self.trainable and torch.is_grad_enabled()):
             q = apply_rope(self.wq_b(q_lat).view(b, length, self.n_heads, self.head_dim), rope)
             w = torch.nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
+        floors = functools.partial(self._floors, query_seq_ids, query_positions, keys.shape[1], local_windows,
+                                   key_floors)  # read only where needed (the Triton selection needs none)
         with torch.no_grad():
             topk = self._select(q.detach(), w.detach(), keys.detach(), query_seq_ids, query_positions, key_seq_ids,
-                                key_positions, local_windows, key_floors)
+                                key_positions, local_windows, floors)
         if not with_scores:
             return topk
-        return topk, selected_scores(q, w, keys, topk, self.head_dim, self.chunk_size)
+        bounds = chunk_key_bounds(keys.shape[1], local_windows, floors(), length, self.chunk_size, INDEX_RATIO)
+        return topk, selected_scores(q, w, keys, topk, self.head_dim, self.chunk_size, bounds)
+
+    def _floors(self, query_seq_ids: Tensor, query_positions: Tensor, keys: int, local_windows: int | None,
+                key_floors: list[list[int]] | None) -> list[list[int]]:
+        """Per row and query chunk, the first of ``keys`` keys a query of the chunk may see: ``key_floors`` when
+        given, else derived (one host read; the model passes them, read once per forward); 0 without
+        ``local_windows``."""
+        b, length = query_seq_ids.shape
+        if local_windows is None:
+            return [[0] * -(-length // self.chunk_size)] * b
+        if key_floors is not None:
+            return key_floors
+        starts = chunk_document_starts(query_seq_ids, query_positions, self.chunk_size).tolist()
+        return document_floors(starts, keys, local_windows, INDEX_RATIO)
 
     def _select(self, q: Tensor, w: Tensor, keys: Tensor, query_seq_ids: Tensor, query_positions: Tensor,
                 key_seq_ids: Tensor, key_positions: Tensor, local_windows: int | None,
-                key_floors: list[list[int]] | None) -> Tensor:
-        """The top-k selection (no gradient): the Triton kernel where the backend has one, else chunks in torch."""
+                floors: Callable[[], list[list[int]]]) -> Tensor:
+        """The top-k selection (no gradient): the Triton kernel where the backend has one, else chunks in torch
+        (``floors()``: per row and query chunk, the first key a query of the chunk may see)."""
         kernel = indexer_kernel(self.backend, q.device)
         if kernel is not None:  # the same selection, fused (scores exact in fp32 from the same inputs)
             return kernel(q, w, keys, query_seq_ids, query_positions, key_seq_ids, key_positions, self.topk,
@@ -121,12 +144,7 @@ class Indexer(nn.Module):
         p = keys.shape[1]
         k = min(self.topk, p)
         q, keys_f = q.float(), keys.float()
-        floors = key_floors
-        if local_windows is None:
-            floors = [[0] * -(-length // self.chunk_size)] * b
-        elif floors is None:  # one host read (the model passes them, read once per forward)
-            starts = chunk_document_starts(query_seq_ids, query_positions, self.chunk_size).tolist()
-            floors = document_floors(starts, p, local_windows, INDEX_RATIO)
+        floors = floors()
         out = []
         for chunk, start in enumerate(range(0, length, self.chunk_size)):
             end = min(start + self.chunk_size, length)
@@ -159,6 +177,8 @@ class Indexer(nn.Module):
 
 def _chunk_selected_scores(q: Tensor, w: Tensor, keys: Tensor, topk: Tensor, head_dim: int) -> Tensor:
     """``q [B, C, H, D]``, ``w [B, C, H]``, ``keys [B, P, D]``, ``topk [B, C, k]`` -> ``[B, C, k]`` scores."""
+    if keys.shape[1] == 0:  # a slice without rows (nothing selected): a stand-in row keeps the gather defined
+        keys = torch.cat((keys, keys.new_zeros(keys.shape[0], 1, keys.shape[2])), dim=1)
     batch = torch.arange(q.shape[0], device=q.device)[:, None, None]
     picked = keys[batch, topk.clamp(min=0)].float()  # [B, C, k, D]
     logits = torch.einsum("bchd,bckd->bchk", q.float(), picked).relu()
@@ -166,14 +186,22 @@ def _chunk_selected_scores(q: Tensor, w: Tensor, keys: Tensor, topk: Tensor, hea
     return scores.masked_fill(topk < 0, float("-inf"))
 
 
-def selected_scores(q: Tensor, w: Tensor, keys: Tensor, topk: Tensor, head_dim: int, chunk_size: int) -> Tensor:
+def selected_scores(q: Tensor, w: Tensor, keys: Tensor, topk: Tensor, head_dim: int, chunk_size: int,
+                    bounds: list[tuple[int, int]] | None = None) -> Tensor:
     """The indexer scores of the selected rows, ``[B, L, k]`` fp32 (-inf where ``topk`` is -1), differentiable in
     ``q``, ``w`` and ``keys``; each query chunk is recomputed in backward (the gathered ``[B, C, k, D]`` keys are
-    never kept)."""
-    # split, not sliced: one backward node concatenates the chunks' gradients (a slice per chunk would allocate a
-    # zero tensor of the whole input per chunk)
-    out = [checkpoint(_chunk_selected_scores, q_part, w_part, keys, t_part, head_dim, use_reentrant=False)
-           for q_part, w_part, t_part in zip(q.split(chunk_size, 1), w.split(chunk_size, 1), topk.split(chunk_size, 1))]
+    never kept). ``bounds``: per query chunk, the key rows ``[lo, hi)`` holding every selection of the chunk
+    (:func:`~dsv4.model.sparse_attention.chunk_key_bounds`); None: every key."""
+    # split, not sliced: one backward node concatenates the chunks' gradients (a slice, or a gather from the whole
+    # keys, per chunk would allocate a zero tensor of the whole input per chunk); the keys likewise through one node
+    t_parts = topk.split(chunk_size, 1)
+    if bounds is None:
+        bounds = [(0, keys.shape[1])] * len(t_parts)
+    k_parts = overlapping_slices(keys, bounds)
+    out = [checkpoint(_chunk_selected_scores, q_part, w_part, k_part, within(t_part, lo, hi), head_dim,
+                      use_reentrant=False)
+           for q_part, w_part, k_part, t_part, (lo, hi)
+           in zip(q.split(chunk_size, 1), w.split(chunk_size, 1), k_parts, t_parts, bounds)]
     if not out:
         return q.new_zeros(*topk.shape, dtype=torch.float32)
     return torch.cat(out, dim=1)

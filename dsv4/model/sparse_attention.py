@@ -78,6 +78,9 @@ def _chunk_attention(
 
     if comp is not None:  # also with P == 0, so the compressor stays in the graph (zero grads, not None)
         if topk is not None:  # CSA: gather the selected rows per query -> [B, C, k, D]
+            if comp.shape[1] == 0:  # a slice without rows (the chunk sees none): one stand-in row of id 0, never
+                comp = torch.cat((comp, comp.new_zeros(b, 1, d)), dim=1)  # allowed, keeps the gather defined and
+                comp_seq, comp_pos = comp_seq.new_zeros(b, 1), comp_pos.new_zeros(b, 1)  # the compressor in the graph
             sel_valid = topk >= 0
             sel = topk.clamp(min=0)
             batch = torch.arange(b, device=device)[:, None, None]
@@ -224,6 +227,28 @@ class _OverlappingSlices(torch.autograd.Function):
         return grad, None
 
 
+def chunk_key_bounds(rows: int, local_rows: int | None, floors: list[list[int]] | None, length: int,
+                     chunk_size: int, ratio: int) -> list[tuple[int, int]]:
+    """Per query chunk of ``chunk_size`` (of ``length`` queries), the compressed rows ``[lo, hi)`` that hold every
+    row any query of the chunk may see: ``hi`` the causal prefix (:func:`causal_prefix`), ``lo`` the lowest key
+    floor of the batch rows (:func:`document_floors`, capped at ``hi``); ``(0, rows)`` everywhere when
+    ``local_rows`` is None (no window order to rely on)."""
+    bounds = []
+    for chunk, start in enumerate(range(0, length, chunk_size)):
+        if local_rows is None:
+            bounds.append((0, rows))
+            continue
+        hi = causal_prefix(rows, local_rows, min(start + chunk_size, length), ratio)
+        bounds.append((min(min((row[chunk] for row in floors), default=0), hi), hi))
+    return bounds
+
+
+def within(selection: Tensor, lo: int, hi: int) -> Tensor:
+    """Row indices ``selection`` (``-1`` = none) made relative to the slice ``[lo, hi)``; rows outside it become -1
+    (callers pass bounds outside which no query may see a row, so nothing allowed is dropped)."""
+    return torch.where((selection >= lo) & (selection < hi), selection - lo, -1)
+
+
 def overlapping_slices(x: Tensor, bounds: list[tuple[int, int]]) -> tuple[Tensor, ...]:
     """``x[:, lo:hi]`` for every ``(lo, hi)`` of ``bounds`` (dim 1), through one autograd node when ``x`` needs a
     gradient: backward allocates one gradient of ``x``'s size, not one per slice."""
@@ -320,11 +345,13 @@ def sparse_attention(
         chunk_size: queries per chunk; scale: defaults to ``D ** -0.5``;
         checkpoint: recompute each chunk in backward (default: when autograd is recording).
         compressed_local_rows: when the last ``compressed_local_rows`` compressed rows are this block's own windows
-            in order (window ``j`` pools query rows ``[r j, r (j + 1))``), an HCA chunk of queries ending at row
-            ``end`` scores only the causal prefix ``P - compressed_local_rows + end // r`` (later rows are future
-            windows no query of the chunk may see; documents start on multiples of ``r``, as the model's metadata
-            guarantees), from the first row of the chunk's earliest document on (:func:`document_floors`: a packed
-            row costs what its documents cost; rows with different floors are scored apart). None: every row.
+            in order (window ``j`` pools query rows ``[r j, r (j + 1))``), a chunk of queries ending at row ``end``
+            takes only the causal prefix ``P - compressed_local_rows + end // r`` (later rows are future windows no
+            query of the chunk may see; documents start on multiples of ``r``, as the model's metadata guarantees),
+            from the first row of the chunk's earliest document on (:func:`document_floors`): HCA scores only those
+            rows (a packed row costs what its documents cost; rows with different floors are scored apart), CSA
+            gathers its selection from them (a selected row outside them is one no query may see: dropped), so
+            backward accumulates only their gradients. None: every row.
         key_floors: per row and query chunk of ``chunk_size``, the first compressed row a query of the chunk may see
             (``AttentionMetadata.key_floors``, already on the host); None: derived here from the queries (one host
             read), every compressed row before the block's own counted as the earlier windows of its document.
@@ -342,41 +369,51 @@ def sparse_attention(
     if compressed_probs and topk_indices is None:
         raise ValueError("sparse_attention: compressed_probs needs a CSA selection (topk_indices)")
     outs, probs = [], []
-    hca_window = compressed is not None and topk_indices is None and compressed_local_rows is not None
+    bounded = compressed is not None and compressed_local_rows is not None
+    csa = topk_indices is not None
     floors = None
-    if hca_window:
+    if bounded:
         floors = key_floors
         if floors is None:  # one host read; the model reads them once per forward (AttentionMetadata)
             starts = chunk_document_starts(query_seq_ids, query_positions, chunk_size).tolist()
             floors = document_floors(starts, compressed.shape[1], compressed_local_rows, ratio)
-    # Every chunk's slices of q, kv and (HCA) the compressed rows come from ONE autograd node per tensor, so backward
-    # adds the chunks' gradients into one buffer: a slice per chunk would allocate a zero tensor of the whole input
-    # per chunk in backward (quadratic in the row length).
+    # Every chunk's slices of q, kv and the compressed rows come from ONE autograd node per tensor, so backward adds
+    # the chunks' gradients into one buffer: a slice (or a gather from the whole tensor) per chunk would allocate a
+    # zero tensor of the whole input per chunk in backward (quadratic in the row length). Bounded, a chunk takes only
+    # the compressed rows of its documents up to the causal prefix: HCA scores all of them (rows with different
+    # floors apart, :func:`floor_groups`), CSA gathers its selection from them (one group: k rows per query either
+    # way).
     plan = []  # (start, end, hi, groups)
+    bounds = chunk_key_bounds(compressed.shape[1], compressed_local_rows, floors, length, chunk_size, ratio) \
+        if bounded else None
     for chunk, start in enumerate(range(0, length, chunk_size)):
         end = min(start + chunk_size, length)
-        hi = causal_prefix(compressed.shape[1], compressed_local_rows, end, ratio) if hca_window else None
-        plan.append((start, end, hi, floor_groups([row[chunk] for row in floors], hi) if hca_window else [(0, None)]))
+        groups, hi = [(0, None)], None
+        if bounded:
+            lo, hi = bounds[chunk]
+            groups = [(lo, None)] if csa else floor_groups([row[chunk] for row in floors], hi)
+        plan.append((start, end, hi, groups))
     q_parts = q.split(chunk_size, dim=1)
     kv_bounds = [(max(0, query_offset + start - window + 1), query_offset + end) for start, end, _, _ in plan]
     kv_parts = overlapping_slices(kv, kv_bounds)
     comp_parts = iter(overlapping_slices(compressed, [(min(lo, hi), hi) for _, _, hi, groups in plan
-                                                      for lo, _ in groups]) if hca_window else ())
+                                                      for lo, _ in groups]) if bounded else ())
     for (start, end, hi, groups), q_part, kv_part, (lo_kv, hi_kv) in zip(plan, q_parts, kv_parts, kv_bounds):
 
         def run(lo: int, rows: list[int] | None, start=start, end=end, hi=hi, q_part=q_part, kv_part=kv_part,
                 lo_kv=lo_kv, hi_kv=hi_kv):
             pick = (lambda t: t) if rows is None else (lambda t: None if t is None else t[rows])
             comp, comp_seq, comp_pos = compressed, compressed_seq_ids, compressed_positions
-            if hca_window:  # only the rows of the chunk's documents, up to the causal prefix
+            topk = None if topk_indices is None else topk_indices[:, start:end]
+            if bounded:  # only the rows of the chunk's documents, up to the causal prefix
                 lo = min(lo, hi)
                 comp, comp_seq, comp_pos = next(comp_parts), comp_seq[:, lo:hi], comp_pos[:, lo:hi]
+                topk = None if topk is None else within(topk, lo, hi)
             # the chunk takes only the kv rows its window bands cover (its first query's kv row moves by lo_kv)
             args = (
                 pick(q_part), pick(kv_part), sink, pick(query_seq_ids[:, start:end]),
                 pick(query_positions[:, start:end]), pick(kv_seq_ids[:, lo_kv:hi_kv]),
-                pick(kv_padding[:, lo_kv:hi_kv]), pick(comp), pick(comp_seq), pick(comp_pos),
-                None if topk_indices is None else pick(topk_indices[:, start:end]),
+                pick(kv_padding[:, lo_kv:hi_kv]), pick(comp), pick(comp_seq), pick(comp_pos), pick(topk),
                 start, query_offset - lo_kv, window, ratio, scale, compressed_probs,
             )
             return _checkpoint(_chunk_attention, *args, use_reentrant=False) if checkpoint else _chunk_attention(*args)

@@ -139,3 +139,36 @@ def test_causal_prefix_selects_exactly_what_the_full_scoring_selects(chunk):
     full_cp = indexer(*args, *cat)
     assert torch.equal(indexer(*args, *cat, local_windows=w4.seq_ids.shape[1]), full_cp)
     assert torch.equal(torch.where(full_cp >= 0, full_cp - 3, -1), full)
+
+
+def test_selected_scores_from_the_chunk_rows_equal_every_row():
+    """``with_scores`` on a packed row: bounded by ``local_windows`` each chunk gathers its selected keys from the
+    rows of its documents up to the causal prefix; the selection, the scores and their gradients equal the run over
+    every key (the scores also equal a dense computation picked at the selection)."""
+    config, indexer = make(chunk=5, indexer_loss_coeff=0.01)
+    lengths = [16, 24]
+    seq = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)] + [torch.zeros(8, dtype=torch.long)])
+    pos = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(8, dtype=torch.long)])
+    meta = build_attention_metadata(config, pos[None], seq[None])
+    w4 = meta.windows[4]
+    torch.manual_seed(2)
+    x, q_lat = torch.randn(1, 48, config.hidden_size), torch.randn(1, 48, config.q_lora_rank, requires_grad=True)
+    results = []
+    for local in (None, w4.seq_ids.shape[1]):
+        indexer.zero_grad()
+        keys = indexer.keys(x, w4)
+        keys.retain_grad()
+        idx, scores = indexer(x, q_lat, meta.rope_compress, meta.seq_ids, meta.position_ids, keys, w4.seq_ids,
+                              w4.positions, local_windows=local, with_scores=True)
+        weight = torch.linspace(-1, 1, scores.numel()).reshape(scores.shape)
+        scores.masked_fill(torch.isinf(scores), 0).mul(weight).sum().backward()
+        results.append((idx, scores.detach(), keys.grad.clone(), indexer.wq_b.weight.grad.clone()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    q = apply_rope(indexer.wq_b(q_lat).view(1, 48, config.index_n_heads, config.index_head_dim), meta.rope_compress)
+    w = indexer.weights_proj(x) * config.index_n_heads**-0.5
+    dense = torch.einsum("blhp,blh->blp", torch.einsum("blhd,bpd->blhp", q, indexer.keys(x, w4)).relu(), w)
+    dense = dense * config.index_head_dim**-0.5
+    idx, scores = results[1][:2]
+    picked = dense.gather(-1, idx.clamp(min=0)).masked_fill(idx < 0, float("-inf"))
+    torch.testing.assert_close(scores, picked.detach(), rtol=1e-5, atol=1e-5)

@@ -309,3 +309,62 @@ def test_rows_are_scored_apart_only_when_batching_would_waste_keys():
     assert floor_groups([7, 7, 7], 100) == [(7, None)] and floor_groups([], 5) == [(0, None)]
     # rows of padding only (floor = end) cost nothing on their own
     assert floor_groups([0, 100, 100], 100) == [(0, [0]), (100, [1, 2])]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_csa_takes_only_its_chunk_rows_same_results(packed):
+    """``compressed_local_rows`` with a CSA selection: each chunk gathers from the rows of its documents up to its
+    causal prefix (selections outside them, which the random picks include, are rows no query may see); same output
+    and gradients as gathering from every row."""
+    base = make_case(45, packed, 4, True, seed=6)
+    results = []
+    for local in (None, base["comp"].shape[1]):
+        case = {k: (v.clone().requires_grad_(True) if k in ("q", "kv", "sink", "comp") else v) for k, v in base.items()}
+        out = sparse_attention(
+            case["q"], case["kv"], case["sink"], window=5, query_seq_ids=case["q_seq"], query_positions=case["q_pos"],
+            kv_seq_ids=case["kv_seq"], kv_padding=case["kv_pad"], compressed=case["comp"],
+            compressed_seq_ids=case["comp_seq"], compressed_positions=case["comp_pos"], ratio=4, chunk_size=3,
+            topk_indices=case["topk"], compressed_local_rows=local,
+        )
+        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        results.append([out.detach()] + [case[k].grad for k in ("q", "kv", "sink", "comp")])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[0][0], run_oracle(base, 5), rtol=1e-5, atol=1e-5)
+
+
+class _ShapeCounter(TorchDispatchMode):
+    """Counts the aten ops whose output has ``shape``."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape and func.__name__.startswith("new_zeros"):
+            self.count += 1
+        return out
+
+
+def test_csa_backward_allocates_one_gradient_of_the_compressed_rows():
+    """A packed row of 8 documents, 16 query chunks: every chunk's gather of selected rows used to zero-fill a
+    gradient of ALL compressed rows in backward (O(P) per chunk); bounded, the chunks' gradients go into one."""
+    length, chunk = 256, 16
+    seq, pos = packed_meta([32] * 8, 0)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, length, H, D, generator=g, requires_grad=True)
+    kv = torch.randn(1, length, D, generator=g, requires_grad=True)
+    comp_seq, comp_pos = window_metadata(seq[None], pos[None], 4)
+    comp = torch.randn(1, comp_seq.shape[1], D, generator=g, requires_grad=True)
+    topk = torch.randint(0, comp_seq.shape[1], (1, length, 4), generator=g)
+    counts = {}
+    for local in (None, comp_seq.shape[1]):
+        out = sparse_attention(q, kv, torch.zeros(H), window=8, query_seq_ids=seq[None], query_positions=pos[None],
+                               kv_seq_ids=seq[None], compressed=comp, compressed_seq_ids=comp_seq,
+                               compressed_positions=comp_pos, ratio=4, topk_indices=topk, chunk_size=chunk,
+                               compressed_local_rows=local)
+        with _ShapeCounter(comp.shape) as counter:
+            (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        counts[local] = counter.count
+    assert counts[None] == length // chunk and counts[comp_seq.shape[1]] == 1, counts
