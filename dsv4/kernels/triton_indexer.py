@@ -19,11 +19,15 @@ heads, ``logits [BLOCK_M * BLOCK_H, BLOCK_N] = Q [BLOCK_M * BLOCK_H, D] @ K^T [D
 then ReLU, times ``w``, summed over the heads into ``scores [BLOCK_M, BLOCK_N]``. Only that block of fp32 scores
 and the running top-k of the program's queries exist at any time; nothing of size ``[L, P]``.
 
-Key range: the key loop stops at ``P - local_windows + end // 4`` (``end`` = the block's last query row + 1) when
-``local_windows`` is given (the causal prefix, as in the torch code), else at ``P``. Inside it a key block is
-scored only if at least one of its keys is allowed for at least one query of the block (the rule above evaluated
-on the block's metadata, two int32 loads per key): blocks of other documents, of invalid windows and past every
-query's causal limit cost no GEMM and no merge. This needs no assumption on the key layout.
+Key range: when ``local_windows`` is given (the model's key layout: the earlier windows of the document the block's
+first token continues, in order and ending where the block's own windows begin, then the block's own windows), the
+key loop runs from the first window of the block's earliest document (``P - local_windows + floor(start / 4)``,
+``start`` = the local row where a query's document began, negative for one begun before the block: the document-
+local position gives it) to the causal prefix ``P - local_windows + end // 4`` (``end`` = the block's last query row
++ 1), as the torch code's key floors and prefix; a packed row's program reads only its documents' keys. Without
+``local_windows`` it runs over every key. Inside the range a key block is scored only if at least one of its keys is
+allowed for at least one query of the block (the rule above evaluated on the block's metadata, two int32 loads per
+key): blocks of other documents, of invalid windows and past every query's causal limit cost no GEMM and no merge.
 
 Streaming top-k: each (score, key index) pair is packed into one int64 that orders by score descending, then by
 index ascending::
@@ -132,15 +136,20 @@ def _indexer_topk_fwd(
     limit = (tl.load(QPOS + bm, mask=mmask, other=0) + 1) // RATIO
     active = mmask & (q_doc > 0)
 
-    # Keys that any query of the block may see lie below hi (the causal prefix when local_windows is given).
+    # Keys that any query of the block may see lie in [lo, hi) (with local_windows: from the first window of the
+    # block's earliest document to the causal prefix; else every key).
+    lo = 0
     hi = P
     if USE_LOCAL:
         end = tl.minimum(pid_m * BLOCK_M + BLOCK_M, L)
         hi = tl.maximum(0, tl.minimum(P, P - local_windows + end // RATIO))
+        start_row = offs_m - tl.load(QPOS + bm, mask=mmask, other=0)  # each query's document start (< 0: earlier)
+        first = P - local_windows + tl.where(start_row >= 0, start_row // RATIO, -((RATIO - 1 - start_row) // RATIO))
+        lo = tl.maximum(tl.min(tl.where(active, first, P), axis=0), 0)
     hi = tl.where(tl.max(active.to(tl.int32), axis=0) > 0, hi, 0)
 
     best = tl.full([BLOCK_M, K_PAD], _EMPTY_KEY, tl.int64)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + offs_nb
         nmask = offs_n < hi
         kdoc = tl.load(KDOC + b * P + offs_n, mask=nmask, other=0)

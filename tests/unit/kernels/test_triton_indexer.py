@@ -137,6 +137,23 @@ def test_local_windows_same_as_full_and_block_sizes_agree():
         assert torch.equal(local, full)
 
 
+def test_local_windows_start_at_the_documents_first_window():
+    """With ``local_windows`` a program reads keys only from the first window of its earliest document on: in the
+    packed case the 20 rows before document 1's earlier windows are made to CLAIM document 1 (ids 1, positions
+    0..19; a layout the model never builds), and the kernel still selects what the reference selects on the true
+    layout, where those rows belong to another document. Without ``local_windows`` it reads them (and differs)."""
+    case = make_case("packed", seed=3)
+    _, truth = run_both(case, 8, True, block_n=16)
+    case["k_seq"], case["k_pos"] = case["k_seq"].clone(), case["k_pos"].clone()
+    case["k_seq"][:, :20] = 1
+    case["k_pos"][:, :20] = torch.arange(20, device=case["k_pos"].device)
+    for kw in (dict(block_n=16), dict(block_n=16, block_m=4)):
+        local, _ = run_both(case, 8, True, **kw)
+        check(local, truth)
+    full, _ = run_both(case, 8, False, block_n=16)
+    assert not torch.equal(full, truth)
+
+
 @pytest.mark.parametrize("kind", ["single", "ties"])
 def test_matches_reference_bf16(kind):
     case = make_case(kind, seed=5, dtype=torch.bfloat16)
