@@ -9,7 +9,7 @@ the alignment padding fraction of the packed layout (alignment slots / aligned s
 the caller's rows, with no alignment at all, if time followed the slots run) and the token bound
 (one-document-per-row slots / tokens: the same for a perfect packing that may also move documents between rows; no
 layout of these documents runs fewer slots than there are tokens). Random token ids,
-random document lengths, median of ``--repeats`` runs, one process.
+random document lengths, median of ``--repeats`` rounds that run the two modes in turn, one process.
 
     python benchmarks/dspark_capture.py                          # tiny (alignment 128) and v41_tiny (2)
     python benchmarks/dspark_capture.py --presets v41_tiny --docs 32 --max-len 512
@@ -18,6 +18,7 @@ random document lengths, median of ``--repeats`` runs, one process.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -39,14 +40,18 @@ def _rows(lengths: list[int], per_row: int, vocab: int, g: torch.Generator):
     return ids, seq_lens
 
 
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+def _time_interleaved(fns: dict, repeats: int) -> dict:
+    """Median seconds of each of ``fns`` (name -> callable) over ``repeats`` rounds that run every one of them in
+    turn, after one warm-up round (interleaved, so a slow spell of a shared machine hits every mode alike)."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> None:
@@ -57,7 +62,7 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--docs-per-row", type=int, default=8)
     p.add_argument("--layer-ids", type=int, nargs="+", default=[1, 3])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -70,11 +75,14 @@ def main() -> None:
         model = DSV4ForCausalLM(config).eval()
         shape = {"preset": preset, "docs": args.docs, "tokens": tokens, "docs_per_row": args.docs_per_row,
                  "alignment": config.shard_multiple, "layer_ids": args.layer_ids}
-        results, slots = {}, {}
-        for mode, per_row in (("packed", args.docs_per_row), ("one_per_row", 1)):
-            ids, seq_lens = _rows(lengths, per_row, config.vocab_size, g)
-            seconds = _time(lambda: capture_dspark_features(model, ids, seq_lens, args.layer_ids), args.repeats)
-            results[mode] = seconds
+        rows = {mode: _rows(lengths, per_row, config.vocab_size, g)
+                for mode, per_row in (("packed", args.docs_per_row), ("one_per_row", 1))}
+        results = _time_interleaved({mode: functools.partial(capture_dspark_features, model, ids, seq_lens,
+                                                             args.layer_ids)
+                                     for mode, (ids, seq_lens) in rows.items()}, args.repeats)
+        slots = {}
+        for mode, (ids, seq_lens) in rows.items():
+            seconds = results[mode]
             run_layout = capture_dspark_features(model, ids, seq_lens, args.layer_ids).layout
             slots[mode] = run_layout.batch_size * run_layout.aligned_length
             emit("dspark_capture_documents_per_s", {**shape, "mode": mode}, args.docs / seconds, "documents/s")
