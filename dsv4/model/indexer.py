@@ -175,8 +175,11 @@ class Indexer(nn.Module):
         return torch.cat(out, dim=1)
 
 
-def _chunk_selected_scores(q: Tensor, w: Tensor, keys: Tensor, topk: Tensor, head_dim: int) -> Tensor:
-    """``q [B, C, H, D]``, ``w [B, C, H]``, ``keys [B, P, D]``, ``topk [B, C, k]`` -> ``[B, C, k]`` scores."""
+def _chunk_selected_scores(q: Tensor, w: Tensor, keys: Tensor, topk: Tensor, head_dim: int,
+                           offset: int = 0) -> Tensor:
+    """``q [B, C, H, D]``, ``w [B, C, H]``, ``keys [B, P', D]`` (the keys from ``offset`` on), ``topk [B, C, k]``
+    (indices of all keys) -> ``[B, C, k]`` scores."""
+    topk = within(topk, offset, offset + keys.shape[1])
     if keys.shape[1] == 0:  # a slice without rows (nothing selected): a stand-in row keeps the gather defined
         keys = torch.cat((keys, keys.new_zeros(keys.shape[0], 1, keys.shape[2])), dim=1)
     batch = torch.arange(q.shape[0], device=q.device)[:, None, None]
@@ -198,9 +201,8 @@ def selected_scores(q: Tensor, w: Tensor, keys: Tensor, topk: Tensor, head_dim: 
     if bounds is None:
         bounds = [(0, keys.shape[1])] * len(t_parts)
     k_parts = overlapping_slices(keys, bounds)
-    out = [checkpoint(_chunk_selected_scores, q_part, w_part, k_part, within(t_part, lo, hi), head_dim,
-                      use_reentrant=False)
-           for q_part, w_part, k_part, t_part, (lo, hi)
+    out = [checkpoint(_chunk_selected_scores, q_part, w_part, k_part, t_part, head_dim, lo, use_reentrant=False)
+           for q_part, w_part, k_part, t_part, (lo, _)
            in zip(q.split(chunk_size, 1), w.split(chunk_size, 1), k_parts, t_parts, bounds)]
     if not out:
         return q.new_zeros(*topk.shape, dtype=torch.float32)

@@ -50,10 +50,12 @@ def _chunk_attention(
     ratio: int,
     scale: float,
     compressed_probs: bool = False,
+    comp_offset: int = 0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of the query chunk ``q [B, C, H, D]`` starting at query index ``start``; with
     ``compressed_probs`` (CSA) also the head mean of the probabilities of the selected rows ``[B, C, k]``
-    (detached)."""
+    (detached). ``comp`` holds the compressed rows from ``comp_offset`` on; ``topk`` indexes all of them (a
+    selection outside ``comp`` is not allowed: :func:`within`)."""
     b, c, h, d = q.shape
     device = q.device
     qf = q.float()
@@ -78,6 +80,7 @@ def _chunk_attention(
 
     if comp is not None:  # also with P == 0, so the compressor stays in the graph (zero grads, not None)
         if topk is not None:  # CSA: gather the selected rows per query -> [B, C, k, D]
+            topk = within(topk, comp_offset, comp_offset + comp.shape[1])
             if comp.shape[1] == 0:  # a slice without rows (the chunk sees none): one stand-in row of id 0, never
                 comp = torch.cat((comp, comp.new_zeros(b, 1, d)), dim=1)  # allowed, keeps the gather defined and
                 comp_seq, comp_pos = comp_seq.new_zeros(b, 1), comp_pos.new_zeros(b, 1)  # the compressor in the graph
@@ -404,17 +407,17 @@ def sparse_attention(
                 lo_kv=lo_kv, hi_kv=hi_kv):
             pick = (lambda t: t) if rows is None else (lambda t: None if t is None else t[rows])
             comp, comp_seq, comp_pos = compressed, compressed_seq_ids, compressed_positions
-            topk = None if topk_indices is None else topk_indices[:, start:end]
+            offset = 0
             if bounded:  # only the rows of the chunk's documents, up to the causal prefix
-                lo = min(lo, hi)
+                offset = lo = min(lo, hi)
                 comp, comp_seq, comp_pos = next(comp_parts), comp_seq[:, lo:hi], comp_pos[:, lo:hi]
-                topk = None if topk is None else within(topk, lo, hi)
             # the chunk takes only the kv rows its window bands cover (its first query's kv row moves by lo_kv)
             args = (
                 pick(q_part), pick(kv_part), sink, pick(query_seq_ids[:, start:end]),
                 pick(query_positions[:, start:end]), pick(kv_seq_ids[:, lo_kv:hi_kv]),
-                pick(kv_padding[:, lo_kv:hi_kv]), pick(comp), pick(comp_seq), pick(comp_pos), pick(topk),
-                start, query_offset - lo_kv, window, ratio, scale, compressed_probs,
+                pick(kv_padding[:, lo_kv:hi_kv]), pick(comp), pick(comp_seq), pick(comp_pos),
+                None if topk_indices is None else pick(topk_indices[:, start:end]),
+                start, query_offset - lo_kv, window, ratio, scale, compressed_probs, offset,
             )
             return _checkpoint(_chunk_attention, *args, use_reentrant=False) if checkpoint else _chunk_attention(*args)
 
