@@ -37,10 +37,9 @@ from dsv4.model.rope import RopeTable, apply_rope
 from dsv4.model.sparse_attention import (
     by_floor_groups,
     causal_prefix,
-    chunk_document_starts,
     chunk_key_bounds,
+    chunk_key_floors,
     compressed_key_allowed,
-    document_floors,
     floor_groups,
     overlapping_slices,
     stable_topk,
@@ -108,8 +107,8 @@ class Indexer(nn.Module):
         with torch.set_grad_enabled(self.trainable and torch.is_grad_enabled()):
             q = apply_rope(self.wq_b(q_lat).view(b, length, self.n_heads, self.head_dim), rope)
             w = torch.nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
-        floors = functools.partial(self._floors, query_seq_ids, query_positions, keys.shape[1], local_windows,
-                                   key_floors)  # read only where needed (the Triton selection needs none)
+        floors = functools.partial(chunk_key_floors, query_seq_ids, query_positions, self.chunk_size, keys.shape[1],
+                                   local_windows, INDEX_RATIO, key_floors)  # only where needed (not by Triton)
         with torch.no_grad():
             topk = self._select(q.detach(), w.detach(), keys.detach(), query_seq_ids, query_positions, key_seq_ids,
                                 key_positions, local_windows, floors)
@@ -117,19 +116,6 @@ class Indexer(nn.Module):
             return topk
         bounds = chunk_key_bounds(keys.shape[1], local_windows, floors(), length, self.chunk_size, INDEX_RATIO)
         return topk, selected_scores(q, w, keys, topk, self.head_dim, self.chunk_size, bounds)
-
-    def _floors(self, query_seq_ids: Tensor, query_positions: Tensor, keys: int, local_windows: int | None,
-                key_floors: list[list[int]] | None) -> list[list[int]]:
-        """Per row and query chunk, the first of ``keys`` keys a query of the chunk may see: ``key_floors`` when
-        given, else derived (one host read; the model passes them, read once per forward); 0 without
-        ``local_windows``."""
-        b, length = query_seq_ids.shape
-        if local_windows is None:
-            return [[0] * -(-length // self.chunk_size)] * b
-        if key_floors is not None:
-            return key_floors
-        starts = chunk_document_starts(query_seq_ids, query_positions, self.chunk_size).tolist()
-        return document_floors(starts, keys, local_windows, INDEX_RATIO)
 
     def _select(self, q: Tensor, w: Tensor, keys: Tensor, query_seq_ids: Tensor, query_positions: Tensor,
                 key_seq_ids: Tensor, key_positions: Tensor, local_windows: int | None,

@@ -193,6 +193,21 @@ def document_floors(chunk_starts: list[list[int]], rows: int, local_rows: int | 
             for starts, before in zip(chunk_starts, earlier)]
 
 
+def chunk_key_floors(query_seq_ids: Tensor, query_positions: Tensor, chunk_size: int, rows: int,
+                     local_rows: int | None, ratio: int, given: list[list[int]] | None = None) -> list[list[int]]:
+    """Per row and query chunk of ``chunk_size``, the first of ``rows`` compressed rows a query of the chunk may see:
+    ``given`` when not None (``AttentionMetadata.key_floors``, read once per forward), else derived from the queries
+    (:func:`chunk_document_starts`, one host read, then :func:`document_floors`); 0 everywhere without
+    ``local_rows``."""
+    if local_rows is None:
+        b, length = query_seq_ids.shape
+        return [[0] * -(-length // chunk_size)] * b
+    if given is not None:
+        return given
+    starts = chunk_document_starts(query_seq_ids, query_positions, chunk_size).tolist()
+    return document_floors(starts, rows, local_rows, ratio)
+
+
 GROUP_GAIN = 1.5  # score rows apart only when batching them would score this many times the keys
 
 
@@ -374,12 +389,8 @@ def sparse_attention(
     outs, probs = [], []
     bounded = compressed is not None and compressed_local_rows is not None
     csa = topk_indices is not None
-    floors = None
-    if bounded:
-        floors = key_floors
-        if floors is None:  # one host read; the model reads them once per forward (AttentionMetadata)
-            starts = chunk_document_starts(query_seq_ids, query_positions, chunk_size).tolist()
-            floors = document_floors(starts, compressed.shape[1], compressed_local_rows, ratio)
+    floors = chunk_key_floors(query_seq_ids, query_positions, chunk_size, compressed.shape[1], compressed_local_rows,
+                              ratio, key_floors) if bounded else None
     # Every chunk's slices of q, kv and the compressed rows come from ONE autograd node per tensor, so backward adds
     # the chunks' gradients into one buffer: a slice (or a gather from the whole tensor) per chunk would allocate a
     # zero tensor of the whole input per chunk in backward (quadratic in the row length). Bounded, a chunk takes only

@@ -243,22 +243,28 @@ def test_window_and_document_rule_equals_seed_dense_mask():
     assert torch.equal(out[:, ~real], torch.zeros_like(out[:, ~real]))
 
 
-@pytest.mark.parametrize("ratio, packed", [(8, True), (16, False)])  # documents start on multiples of r
-def test_hca_causal_prefix_equals_every_row(ratio, packed):
-    """``compressed_local_rows``: an HCA chunk scores only the compressed rows before its last query; same output
-    and gradients as scoring every row."""
-    base = make_case(45, packed, ratio, False, seed=4)
+def _every_row_then_local_rows(base, chunk):
+    """``[output, grad q, grad kv, grad sink, grad comp]`` of ``base`` (window 5; its CSA selection if it has one)
+    with ``compressed_local_rows`` None (every compressed row), then with all of them marked local."""
     results = []
     for local in (None, base["comp"].shape[1]):
         case = {k: (v.clone().requires_grad_(True) if k in ("q", "kv", "sink", "comp") else v) for k, v in base.items()}
         out = sparse_attention(
             case["q"], case["kv"], case["sink"], window=5, query_seq_ids=case["q_seq"], query_positions=case["q_pos"],
             kv_seq_ids=case["kv_seq"], kv_padding=case["kv_pad"], compressed=case["comp"],
-            compressed_seq_ids=case["comp_seq"], compressed_positions=case["comp_pos"], ratio=ratio, chunk_size=7,
-            compressed_local_rows=local,
+            compressed_seq_ids=case["comp_seq"], compressed_positions=case["comp_pos"], ratio=case["ratio"],
+            chunk_size=chunk, topk_indices=case.get("topk"), compressed_local_rows=local,
         )
         (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
         results.append([out.detach()] + [case[k].grad for k in ("q", "kv", "sink", "comp")])
+    return results
+
+
+@pytest.mark.parametrize("ratio, packed", [(8, True), (16, False)])  # documents start on multiples of r
+def test_hca_causal_prefix_equals_every_row(ratio, packed):
+    """``compressed_local_rows``: an HCA chunk scores only the compressed rows before its last query; same output
+    and gradients as scoring every row."""
+    results = _every_row_then_local_rows(make_case(45, packed, ratio, False, seed=4), chunk=7)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
@@ -317,17 +323,7 @@ def test_csa_takes_only_its_chunk_rows_same_results(packed):
     causal prefix (selections outside them, which the random picks include, are rows no query may see); same output
     and gradients as gathering from every row."""
     base = make_case(45, packed, 4, True, seed=6)
-    results = []
-    for local in (None, base["comp"].shape[1]):
-        case = {k: (v.clone().requires_grad_(True) if k in ("q", "kv", "sink", "comp") else v) for k, v in base.items()}
-        out = sparse_attention(
-            case["q"], case["kv"], case["sink"], window=5, query_seq_ids=case["q_seq"], query_positions=case["q_pos"],
-            kv_seq_ids=case["kv_seq"], kv_padding=case["kv_pad"], compressed=case["comp"],
-            compressed_seq_ids=case["comp_seq"], compressed_positions=case["comp_pos"], ratio=4, chunk_size=3,
-            topk_indices=case["topk"], compressed_local_rows=local,
-        )
-        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
-        results.append([out.detach()] + [case[k].grad for k in ("q", "kv", "sink", "comp")])
+    results = _every_row_then_local_rows(base, chunk=3)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(results[0][0], run_oracle(base, 5), rtol=1e-5, atol=1e-5)
