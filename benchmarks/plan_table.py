@@ -1,4 +1,5 @@
-"""The README's "what fits" tables: memory plans (``dsv4.plan``) of fine-tuning V4 Flash and V4 Pro.
+"""Memory plans (``dsv4.plan``) of fine-tuning V4 Flash and V4 Pro: the "what fits" tables of ``docs/memory.md``
+and ``docs/lora.md``.
 
 ``--peft none`` (default): full fine-tuning. ``--peft lora``: LoRA r=8 on attention + shared + routed experts
 (``conf/peft/lora.yaml``) on a frozen base, ``--base-dtype bf16`` (frozen bf16 parameters, FSDP-sharded) or ``fp8``

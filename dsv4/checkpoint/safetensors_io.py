@@ -6,23 +6,10 @@ data_offsets: [begin, end]}, "__metadata__": {...}}``, then the data; offsets ar
 A directory's key -> shard map comes from ``model.safetensors.index.json`` when present, else from scanning the
 headers of every ``*.safetensors`` file; either way each shard's header is read once (headers only).
 
-Why our own parser and not ``safetensors.safe_open`` (0.8.0, which does read F8_E4M3 / F8_E8M0 / I8), measured
-on this machine (2 CPU cores, files in the page cache):
-
-* ``safe_open`` mmaps the whole shard and ``get_tensor`` reads through the mapping, so every page a key touched
-  stays resident until the file is closed. Streaming a 256 MiB shard of 16 x 16 MiB tensors through one
-  ``safe_open``: peak RSS +257 MiB (the whole shard); through this reader: +17 MiB (one tensor).
-  ``benchmarks/checkpoint_load.py``-style load of a one-shard checkpoint (``--hidden 512 --experts 32``, 66 MiB):
-  peak RSS delta / shard size 1.19 with one ``safe_open`` per shard, 0.25 with this reader.
-* One ``safe_open`` per key releases the mapping, but re-parses the shard's header for every key: 0.7 ms for a
-  1000-key header, 4.1 ms for 5000 keys, i.e. quadratic in keys per shard; the same load ran at 0.059 GB/s against
-  0.109 GB/s with this reader.
-* It does refuse each hostile file below without allocating, but its errors (``SafetensorError``, not a
-  ``ValueError``) name neither the file nor, for offsets that disagree with the shape, the key ("invalid shape,
-  data type, or offset for tensor"), so the header would have to be parsed here anyway to name them.
-
-The checks below cost about 2.5 us per key when a directory is opened (a 20,000-key header: 119 ms, against 68 ms
-for the unchecked parser this one replaced); ``benchmarks/checkpoint_load.py`` load throughput is unchanged.
+Why our own parser and not ``safetensors.safe_open``: ``safe_open`` maps the whole shard, so every page a key
+touched stays resident until the file is closed; opening it once per key instead re-parses the shard's header for
+every key (quadratic in keys per shard); and its errors name neither the file nor, for offsets that disagree with
+the shape, the key. The measurements behind this are in ``docs/checkpoints.md``.
 
 Hostile files are refused with :class:`CheckpointFormatError` (a ``ValueError``) naming the file (and the key),
 before anything sized by the file's claims is allocated: the header length is checked against the file size and
