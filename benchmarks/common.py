@@ -39,13 +39,13 @@ def cp_training_step(config, seq_len: int, world_size: int, before_step=None, ba
                      overlap: bool = True):
     """Inside a ``dsv4.launch.run_on_ranks`` rank: one forward+backward of ``config`` on one document of ``seq_len``
     tokens packed into a row (:class:`dsv4.batch.TokenBatch`), cut for this rank (``balance``: the CP layout,
-    :class:`dsv4.cp.layout.CPLayout`; ``overlap``: ``CPContext.overlap``), through the training step's model call.
+    :class:`dsv4.parallel.cp.layout.CPLayout`; ``overlap``: ``CPContext.overlap``), through the training step's model call.
     ``before_step()`` runs just before the step; returns the ``CPContext`` (None on one rank) and ``before_step``'s
     result."""
     import torch
     import torch.distributed as dist
 
-    from dsv4.cp import CPContext
+    from dsv4.parallel.cp import CPContext
     from dsv4.data import pack_documents
     from dsv4.model import DSV4ForCausalLM
     from dsv4.training.loss import reduce_token_loss

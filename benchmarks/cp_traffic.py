@@ -99,7 +99,7 @@ def _rank_body(rank: int, world_size: int, layout: str, seq_len: int) -> dict:
     import torch.distributed as dist
 
     from dsv4.batch import TokenBatch
-    from dsv4.cp import CPContext
+    from dsv4.parallel.cp import CPContext
     from dsv4.model import DSV4ForCausalLM
     from dsv4.training.loss import reduce_token_loss
     from dsv4.training.step import forward_step
@@ -122,7 +122,7 @@ def _rank_body(rank: int, world_size: int, layout: str, seq_len: int) -> dict:
 
 def lower_bound(layout: str, seq_len: int, world_size: int) -> list[dict[str, int]]:
     """Per rank, the minimum bytes received by category (see the module docstring)."""
-    from dsv4.cp.layout import CPLayout
+    from dsv4.parallel.cp.layout import CPLayout
 
     config = _config()
     cut = CPLayout(world_size, "full" if layout.endswith("balanced") else "none")

@@ -137,7 +137,7 @@ def _rank_body(rank: int, world_size: int, model_name: str, variant: str, seq_le
 
     import torch
 
-    from dsv4.cp import CPContext
+    from dsv4.parallel.cp import CPContext
     from dsv4.parallel.mesh import ParallelDims, build_meshes
     from dsv4.plan.trace import AllocationTracer
 

@@ -11,7 +11,7 @@ Fields (``B`` rows, ``L`` columns of this batch; all int64):
   convention: :attr:`padding` is ``seq_ids == 0``;
 * ``positions [B, L]``: document-local position (RoPE, compressor windows); 0 on padding;
 * ``shard``: which part of the full rows this batch is (:class:`Shard`; ``rank 0 of 1`` = the whole row). Under
-  ``cp_balance="full"`` a rank holds two chunks of every row, as two local rows (:class:`~dsv4.cp.layout.CPLayout`).
+  ``cp_balance="full"`` a rank holds two chunks of every row, as two local rows (:class:`~dsv4.parallel.cp.layout.CPLayout`).
 
 Invariants the packer guarantees and the model relies on: every document starts on a multiple of the model's
 shard multiple with position 0, its tokens are contiguous, and a padding slot never carries a label. A full row's
@@ -35,7 +35,7 @@ _TOKEN_FIELDS = ("input_ids", "labels", "seq_ids", "positions")
 
 @dataclass(frozen=True)
 class Shard:
-    """The part of a row a batch holds: CP rank ``rank`` of ``size`` under ``balance`` (:class:`~dsv4.cp.layout.
+    """The part of a row a batch holds: CP rank ``rank`` of ``size`` under ``balance`` (:class:`~dsv4.parallel.cp.layout.
     CPLayout`): chunks of ``local_length`` columns of rows of ``length``; contiguous (``"none"``): columns
     ``[start, stop)``."""
 
@@ -46,8 +46,8 @@ class Shard:
 
     @property
     def layout(self):
-        """This shard's :class:`~dsv4.cp.layout.CPLayout`."""
-        from dsv4.cp.layout import CPLayout  # dsv4.cp imports this module (the seed API)
+        """This shard's :class:`~dsv4.parallel.cp.layout.CPLayout`."""
+        from dsv4.parallel.cp.layout import CPLayout  # dsv4.cp imports this module (the seed API)
 
         return CPLayout(self.size, self.balance)
 
@@ -136,7 +136,7 @@ class TokenBatch:
     def cut(self, rank: int, size: int, multiple: int = 1, balance: str = "none") -> "TokenBatch":
         """CP rank ``rank`` of ``size``'s part of the rows: contiguous (``balance="none"``), columns
         ``[rank * L / size, (rank + 1) * L / size)``; ``"full"``, chunks ``rank`` and ``2 size - 1 - rank`` of ``2
-        size`` as two local rows each (``[2 B, L / (2 size)]``, slot-major; :class:`~dsv4.cp.layout.CPLayout`).
+        size`` as two local rows each (``[2 B, L / (2 size)]``, slot-major; :class:`~dsv4.parallel.cp.layout.CPLayout`).
 
         Only a whole row can be cut; its width must be a multiple of ``chunks * multiple`` (ValueError otherwise).
         ``size == 1`` returns the batch itself.

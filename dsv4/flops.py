@@ -264,10 +264,10 @@ def position_range_training_flops(config: DSV4Config, lo: int, hi: int, parts: t
 def cp_rank_training_flops(config: DSV4Config, seq_len: int, cp: int, balance: str = "none",
                            parts: tuple[str, ...] | None = None) -> list[float]:
     """Training FLOPs each of ``cp`` ranks does for one causal document of ``seq_len`` tokens cut by the layout
-    ``balance`` (:class:`~dsv4.cp.layout.CPLayout`): the sum of :func:`position_range_training_flops` over the
+    ``balance`` (:class:`~dsv4.parallel.cp.layout.CPLayout`): the sum of :func:`position_range_training_flops` over the
     rank's chunks (``parts``: only those breakdown keys, e.g. :data:`POSITION_DEPENDENT_KEYS`). Their max / mean is
     the straggler factor of the step (every layer waits for the slowest rank)."""
-    from dsv4.cp.layout import CPLayout
+    from dsv4.parallel.cp.layout import CPLayout
 
     layout = CPLayout(cp, balance)
     length = layout.chunk_length(seq_len)

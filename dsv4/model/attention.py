@@ -22,12 +22,12 @@ Context parallelism only ADDS exchanges to this path, through the ``CPContext`` 
 
 * ``halo``: the previous chunk's last ``sliding_window - 1`` K/V rows (already normed and RoPE'd by their owner),
   prepended to the window keys (the kernel's ``query_offset``); only for the local rows whose document continues
-  across the chunk boundary (``meta.halo_route``: a row whose first token starts a document or is padding
+  across the chunk boundary (``meta.routes.halo``: a row whose first token starts a document or is padding
   receives nothing, zeros stand in);
 * ``compressor_halo`` / ``index_compressor_halo`` (ratio 4): the previous window's first-half softmax summary, so
   the first local window pools its overlap exactly as on one rank;
 * ``compressed_gather`` / ``index_key_gather``: the earlier compressed rows / index keys of the document each
-  local row's first token belongs to, received point-to-point from their owners (``meta.preceding``).
+  local row's first token belongs to, received point-to-point from their owners (``meta.routes.preceding``).
 
 Each exchange starts as soon as its input exists and is waited for where its result is first needed: the halo and
 both compressor boundaries overlap the query projections and the compressors, the compressed-row gather overlaps
@@ -40,10 +40,10 @@ import torch
 from torch import Tensor, nn
 
 from dsv4.config import DSV4Config
-from dsv4.cp.collectives import ReadyRows
 from dsv4.model.attention_backend import attention_kernel
 from dsv4.model.attention_metadata import AttentionMetadata
 from dsv4.model.compressor import Compressor
+from dsv4.model.context_parallel import ContextParallel, ReadyRows
 from dsv4.model.indexer import Indexer
 from dsv4.model.indexer_loss import indexer_kl_sum, zero_gradient
 from dsv4.model.norm import RMSNorm
@@ -122,31 +122,32 @@ class DSV4Attention(nn.Module):
     # Each exchange is started as soon as its input exists and waited for where its result is needed, so the work in
     # between (the query projections, the compressors, the indexer) overlaps the transfer (``CPContext.overlap``).
     @staticmethod
-    def _start_preceding(rows: Tensor, meta: AttentionMetadata, ratio: int, cp, kind: str):
+    def _start_preceding(rows: Tensor, meta: AttentionMetadata, ratio: int, cp: ContextParallel | None, kind: str):
         """Compressed rows of every window in ``meta.key_windows[ratio]`` (the needed earlier ones, then ours),
         started: ``.wait()`` gives them."""
-        if not meta.preceding:
+        if meta.routes is None:
             return ReadyRows(rows)
-        return cp.start_exchange_rows(rows, meta.preceding[ratio], dim=1, kind=kind)
+        return cp.start_exchange_rows(rows, meta.routes.preceding[ratio], dim=1, kind=kind)
 
     @staticmethod
-    def _start_prev_features(module, x: Tensor, meta: AttentionMetadata, cp, kind: str):
+    def _start_prev_features(module, x: Tensor, meta: AttentionMetadata, cp: ContextParallel | None, kind: str):
         """An overlap compressor's boundary features of the previous chunk, started (``.wait()`` is None on a
         single rank)."""
         if not meta.halo or not module.overlap:
             return ReadyRows(None)
         boundary = module(x, boundary=True)  # [B, 1, 2D]: the last window's softmax summary
-        return cp.start_halo_exchange(boundary, boundary.shape[1], dim=1, kind=kind, route=meta.halo_route)
+        return cp.start_halo_exchange(boundary, boundary.shape[1], dim=1, kind=kind, route=meta.routes.halo)
 
     # ---------------------------------------------------------------- forward
-    def forward(self, x: Tensor, meta: AttentionMetadata, cp: object | None = None) -> Tensor:
+    def forward(self, x: Tensor, meta: AttentionMetadata, cp: ContextParallel | None = None) -> Tensor:
         """Attention over the sliding window and the compressed rows.
 
         Args:
             x: ``[B, L, hidden]`` (input-layernormed), this rank's tokens.
             meta: the per-forward :func:`build_attention_metadata` result (positions, document ids, padding, RoPE
                 tables, windows and what CP must exchange).
-            cp: None or a ``CPContext`` (each local row is one chunk of a whole row, ``cp.layout``).
+            cp: None or the :class:`~dsv4.model.context_parallel.ContextParallel` view (each local row is one chunk
+                of a whole row, ``cp.local_rows``).
         Returns:
             ``[B, L, hidden]`` in ``x.dtype``.
         """
@@ -157,7 +158,7 @@ class DSV4Attention(nn.Module):
         x_i = zero_gradient(x) if train_indexer else x
 
         kv = apply_rope(self.kv_norm(self.wkv(x)), rope)  # [B, L, D]
-        halo = cp.start_halo_exchange(kv, meta.halo, dim=1, kind="halo", route=meta.halo_route) if meta.halo else None
+        halo = cp.start_halo_exchange(kv, meta.halo, dim=1, kind="halo", route=meta.routes.halo) if meta.halo else None
         if self.ratio > 0:
             prev = self._start_prev_features(self.compressor, x, meta, cp, "compressor_halo")
         if self.indexer is not None:

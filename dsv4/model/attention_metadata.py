@@ -1,24 +1,26 @@
 """Per-forward attention metadata: positions, documents, RoPE tables, windows, and what CP must exchange.
 
 Built once per forward by :func:`build_attention_metadata` and shared by every layer (MTP layers included).
-The model sees context parallelism only through the ``cp`` argument (a ``CPContext``); everything here is
-derived from the token metadata, so it is identical on every rank of a CP group.
+The model sees context parallelism only through the ``cp`` argument
+(:class:`~dsv4.model.context_parallel.ContextParallel`); everything here is derived from the token metadata, so it
+is identical on every rank of a CP group.
 
 Single rank (``cp`` None or size 1): keys are this block's rows and windows; ``halo == 0``.
 
-CP of size C with layout ``cp.layout`` (:class:`~dsv4.cp.layout.CPLayout`): a row of ``S`` columns is cut into
-``V`` chunks of ``l`` columns (``l % shard_multiple == 0``), this rank holds ``k = V / C`` of them, and every local
-row ``[k B, l]`` is one chunk ``v`` of one whole row ``b`` (contiguous split: ``k = 1``, chunk = rank):
+CP of size C: a row of ``S`` columns is cut into ``V = cp.num_chunks`` chunks of ``l`` columns
+(``l % shard_multiple == 0``), this rank holds ``k = cp.chunks_per_rank`` of them, and every local row ``[k B, l]`` is
+one chunk ``v`` of one whole row ``b`` (``cp.local_rows``; contiguous split: ``k = 1``, chunk = rank). Which rows
+travel where is planned by ``cp.plan_routes`` from the document runs resolved here:
 
 * Token metadata crosses ranks as one int64 per chunk (:mod:`~dsv4.model.chunk_summary`, one all-gather per
   forward); the halo's own metadata only when a caller's padding lies inside a document (``metadata_halo``). Never
   the row's token metadata. (Multi-token prediction receives the ids and labels it shifts in, ``mtp_metadata``.)
 * Window keys: ``halo = sliding_window - 1`` K/V rows of chunk ``v - 1`` precede each local row (``kv_*`` fields are
   ``[k B, halo + l]``); they travel only to a row whose first token continues a document from chunk ``v - 1``
-  (``halo_route``), the others get zeros marked as padding.
+  (``routes.halo``), the others get zeros marked as padding.
 * Compressed keys: local row ``(b, v)`` needs only the earlier windows of the document its first token belongs to
   (documents are contiguous, so no other earlier window is visible to any of its queries): global windows
-  ``[start, v l / ratio)``, received point to point (``preceding[ratio]``), then its own. Rows needing fewer are
+  ``[start, v l / ratio)``, received point to point (``routes.preceding[ratio]``), then its own. Rows needing fewer are
   left-padded with invisible windows (document id 0) to the rank's longest need; ``key_floors[ratio]`` tells the
   kernels where each row's visible keys begin, per query chunk, so the padding costs no scoring work.
 """
@@ -31,10 +33,9 @@ import torch
 from torch import Tensor
 
 from dsv4.config import DSV4Config, check_cp_length
-from dsv4.cp.collectives import HaloRoute, RowPlan, preceding_transfers, row_plan
-from dsv4.cp.layout import CPLayout
 from dsv4.model.chunk_summary import chunk_summaries, misaligned_error, misaligned_windows, row_runs
 from dsv4.model.compressor import WindowMetadata, window_metadata
+from dsv4.model.context_parallel import ContextParallel, CPRoutes, is_parallel
 from dsv4.model.moe import non_padding_tokens
 from dsv4.model.rope import RopeTable, rope_inv_freq, rope_table
 from dsv4.model.sparse_attention import chunk_document_starts, document_floors
@@ -57,12 +58,11 @@ class AttentionMetadata:
     documents.
     ``real_tokens``: ``[N]`` flat indices of the local non-padding tokens (None without padding): the tokens
     every MoE layer routes, found once per forward (a host sync on GPUs) instead of once per layer.
-    ``halo_route``: under CP, which local rows feed which with their last rows (:class:`~dsv4.cp.collectives.
-    HaloRoute`): only rows whose document continues across a chunk boundary; None on a single rank.
-    ``preceding[r]``: under CP, this rank's part of the causal gather of compressed rows (:class:`~dsv4.cp.
-    collectives.RowPlan`); empty on a single rank.
-    ``next_route`` / ``next_rows`` ``[R]`` bool: under CP, which local rows' documents continue into the next chunk
-    (whose first tokens the multi-token prediction shifts read, through ``next_route``); None on a single rank.
+    ``routes``: under CP, the forward's exchanges (:class:`~dsv4.model.context_parallel.CPRoutes`: the halo route,
+    only rows whose document continues across a chunk boundary; the causal gathers of compressed rows; the route
+    multi-token prediction reads the next chunk's first tokens through); None on a single rank.
+    ``next_rows`` ``[R]`` bool: under CP, which local rows' documents continue into the next chunk; None on a single
+    rank.
     """
 
     position_ids: Tensor
@@ -77,18 +77,16 @@ class AttentionMetadata:
     halo: int = 0
     key_floors: dict[int, list[list[int]]] = field(default_factory=dict)
     real_tokens: Tensor | None = None
-    halo_route: HaloRoute | None = None
-    preceding: dict[int, RowPlan] = field(default_factory=dict)
-    next_route: HaloRoute | None = None
+    routes: CPRoutes | None = None
     next_rows: Tensor | None = None
 
 
-def check_cp_layout(config: DSV4Config, local_len: int, cp) -> int:
+def check_cp_layout(config: DSV4Config, local_len: int, cp: ContextParallel) -> int:
     """Validate a CP forward before any collective runs; return the halo.
 
     Every chunk of the layout has the same ``l`` columns, so every rank raises (or not) together.
     """
-    chunks = cp.layout.num_chunks
+    chunks = cp.num_chunks
     check_cp_length(local_len * chunks, chunks, config.shard_multiple, what="global sequence length")
     halo = config.sliding_window - 1  # K/V rows a chunk needs from its predecessor
     if cp.halo is not None:
@@ -112,7 +110,7 @@ def build_attention_metadata(
     position_ids: Tensor,
     packed_seq_ids: Tensor | None = None,
     padding_mask: Tensor | None = None,
-    cp=None,
+    cp: ContextParallel | None = None,
 ) -> AttentionMetadata:
     """Build the per-token attention metadata for one forward (reused by every layer).
 
@@ -121,8 +119,8 @@ def build_attention_metadata(
         position_ids: ``[R, L]`` int, document-local positions (global positions for unpacked rows).
         packed_seq_ids: ``[R, L]`` int, 1-based document ids, 0 = pack padding; None = one document per row.
         padding_mask: ``[R, L]`` bool, True = a key no query may see; None = no padding.
-        cp: ``None`` or a ``CPContext``; with more than one rank the local rows are the rank's chunks
-            (``cp.layout``) and the chunks' summaries are gathered once.
+        cp: ``None`` or a :class:`~dsv4.model.context_parallel.ContextParallel`; with more than one rank the local
+            rows are the rank's chunks (``cp.local_rows``) and the chunks' summaries are gathered once.
     Raises:
         ValueError: bad shapes; under CP a local length that is not a multiple of the shard multiple or shorter
             than the halo, or a row count that is not a multiple of the chunks per rank (before any collective); a
@@ -140,14 +138,15 @@ def build_attention_metadata(
         if t.shape != (rows, length):
             raise ValueError(f"build_attention_metadata: {name} shape {tuple(t.shape)} != position_ids {(rows, length)}")
 
-    layout = cp.layout if cp is not None and cp.size > 1 else CPLayout()
-    if rows % layout.chunks_per_rank:
-        raise ValueError(f"build_attention_metadata: {rows} local rows under cp_balance={layout.balance!r} must be "
-                         f"{layout.chunks_per_rank} chunks per whole row (cut the batch with the same layout)")
-    batch, chunks = rows // layout.chunks_per_rank, layout.num_chunks
+    parallel = is_parallel(cp)
+    per_row = cp.chunks_per_rank if parallel else 1
+    if rows % per_row:
+        raise ValueError(f"build_attention_metadata: {rows} local rows under cp_balance={cp.balance!r} must be "
+                         f"{per_row} chunks per whole row (cut the batch with the same layout)")
+    batch, chunks = rows // per_row, (cp.num_chunks if parallel else 1)
     ratios = list(config.active_ratios)
-    halo = check_cp_layout(config, length, cp) if layout.size > 1 else 0
-    local = layout.local_rows(cp.rank, batch) if layout.size > 1 else [(b, 0) for b in range(rows)]
+    halo = check_cp_layout(config, length, cp) if parallel else 0
+    local = cp.local_rows(batch) if parallel else [(b, 0) for b in range(rows)]
 
     rope_dim = config.qk_rope_head_dim
     inv_main = rope_inv_freq(rope_dim, config.rope_theta)
@@ -160,7 +159,7 @@ def build_attention_metadata(
 
     # under CP one gather of one int64 per chunk (not the row's tokens), read to the host with the chunk starts
     chunk_starts = chunk_document_starts(seq_ids, position_ids, config.attention_chunk_size)  # [R, n_chunks]
-    if layout.size > 1:
+    if parallel:
         summary = chunk_summaries(seq_ids, position_ids, padding, ratios, config.shard_multiple)  # [R] int64
         shared = cp.gather_rows(summary[:, None], kind="metadata")  # [B, V]
     else:
@@ -169,7 +168,7 @@ def build_attention_metadata(
     per_row_chunks = chunk_starts.shape[1]
     chunk_start_rows = [host[i * per_row_chunks:(i + 1) * per_row_chunks] for i in range(rows)]
     flat = host[rows * per_row_chunks:]
-    if layout.size > 1:
+    if parallel:
         summaries = [flat[b * chunks:(b + 1) * chunks] for b in range(batch)]
         runs = row_runs(summaries, length, ratios, config.shard_multiple)
     elif any(flat):
@@ -177,14 +176,12 @@ def build_attention_metadata(
 
     key_windows = dict(windows)
     key_floors: dict[int, list[list[int]]] = {}
-    preceding: dict[int, RowPlan] = {}
-    halo_route = next_route = next_rows = None
+    routes = next_rows = None
     kv_seq, kv_pad = seq_ids, padding
-    if layout.size > 1:
-        halo_route = HaloRoute(tuple(
-            (*_local_row(layout, v - 1, b, batch), *_local_row(layout, v, b, batch))
-            for v in range(1, chunks) for b in range(batch) if runs.continues(b, v)
-        ))
+    if parallel:
+        need = {ratio: [[runs.need(b, v, ratio) for v in range(chunks)] for b in range(batch)] for ratio in ratios}
+        routes = cp.plan_routes(batch, length, [[runs.continues(b, v) for v in range(chunks)] for b in range(batch)],
+                                need)
         # per local row, the column where the document its first token continues began (-1: it starts fresh)
         continued_from = torch.tensor([-1 if runs.start[b][v] is None else runs.start[b][v] for b, v in local],
                                       dtype=torch.long, device=device)
@@ -193,7 +190,7 @@ def build_attention_metadata(
         span = max(halo, max((r for r in ratios if r == 4), default=0))
         if runs.caller_padding:
             tail = torch.stack((seq_ids[:, length - span:], (~padding[:, length - span:]).long()), dim=-1).int()
-            received = cp.halo_exchange(tail, span, dim=1, kind="metadata_halo", route=halo_route)  # [R, span, 2]
+            received = cp.halo_exchange(tail, span, dim=1, kind="metadata_halo", route=routes.halo)  # [R, span, 2]
             h_seq, h_real = received[..., 0].long(), received[..., 1].bool()
         else:
             firsts = torch.tensor([v * length for _, v in local], dtype=torch.long, device=device)
@@ -208,20 +205,13 @@ def build_attention_metadata(
                 valid = (before[:, 0] > 0) & (before == before[:, :1]).all(-1)
                 windows[ratio].prev_seq_ids = torch.where(valid, before[:, 0], torch.zeros_like(before[:, 0]))
         # multi-token prediction reads the first tokens of the chunk a row continues into, from that chunk
-        next_route = HaloRoute(tuple((d, j, s, i) for s, i, d, j in halo_route.pairs), first=True)
         next_rows = torch.zeros(rows, dtype=torch.bool, device=device)
-        next_rows[[i for s, i, d, j in halo_route.pairs if s == cp.rank]] = True
-        owners = [layout.owner(v) for v in range(chunks)]
-        rank_chunks = [layout.chunks(r) for r in range(layout.size)]
+        next_rows[list(routes.continues_next)] = True
         for ratio in ratios:
-            n = length // ratio
-            need = [[runs.need(b, v, ratio) for v in range(chunks)] for b in range(batch)]
-            transfers, out_len = preceding_transfers(need, rank_chunks, owners, n)
-            width = out_len[cp.rank]
-            preceding[ratio] = row_plan(transfers, cp.rank, rows, width)
-            earlier = [v * n - need[b][v] for b, v in local]
-            key_windows[ratio] = _key_windows(windows[ratio], seq_ids[:, 0], continued_from, local, need, width, ratio,
-                                              length)
+            n, width = length // ratio, routes.preceding_width[ratio]
+            earlier = [v * n - need[ratio][b][v] for b, v in local]
+            key_windows[ratio] = _key_windows(windows[ratio], seq_ids[:, 0], continued_from, local, need[ratio], width,
+                                              ratio, length)
             key_floors[ratio] = document_floors(chunk_start_rows, width, n, ratio, earlier)
     for ratio in ratios:
         if ratio not in key_floors:
@@ -240,9 +230,7 @@ def build_attention_metadata(
         halo=halo,
         key_floors=key_floors,
         real_tokens=None if padding_mask is None else non_padding_tokens(padding),
-        halo_route=halo_route,
-        preceding=preceding,
-        next_route=next_route,
+        routes=routes,
         next_rows=next_rows,
     )
 
@@ -262,9 +250,3 @@ def _key_windows(own: WindowMetadata, first_ids: Tensor, start: Tensor, local: l
     pos = torch.where(inside, (w * ratio - start[:, None]) // ratio, torch.zeros_like(w))
     return WindowMetadata(ratio=ratio, seq_ids=torch.cat((seq, own.seq_ids), 1),
                           positions=torch.cat((pos, own.positions), 1))
-
-
-def _local_row(layout: CPLayout, chunk: int, b: int, batch: int) -> tuple[int, int]:
-    """``(rank, local row)`` holding chunk ``chunk`` of whole row ``b``."""
-    rank, slot = layout.owner(chunk)
-    return rank, slot * batch + b

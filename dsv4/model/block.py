@@ -19,6 +19,7 @@ from torch import nn
 
 from dsv4.model.attention import DSV4Attention
 from dsv4.model.attention_metadata import AttentionMetadata
+from dsv4.model.context_parallel import ContextParallel
 from dsv4.model.hyper_connections import HyperConnection
 from dsv4.model.moe import MoE
 from dsv4.model.norm import RMSNorm
@@ -52,7 +53,7 @@ class DSV4Block(nn.Module):
         self.activation_checkpointing = config.activation_checkpointing
 
     def forward(
-        self, x: torch.Tensor, input_ids: torch.Tensor | None, meta: AttentionMetadata, cp=None
+        self, x: torch.Tensor, input_ids: torch.Tensor | None, meta: AttentionMetadata, cp: ContextParallel | None = None
     ) -> torch.Tensor:
         """``x [B, L, hc, d]`` -> ``[B, L, hc, d]``; ``input_ids [B, L]`` feed the hash router (None: no hash layer).
 
@@ -61,14 +62,14 @@ class DSV4Block(nn.Module):
             return recomputed(self._forward, x, input_ids, meta, cp)
         return self._forward(x, input_ids, meta, cp)
 
-    def _forward(self, x, input_ids, meta: AttentionMetadata, cp) -> torch.Tensor:
+    def _forward(self, x, input_ids, meta: AttentionMetadata, cp: ContextParallel | None) -> torch.Tensor:
         if self.activation_checkpointing == "selective" and torch.is_grad_enabled():
             x = self.attn_hc(x, lambda h: recomputed(self._attention, h, meta, cp))
             return self.ffn_hc(x, lambda h: recomputed(self._ffn, h, input_ids, meta.real_tokens))
         x = self.attn_hc(x, lambda h: self._attention(h, meta, cp))
         return self.ffn_hc(x, lambda h: self._ffn(h, input_ids, meta.real_tokens))
 
-    def _attention(self, h: torch.Tensor, meta: AttentionMetadata, cp) -> torch.Tensor:
+    def _attention(self, h: torch.Tensor, meta: AttentionMetadata, cp: ContextParallel | None) -> torch.Tensor:
         return self.self_attn(self.input_layernorm(h), meta, cp)
 
     def _ffn(self, h: torch.Tensor, input_ids: torch.Tensor | None, real_tokens: torch.Tensor | None) -> torch.Tensor:

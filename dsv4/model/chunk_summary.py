@@ -1,6 +1,6 @@
 """What one CP chunk must know of the others: one int64 per chunk of each row, not the row's token metadata.
 
-Under context parallelism a local row is one chunk of a whole row (:class:`~dsv4.cp.layout.CPLayout`). Positions are
+Under context parallelism a local row is one chunk of a whole row (:class:`~dsv4.parallel.cp.layout.CPLayout`). Positions are
 document-local (they count from 0 at each document's first token, by one inside it), so a chunk whose first token
 sits at position ``p > 0`` continues the document that began ``p`` columns before it, and knows from that alone which
 halo rows, compressor boundary and earlier windows it needs and what they describe (that document's id, positions

@@ -7,7 +7,8 @@ single forward:
 
 * ``position_ids`` default to ``rank * L + arange(L)``, ``packed_seq_ids`` to all 1 (one document per row);
 * ``loss_mask`` (0 = do not train on this token) is folded into ``labels``;
-* ``_dsv4_cp_group`` (the seed sharder's key) becomes the :class:`~dsv4.cp.context.CPContext` when ``cp`` is None;
+* a batch key registered with :func:`register_cp_batch_key` (the compatible API's sharder registers the
+  key naming its CP group) resolves the forward's :class:`~dsv4.model.context_parallel.ContextParallel`;
 * ``seq_lens`` / ``seq_lens_padded`` / ``qkv_format`` / ``cp_partition_mode`` of a sharded batch (global
   metadata with ``packed_seq_ids`` present) are ignored, as in the seed;
 * ``seq_lens`` *without* ``packed_seq_ids`` (one rank): the rows are caller rows of back-to-back documents; they
@@ -20,15 +21,27 @@ Unknown keyword arguments raise ``TypeError``; inconsistent shapes raise ``Value
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from dsv4.config import DSV4Config
+from dsv4.model.context_parallel import ContextParallel, is_parallel
 from dsv4.packing import PackedSequenceLayout
 
-SEED_BATCH_KEYS = frozenset({"seq_lens", "seq_lens_padded", "qkv_format", "cp_partition_mode", "_dsv4_cp_group",
-                             "loss_mask"})
+PACKED_BATCH_KEYS = frozenset({"seq_lens", "seq_lens_padded", "qkv_format", "cp_partition_mode", "loss_mask"})
+
+CPFromBatch = Callable[[Any, "ContextParallel | None"], "ContextParallel | None"]
+_CP_BATCH_KEYS: dict[str, CPFromBatch] = {}
+
+
+def register_cp_batch_key(name: str, resolve: CPFromBatch) -> None:
+    """Accept batch key ``name`` in ``model(**batch)``: ``resolve(value, cp)`` returns the context the forward runs
+    with (``cp``: the one passed explicitly, or None), or raises ValueError when the two disagree. A sharder that
+    stores its CP group in the batch registers its key here; the model knows no key of its own."""
+    if name in PACKED_BATCH_KEYS:
+        raise ValueError(f"register_cp_batch_key: {name!r} is a packed-batch key of the model")
+    _CP_BATCH_KEYS[name] = resolve
 
 
 @dataclass
@@ -40,23 +53,14 @@ class ModelInputs:
     seq_ids: torch.Tensor
     padding: torch.Tensor | None
     labels: torch.Tensor | None
-    cp: Any
+    cp: ContextParallel | None
     layout: PackedSequenceLayout | None = None
 
 
-def _cp_from_batch(cp, batch_keys: dict):
-    if "_dsv4_cp_group" not in batch_keys:
-        return cp
-    from dsv4.cp.context import CPContext  # the model touches CP only through CPContext
-
-    from_batch = CPContext(batch_keys["_dsv4_cp_group"])
-    if cp is None:
-        return from_batch if from_batch.size > 1 else None
-    if cp.size != from_batch.size:
-        raise ValueError(
-            f"the batch was sharded for a CP group of {from_batch.size} ranks but the forward got a CPContext of "
-            f"{cp.size} ranks; build the CPContext from the same group as the sharder's mesh"
-        )
+def _cp_from_batch(cp: ContextParallel | None, batch_keys: dict) -> ContextParallel | None:
+    for name, resolve in _CP_BATCH_KEYS.items():
+        if name in batch_keys:
+            cp = resolve(batch_keys[name], cp)
     return cp
 
 
@@ -75,12 +79,12 @@ def resolve_inputs(
     position_ids: torch.Tensor | None,
     packed_seq_ids: torch.Tensor | None,
     padding_mask: torch.Tensor | None,
-    cp,
+    cp: ContextParallel | None,
     labels: torch.Tensor | None,
     batch_keys: dict,
 ) -> ModelInputs:
     """The canonical inputs of a forward call (see the module docstring)."""
-    unknown = set(batch_keys) - SEED_BATCH_KEYS
+    unknown = set(batch_keys) - PACKED_BATCH_KEYS - set(_CP_BATCH_KEYS)
     if unknown:
         raise TypeError(f"DSV4ForCausalLM.forward got unexpected keyword arguments {sorted(unknown)}")
     if input_ids.dim() != 2:
@@ -94,11 +98,11 @@ def resolve_inputs(
     if position_ids is None:  # the global columns of each local row: its chunk's start + arange(L)
         b, length = input_ids.shape
         starts = [0] * b
-        if cp is not None and cp.size > 1:
-            k = cp.layout.chunks_per_rank
+        if is_parallel(cp):
+            k = cp.chunks_per_rank
             if b % k:
                 raise ValueError(f"input_ids has {b} rows but cp_balance={cp.balance!r} holds {k} chunks per row")
-            starts = [v * length for _, v in cp.layout.local_rows(cp.rank, b // k)]
+            starts = [v * length for _, v in cp.local_rows(b // k)]
         position_ids = (torch.tensor(starts, device=input_ids.device)[:, None]
                         + torch.arange(length, device=input_ids.device))
     if packed_seq_ids is None:
@@ -114,7 +118,7 @@ def _aligned_inputs(config, input_ids, position_ids, padding_mask, cp, labels, s
     """Caller rows of back-to-back documents -> the aligned rows the model runs on (single rank)."""
     from dsv4.packing import aligned_packed_layout
 
-    if cp is not None and cp.size > 1:
+    if is_parallel(cp):
         raise ValueError("seq_lens without packed_seq_ids is the single-rank packed path; under context "
                          "parallelism shard the batch first (the sharder adds packed_seq_ids)")
     if position_ids is not None or padding_mask is not None:

@@ -40,6 +40,7 @@ from dsv4.model.attention import DSV4Attention
 from dsv4.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from dsv4.model.block import DSV4Block
 from dsv4.model.chunked_loss import linear_cross_entropy
+from dsv4.model.context_parallel import ContextParallel
 from dsv4.model.hyper_connections import HyperHead
 from dsv4.model.inputs import ModelInputs, resolve_inputs
 from dsv4.model.moe import GroupedExperts
@@ -87,7 +88,7 @@ class DSV4Model(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cp=None) -> BackboneOutput:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cp: ContextParallel | None = None) -> BackboneOutput:
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, input_ids, meta, cp)
@@ -133,7 +134,7 @@ class DSV4ForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         packed_seq_ids: torch.Tensor | None = None,
         padding_mask: torch.Tensor | None = None,
-        cp=None,
+        cp: ContextParallel | None = None,
         labels: torch.Tensor | None = None,
         *,
         logits_to_keep: int | torch.Tensor = 0,

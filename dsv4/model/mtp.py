@@ -27,6 +27,7 @@ from torch import nn
 
 from dsv4.model.attention_metadata import AttentionMetadata
 from dsv4.model.block import DSV4Block
+from dsv4.model.context_parallel import ContextParallel, is_parallel
 from dsv4.model.hyper_connections import HyperHead
 from dsv4.model.norm import RMSNorm
 
@@ -40,8 +41,8 @@ class DocumentShift:
     ``s`` values, which it sends already checked (``fill`` where they leave the document or are padding).
     """
 
-    def __init__(self, meta: AttentionMetadata, cp=None) -> None:
-        self.cp = cp if cp is not None and cp.enabled and meta.next_route is not None else None
+    def __init__(self, meta: AttentionMetadata, cp: ContextParallel | None = None) -> None:
+        self.cp = cp if is_parallel(cp) and meta.routes is not None else None
         self.meta = meta
         seq = meta.seq_ids
         self.pad = meta.padding if meta.padding is not None else torch.zeros_like(seq, dtype=torch.bool)
@@ -57,7 +58,7 @@ class DocumentShift:
         keep = (head == seq[:, :1]) & (head > 0) & ~self.pad[:, :shift]
         sent = torch.where(keep, local_values[:, :shift], torch.full_like(local_values[:, :shift], fill))
         received = self.cp.halo_exchange(sent.to(torch.int32), shift, dim=1, kind="mtp_metadata",
-                                         route=self.meta.next_route).to(local_values.dtype)  # ids and labels fit
+                                         route=self.meta.routes.next).to(local_values.dtype)  # ids and labels fit
         return torch.where(self.meta.next_rows[:, None], received, none)
 
     def __call__(self, local_values: torch.Tensor, shift: int, fill: int) -> torch.Tensor:
@@ -93,7 +94,7 @@ class MTPLayer(DSV4Block):
 
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, shifted_embeds: torch.Tensor, shifted_ids: torch.Tensor, meta: AttentionMetadata,
-        cp=None,
+        cp: ContextParallel | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [B, L, hc, d]``, ``shifted_embeds [B, L, d]`` -> ``(X' [B, L, hc, d], hidden [B, L, d])``."""
         e = self.e_proj(self.enorm(shifted_embeds))
@@ -117,7 +118,7 @@ class MultiTokenPrediction(nn.Module):
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         labels: torch.Tensor | None = None,
-        cp=None,
+        cp: ContextParallel | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """``x [B, L, hc, d]`` (the backbone's streams) -> per depth ``hidden [B, L, d]`` (+ shifted labels)."""
         hiddens: list[torch.Tensor] = []

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dsv4.config import DSV4Config
-from dsv4.cp.layout import cp_chunks
+from dsv4.parallel.cp.layout import cp_chunks
 from dsv4.model.model import DSV4ForCausalLM
 from dsv4.parallel.expert_shard import shard_experts
 from dsv4.parallel.wrap import fsdp_units, store_frozen_in_compute_dtype
@@ -52,7 +52,7 @@ class PlanSetup:
     device_memory_bytes: int = 80 * GIB
     chunked_loss: bool = True  # the training step's loss; False: through full [L, vocab] logits
     lora: LoRAConfig | None = None  # a LoRA fine-tune (dsv4.peft): frozen base, trainable adapters
-    cp_balance: str = "none"  # the CP layout (dsv4.cp.layout): "full" = head-tail chunks
+    cp_balance: str = "none"  # the CP layout (dsv4.parallel.cp.layout): "full" = head-tail chunks
 
     @property
     def world(self) -> int:

@@ -3,7 +3,8 @@
 The memory plan runs real model code on the ``meta`` device (:mod:`dsv4.plan.trace`); three things cannot run
 there as they do on a rank, so these replace them with what has the same shapes, dtypes and lifetimes:
 
-* :class:`PlanCP`: the ``CPContext`` of rank ``rank`` of ``size`` (layout ``balance``) for one document spanning
+* :class:`PlanCP`: a :class:`~dsv4.model.context_parallel.ContextParallel` for rank ``rank`` of ``size`` (layout
+  ``balance``, routes planned by the real :func:`~dsv4.parallel.cp.routes.plan_routes`) for one document spanning
   every rank (the worst case: the rank holding the last chunk receives every earlier compressed row). Received
   tensors are new tensors of the received shape; the chunk summaries are those of that one document.
 * :class:`PlanDispatcher`: the MoE with every expert receiving the same number of (token, expert) pairs (the
@@ -20,11 +21,12 @@ import dataclasses
 import torch
 
 from dsv4.config import DSV4Config
-from dsv4.cp.collectives import ReadyRows
-from dsv4.cp.layout import CPLayout
 from dsv4.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from dsv4.model.chunk_summary import FIELD
+from dsv4.model.context_parallel import CPRoutes, ReadyRows
 from dsv4.model.dispatch import weighted_sum
+from dsv4.parallel.cp.layout import CPLayout
+from dsv4.parallel.cp.routes import plan_routes
 
 
 class PlanCP:
@@ -37,6 +39,20 @@ class PlanCP:
     @property
     def enabled(self) -> bool:
         return self.size > 1
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.layout.chunks_per_rank
+
+    @property
+    def num_chunks(self) -> int:
+        return self.layout.num_chunks
+
+    def local_rows(self, batch: int) -> list[tuple[int, int]]:
+        return self.layout.local_rows(self.rank, batch)
+
+    def plan_routes(self, batch: int, length: int, continues, need) -> CPRoutes:
+        return plan_routes(self.layout, self.rank, batch, length, continues, need)
 
     def gather_rows(self, local: torch.Tensor, kind: str = "") -> torch.Tensor:
         """Every chunk's summary ``[B, V]`` from this rank's ``[R, 1]`` (:mod:`dsv4.model.chunk_summary`): on

@@ -96,7 +96,7 @@ def _cp_context(rank: int, world: int, cp: int):
         return None
     import torch.distributed as dist
 
-    from dsv4.cp import CPContext
+    from dsv4.parallel.cp import CPContext
 
     groups = [dist.new_group(list(range(start, start + cp))) for start in range(0, world, cp)]
     dist.barrier()

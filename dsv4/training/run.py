@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from dsv4.config import DSV4Config, check_cp_length
-from dsv4.cp.layout import check_balance, cp_chunks
+from dsv4.parallel.cp.layout import check_balance, cp_chunks
 from dsv4.parallel.mesh import ParallelDims
 from dsv4.training.schema import lora_config, model_config
 from dsv4.training.strategy import compute_dtype_for

@@ -27,7 +27,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 
-from dsv4.cp import CPContext
+from dsv4.parallel.cp import CPContext
 from dsv4.distributed import ProcessGroup
 from dsv4.parallel.expert_shard import apply_expert_parallel
 from dsv4.parallel.mesh import Meshes, ParallelDims, build_meshes
@@ -71,7 +71,7 @@ class ParallelState:
 
 class DSV4Strategy(ModelParallelStrategy):
     """Args: ``cp``, ``dp`` (-1 = world // cp), ``ep``, ``dispatcher`` name, ``compute_dtype``, ``cp_balance``
-    (:class:`~dsv4.cp.layout.CPLayout`); the rest goes to
+    (:class:`~dsv4.parallel.cp.layout.CPLayout`); the rest goes to
     ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``)."""
 
     def __init__(self, cp: int = 1, dp: int = -1, ep: int = 1, dispatcher: str = "local",

@@ -69,7 +69,7 @@ def _body(rank, world_size, indexer_loss, overlap):
 
 @pytest.mark.parametrize("world_size, indexer_loss, overlap", [(2, False, False), (4, False, True), (4, True, True)])
 def test_balanced_cp_matches_single_rank(world_size, indexer_loss, overlap):
-    from dsv4.cp.layout import CPLayout
+    from dsv4.parallel.cp.layout import CPLayout
 
     results = run_on_ranks(_body, world_size, args=(indexer_loss, overlap))
     torch.set_num_threads(1)

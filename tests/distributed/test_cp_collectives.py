@@ -60,7 +60,13 @@ def _collectives_body(rank, world_size):
     # causal gather: rank r asks for global rows [starts[r], r*n); loss_r = sum(received * u_r)
     starts = _preceding_starts(world_size, length)
     x4 = xs[rank].clone().requires_grad_(True)
-    got = ctx.gather_preceding(x4, starts, dim=1, kind="preceding")
+    from dsv4.parallel.cp.collectives import row_plan
+    from dsv4.parallel.cp.routes import preceding_transfers
+
+    rows = x4.shape[0]
+    transfers, out_len = preceding_transfers([list(starts)] * rows, [[r] for r in range(world_size)],
+                                             [(r, 0) for r in range(world_size)], length)
+    got = ctx.exchange_rows(x4, row_plan(transfers, rank, rows, out_len[rank]), dim=1, kind="preceding")
     (got * _preceding_weights(world_size, length, rank, got.shape[1])).sum().backward()
     out["preceding"] = got.detach()
     out["preceding_grad"] = x4.grad.clone()
@@ -242,8 +248,9 @@ def _weights(rank, rows, length):
 
 def _started_body(rank, world_size):
     from dsv4.cp import CPContext
-    from dsv4.cp.collectives import HaloRoute, preceding_transfers, row_plan
-    from dsv4.cp.layout import CPLayout
+    from dsv4.parallel.cp.collectives import HaloRoute, row_plan
+    from dsv4.parallel.cp.routes import preceding_transfers
+    from dsv4.parallel.cp.layout import CPLayout
 
     layout = CPLayout(world_size, "full")
     ctx = CPContext(dist.new_group(list(range(world_size))), balance="full")
@@ -267,7 +274,7 @@ def test_started_row_exchanges_in_the_balanced_layout_match_the_oracle(world_siz
     """Row exchanges between head-tail chunks (per-row needs, left-padded results, halos between any two chunks,
     local copies on one rank), started together and waited for out of order, equal the single-process oracle;
     gradients return to every source row."""
-    from dsv4.cp.layout import CPLayout
+    from dsv4.parallel.cp.layout import CPLayout
 
     results = run_on_ranks(_started_body, world_size)
     layout = CPLayout(world_size, "full")

@@ -2,7 +2,7 @@
 
 A thin layer for code written against the seed: it turns a packed batch *dict* into per-rank batch dicts that
 ``model(**batch)`` accepts. It sits on the same code as dsv4's own path (the aligned layout of
-:mod:`dsv4.packing`, the collectives of :mod:`dsv4.cp.collectives`, :func:`dsv4.config.shard_multiple`) and is
+:mod:`dsv4.packing`, the collectives of :mod:`dsv4.parallel.cp.collectives`, :func:`dsv4.config.shard_multiple`) and is
 re-exported by :mod:`dsv4.cp`. Deliberate differences from the seed: malformed batches raise ``ValueError`` /
 ``KeyError`` naming the key and the numbers before the batch is touched, and no real (label != -100) token is ever
 dropped silently.
@@ -21,6 +21,7 @@ from dsv4.cp.seed.groups import (
     dsv4_cp_rank,
     dsv4_cp_size,
 )
+from dsv4.cp.seed import model_inputs as _model_inputs  # noqa: F401 - model(**batch) accepts _dsv4_cp_group
 from dsv4.cp.seed.layout import ShardLayout
 from dsv4.cp.seed.masks import build_dsv4_cp_causal_padding_mask, build_dsv4_cp_packed_causal_padding_mask
 from dsv4.cp.seed.repad import _repad_dsv4_packed_batch

@@ -1,6 +1,6 @@
 """Seed group helpers and gathers (``dsv4_cp_enabled/rank/size``, ``dsv4_cp_all_gather[_metadata]``) and CP meshes.
 
-The seed names are thin wrappers over :mod:`dsv4.distributed` and :mod:`dsv4.cp.collectives` with the seed's
+The seed names are thin wrappers over :mod:`dsv4.distributed` and :mod:`dsv4.parallel.cp.collectives` with the seed's
 signatures. A *CP mesh* (what the seed sharding functions take) is a 1-D ``DeviceMesh``, a process group, ``None``,
 or any object with ``size()`` (and optionally ``get_local_rank()`` / ``get_group()``), e.g. :class:`SimulatedMesh`,
 which lets one process shard for every rank of a pretend group.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsv4.cp.collectives import all_gather, all_gather_metadata
+from dsv4.parallel.cp.collectives import all_gather, all_gather_metadata
 from dsv4.distributed import ProcessGroup, group_rank, group_size, is_initialized
 
 

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from dsv4.cp.layout import CPLayout
 
 from dsv4.config import DSV4Config
 from dsv4.model.attention import DSV4Attention
@@ -139,8 +138,8 @@ def test_prebuilt_metadata_and_cp_hook():
 
     class FakeCP:  # no collective may run: every check below must fire before one
         def __init__(self, size, halo=None):
-            self.size, self.rank, self.halo = size, 0, halo
-            self.layout = CPLayout(size)
+            self.size, self.rank, self.halo, self.balance = size, 0, halo, "none"
+            self.chunks_per_rank, self.num_chunks = 1, size
 
         def __getattr__(self, name):
             raise AssertionError(f"collective {name} called")

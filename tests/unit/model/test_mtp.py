@@ -19,7 +19,7 @@ IDS = torch.tensor([[10, 11, 12, 99, 20, 21, 22, 0]])
 def meta(seq, pad, next_rows=None):
     """The attention-metadata fields DocumentShift reads: the local rows' ids and padding and, under CP, which rows
     continue into the next chunk."""
-    return SimpleNamespace(seq_ids=seq, padding=pad, next_route=None if next_rows is None else "next",
+    return SimpleNamespace(seq_ids=seq, padding=pad, routes=None if next_rows is None else SimpleNamespace(next="next"),
                            next_rows=next_rows)
 
 
@@ -34,10 +34,10 @@ def test_shift_stays_inside_documents():
 
 
 class _FakeCP:
-    """A CP group whose exchange along ``next_route`` hands each local row (global columns ``cols``) what the next
+    """A CP group whose exchange along ``routes.next`` hands each local row (global columns ``cols``) what the next
     chunk of the whole row sends: its first values while they stay in its first document, unpadded, else ``fill``."""
 
-    enabled = True
+    size = 2
 
     def __init__(self, cols, values, fill) -> None:
         self.cols, self.values, self.fill = cols, values, fill

@@ -1,6 +1,6 @@
 """Byte counters for context-parallel exchanges.
 
-Every collective in :mod:`dsv4.cp.collectives` can be handed a :class:`TrafficCounter` and a *kind*
+Every collective in :mod:`dsv4.parallel.cp.collectives` can be handed a :class:`TrafficCounter` and a *kind*
 (``"halo"``, ``"compressed_gather"``, ``"index_key_gather"``, ``"metadata"``, ...). It records how many bytes this
 rank sent and received for that kind and how many calls were made, so that benchmarks can compare the traffic of
 a design with its analytic lower bound without instrumenting the transport.

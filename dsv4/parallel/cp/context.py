@@ -1,13 +1,15 @@
-"""`CPContext`: the one object through which model code sees context parallelism.
+"""`CPContext`: context parallelism over a process group, as the model sees it
+(:class:`~dsv4.model.context_parallel.ContextParallel`).
 
 The model receives ``cp=None`` (single rank) or a ``CPContext``. It never touches process groups directly: it
-asks the context for its rank/size and calls the context's exchange verbs, which count their traffic.
+asks the context for its chunks, has it plan the forward's routes (:mod:`dsv4.parallel.cp.routes`) and calls its
+exchange verbs, which count their traffic.
 
 Invariants:
 
 * ``size == 1`` (``group`` None or a one-rank group) is exactly the single-rank path: every verb is an identity
   (gathers) or returns zeros (halo), and no collective runs.
-* Which columns a rank holds is its :class:`~dsv4.cp.layout.CPLayout` (``balance``): ``"none"``, rank ``r`` owns
+* Which columns a rank holds is its :class:`~dsv4.parallel.cp.layout.CPLayout` (``balance``): ``"none"``, rank ``r`` owns
   global tokens ``[r*L, (r+1)*L)`` of the padded row (contiguous split); ``"full"``, the row is cut into ``2C``
   chunks and rank ``r`` holds chunks ``r`` and ``2C-1-r`` as two local rows (head-tail, balanced work).
 """
@@ -18,20 +20,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4.cp.collectives import (
+from dsv4.model.context_parallel import CPRoutes, ReadyRows
+from dsv4.parallel.cp.collectives import (
     HaloRoute,
-    ReadyRows,
     RowPlan,
     all_gather,
     all_gather_metadata,
     exchange_rows,
-    gather_preceding,
     halo_exchange,
     start_exchange_rows,
     start_halo_exchange,
 )
-from dsv4.cp.layout import CPLayout, check_balance
-from dsv4.cp.traffic import TrafficCounter
+from dsv4.parallel.cp.layout import CPLayout, check_balance
+from dsv4.parallel.cp.routes import plan_routes
+from dsv4.parallel.cp.traffic import TrafficCounter
 from dsv4.distributed import GroupMember, ProcessGroup
 
 
@@ -44,7 +46,7 @@ class CPContext(GroupMember):
         halo: rows a rank receives from its predecessor per layer (the model sets it from its config when None:
             ``sliding_window - 1``, at least the compressor overlap).
         traffic: counter of bytes moved per exchange kind (shared by every verb of this context).
-        balance: ``"none"`` (contiguous split) or ``"full"`` (head-tail chunks; :class:`~dsv4.cp.layout.CPLayout`).
+        balance: ``"none"`` (contiguous split) or ``"full"`` (head-tail chunks; :class:`~dsv4.parallel.cp.layout.CPLayout`).
         overlap: the model starts its halo and preceding-row exchanges before the work that does not need them and
             waits where it does (``start_*`` verbs); False completes each exchange where it starts (to measure what
             the overlap hides).
@@ -68,8 +70,24 @@ class CPContext(GroupMember):
     def enabled(self) -> bool:
         return self.size > 1
 
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.layout.chunks_per_rank
+
+    @property
+    def num_chunks(self) -> int:
+        return self.layout.num_chunks
+
+    def local_rows(self, batch: int) -> list[tuple[int, int]]:
+        """``(whole row, chunk)`` of each of this rank's local rows for ``batch`` whole rows."""
+        return self.layout.local_rows(self.rank, batch)
+
+    def plan_routes(self, batch: int, length: int, continues, need) -> CPRoutes:
+        """This rank's routes of one forward (:func:`dsv4.parallel.cp.routes.plan_routes`)."""
+        return plan_routes(self.layout, self.rank, batch, length, continues, need)
+
     def all_gather(self, tensor: torch.Tensor, dim: int = 1, kind: str = "all_gather") -> torch.Tensor:
-        """Differentiable all-gather along ``dim`` (see :func:`dsv4.cp.collectives.all_gather`)."""
+        """Differentiable all-gather along ``dim`` (see :func:`dsv4.parallel.cp.collectives.all_gather`)."""
         return all_gather(tensor, dim, self.group, traffic=self.traffic, kind=kind)
 
     def all_gather_metadata(self, tensor: torch.Tensor, dim: int = 1, kind: str = "metadata") -> torch.Tensor:
@@ -85,7 +103,7 @@ class CPContext(GroupMember):
     def halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "halo",
                       route: HaloRoute | None = None) -> torch.Tensor:
         """The previous chunk's last ``rows`` rows along ``dim`` (zeros where there is none), differentiable;
-        ``route``: which rows feed which (see :func:`dsv4.cp.collectives.halo_exchange`)."""
+        ``route``: which rows feed which (see :func:`dsv4.parallel.cp.collectives.halo_exchange`)."""
         return halo_exchange(tensor, rows, dim, self.group, traffic=self.traffic, kind=kind, route=route)
 
     def start_halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "halo",
@@ -101,9 +119,5 @@ class CPContext(GroupMember):
         return pending if self.overlap else ReadyRows(pending.wait())
 
     def exchange_rows(self, tensor: torch.Tensor, plan: RowPlan, dim: int = 1, kind: str = "rows") -> torch.Tensor:
-        """Run this rank's part of a row exchange (:func:`dsv4.cp.collectives.exchange_rows`), differentiable."""
+        """Run this rank's part of a row exchange (:func:`dsv4.parallel.cp.collectives.exchange_rows`), differentiable."""
         return exchange_rows(tensor, plan, dim, self.group, traffic=self.traffic, kind=kind)
-
-    def gather_preceding(self, tensor: torch.Tensor, starts: list[int], dim: int = 1, kind: str = "gather_preceding"):
-        """Rows ``[starts[rank], (rank+1)*n)`` of the global sequence, received from their owners (differentiable)."""
-        return gather_preceding(tensor, starts, dim, self.group, traffic=self.traffic, kind=kind)

@@ -1,9 +1,10 @@
 """The CP runtime's collectives: differentiable all-gather, metadata all-gather, and row exchanges (halo, causal
-gather) between the chunks of a :class:`~dsv4.cp.layout.CPLayout`.
+gather) between the chunks of a :class:`~dsv4.parallel.cp.layout.CPLayout`.
 
-These are the exchanges the model makes through :class:`~dsv4.cp.context.CPContext`. All functions are identities
+These are the exchanges the model makes through :class:`~dsv4.parallel.cp.context.CPContext` (planned by
+:mod:`dsv4.parallel.cp.routes`). All functions are identities
 (or cheap local equivalents) when the CP group is ``None`` or has one rank, so model code can call them
-unconditionally. Each accepts an optional :class:`~dsv4.cp.traffic.TrafficCounter`
+unconditionally. Each accepts an optional :class:`~dsv4.parallel.cp.traffic.TrafficCounter`
 and a ``kind`` label; bytes are counted as the point-to-point volume this rank sends and receives (an all-gather
 of ``n`` bytes per rank over ``C`` ranks: ``n*(C-1)`` each way). Backward traffic is recorded under
 ``f"{kind}.backward"``.
@@ -17,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dsv4.cp.traffic import TrafficCounter
+from dsv4.parallel.cp.traffic import TrafficCounter
 from dsv4.distributed import ProcessGroup, all_gather_into, group_rank, group_size, reduce_scatter_into
+from dsv4.model.context_parallel import ReadyRows
 
 
 def _enabled(group: ProcessGroup | None) -> bool:
@@ -252,16 +254,6 @@ class PendingRows:
         return out.movedim(1, self.dim)
 
 
-class ReadyRows:
-    """A finished exchange in :class:`PendingRows`'s shape (no CP, nothing to exchange, or no overlap)."""
-
-    def __init__(self, value: torch.Tensor) -> None:
-        self.value = value
-
-    def wait(self) -> torch.Tensor:
-        return self.value
-
-
 def start_exchange_rows(
     tensor: torch.Tensor,
     plan: RowPlan,
@@ -364,64 +356,3 @@ def halo_exchange(
     """The previous chunk's last ``rows`` rows of ``tensor`` along ``dim`` (:func:`start_halo_exchange`, waited
     for)."""
     return start_halo_exchange(tensor, rows, dim, cp_group, traffic=traffic, kind=kind, route=route).wait()
-
-
-def preceding_transfers(starts: list[list[int]], layout_chunks: list[list[int]], owners: list[tuple[int, int]],
-                        n: int) -> tuple[list[Transfer], list[int]]:
-    """The global pieces of a causal gather: ``starts[b][v]`` (``<= v * n``) is the first global row chunk ``v`` of
-    batch row ``b`` needs; every chunk holds ``n`` rows along the dim, chunk ``u`` of row ``b`` sits in local row
-    ``owners[u][1] * B + b`` of rank ``owners[u][0]``; ``layout_chunks[rank]`` lists each rank's chunks (slot order).
-    Each local row receives ``[starts, v n)`` then its own ``n`` rows, right-aligned in a result of the rank's
-    longest need (left: zeros). Returns ``(transfers, out_len per rank)``."""
-    batch = len(starts)
-    out_len = [n + max((v * n - starts[b][v] for v in chunks for b in range(batch)), default=0)
-               for chunks in layout_chunks]
-    transfers = []
-    for v in range(len(owners)):
-        rank, slot = owners[v]
-        for b in range(batch):
-            row, first = slot * batch + b, out_len[rank] - n - (v * n - starts[b][v])
-            for u in range(starts[b][v] // n, v):
-                src_rank, src_slot = owners[u]
-                lo = max(starts[b][v] - u * n, 0)
-                transfers.append(Transfer(src_rank, src_slot * batch + b, lo, n, rank, row, first + u * n + lo
-                                          - starts[b][v]))
-            transfers.append(Transfer(rank, row, 0, n, rank, row, out_len[rank] - n))
-    return transfers, out_len
-
-
-def gather_preceding(
-    tensor: torch.Tensor,
-    starts: list[int],
-    dim: int = 1,
-    cp_group: ProcessGroup | None = None,
-    *,
-    traffic: TrafficCounter | None = None,
-    kind: str = "gather_preceding",
-) -> torch.Tensor:
-    """Differentiable causal gather over the contiguous split: rows ``[starts[rank], (rank+1)*n)`` of the global
-    concatenation.
-
-    Every rank holds ``n`` rows along ``dim`` (rank r owns global rows ``[r*n, (r+1)*n)``); ``starts`` (identical
-    on every rank, ``starts[r] <= r*n``) says where the suffix each rank needs begins. Rank r receives only what
-    it asked for, straight from the owners (point-to-point), so a rank that needs nothing from its predecessors
-    (``starts[r] == r*n``) receives nothing. The result is ``[received rows of ranks < r in order ; own rows]``.
-    Backward returns the gradient of every received row to its owner, summed there. (The model's per-row,
-    per-layout form is :func:`preceding_transfers` + :func:`exchange_rows`.)
-    """
-    if not _enabled(cp_group):
-        return tensor
-    dim = dim % tensor.dim()
-    size, n = group_size(cp_group), tensor.shape[dim]
-    if len(starts) != size:
-        raise ValueError(f"gather_preceding: {len(starts)} starts for a CP group of {size} ranks")
-    for r, s in enumerate(starts):
-        if not 0 <= s <= r * n:
-            raise ValueError(f"gather_preceding: starts[{r}] = {s} must be in [0, {r * n}] (rank {r} owns row {r * n} on)")
-    if dim == 0:
-        raise ValueError("gather_preceding: dim 0 indexes the batch rows; gather along another dim")
-    batch, rank = tensor.shape[0], group_rank(cp_group)
-    transfers, out_len = preceding_transfers([[int(s) for s in starts]] * batch, [[r] for r in range(size)],
-                                             [(r, 0) for r in range(size)], n)
-    return exchange_rows(tensor, row_plan(transfers, rank, batch, out_len[rank]), dim, cp_group, traffic=traffic,
-                         kind=kind)

@@ -11,7 +11,7 @@ columns ``[v l, (v + 1) l)``); each of the ``C`` ranks holds ``k`` of them:
 Locally the model sees the rank's chunks as separate rows, slot-major: a whole batch of ``B`` rows becomes
 ``[k B, l]``, local row ``slot * B + b`` holding chunk ``chunks[slot]`` of row ``b``. Every local row is a
 contiguous piece of one global row, so the model's per-row arithmetic (window band, compressor windows, causal
-rule) is unchanged; the CP exchanges (:mod:`dsv4.cp.collectives`) route rows between chunks, and chunk ``v``'s
+rule) is unchanged; the CP exchanges (:mod:`dsv4.parallel.cp.collectives`) route rows between chunks, and chunk ``v``'s
 predecessor ``v - 1`` may live on another rank or in another local row of the same rank.
 """
 

@@ -1,0 +1,33 @@
+"""``model(**batch)`` for a batch the seed sharder cut: its ``_dsv4_cp_group`` key names the CP group.
+
+Registered with :func:`dsv4.model.inputs.register_cp_batch_key` when :mod:`dsv4.cp` is imported (which the sharder's
+users do), so the model accepts the key without knowing it: the group becomes the forward's
+:class:`~dsv4.parallel.cp.CPContext` when no context is passed, and must have the passed context's size otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsv4.model.context_parallel import ContextParallel
+from dsv4.model.inputs import register_cp_batch_key
+from dsv4.parallel.cp.context import CPContext
+
+GROUP_KEY = "_dsv4_cp_group"
+
+
+def cp_from_group(group: Any, cp: ContextParallel | None) -> ContextParallel | None:
+    """The context of a forward given the batch's group and the explicitly passed ``cp`` (None: from the group;
+    ValueError naming both sizes when they differ)."""
+    from_batch = CPContext(group)
+    if cp is None:
+        return from_batch if from_batch.size > 1 else None
+    if cp.size != from_batch.size:
+        raise ValueError(
+            f"the batch was sharded for a CP group of {from_batch.size} ranks but the forward got a CPContext of "
+            f"{cp.size} ranks; build the CPContext from the same group as the sharder's mesh"
+        )
+    return cp
+
+
+register_cp_batch_key(GROUP_KEY, cp_from_group)

@@ -1,0 +1,76 @@
+"""Route planning: which rows each CP exchange of one forward moves, from the per-row document runs.
+
+Pure arithmetic on the layout and on integers every rank holds identically (the resolved chunk summaries), so each
+rank plans the same global exchanges and keeps its own part. Nothing here runs a collective.
+
+* The halo route: chunk ``v - 1`` of whole row ``b`` sends its last rows to chunk ``v`` only when ``v``'s first
+  token continues a document from it; the multi-token prediction's route is the same pairs reversed (a chunk's first
+  rows to its predecessor).
+* The causal gather of compressed rows (one per active ratio): chunk ``v`` of row ``b`` receives global rows
+  ``[need, v n)`` (``n = l / ratio`` per chunk) from their owners, right-aligned before its own ``n`` rows in a result
+  as long as the rank's longest need.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from dsv4.model.context_parallel import CPRoutes
+from dsv4.parallel.cp.collectives import HaloRoute, Transfer, row_plan
+from dsv4.parallel.cp.layout import CPLayout
+
+
+def local_row(layout: CPLayout, chunk: int, b: int, batch: int) -> tuple[int, int]:
+    """``(rank, local row)`` holding chunk ``chunk`` of whole row ``b`` of a batch of ``batch`` whole rows."""
+    rank, slot = layout.owner(chunk)
+    return rank, slot * batch + b
+
+
+def preceding_transfers(starts: list[list[int]], layout_chunks: list[list[int]], owners: list[tuple[int, int]],
+                        n: int) -> tuple[list[Transfer], list[int]]:
+    """The global pieces of a causal gather: ``starts[b][v]`` (``<= v * n``) is the first global row chunk ``v`` of
+    batch row ``b`` needs; every chunk holds ``n`` rows along the dim, chunk ``u`` of row ``b`` sits in local row
+    ``owners[u][1] * B + b`` of rank ``owners[u][0]``; ``layout_chunks[rank]`` lists each rank's chunks (slot order).
+    Each local row receives ``[starts, v n)`` then its own ``n`` rows, right-aligned in a result of the rank's
+    longest need (left: zeros). Returns ``(transfers, out_len per rank)``."""
+    batch = len(starts)
+    out_len = [n + max((v * n - starts[b][v] for v in chunks for b in range(batch)), default=0)
+               for chunks in layout_chunks]
+    transfers = []
+    for v in range(len(owners)):
+        rank, slot = owners[v]
+        for b in range(batch):
+            row, first = slot * batch + b, out_len[rank] - n - (v * n - starts[b][v])
+            for u in range(starts[b][v] // n, v):
+                src_rank, src_slot = owners[u]
+                lo = max(starts[b][v] - u * n, 0)
+                transfers.append(Transfer(src_rank, src_slot * batch + b, lo, n, rank, row, first + u * n + lo
+                                          - starts[b][v]))
+            transfers.append(Transfer(rank, row, 0, n, rank, row, out_len[rank] - n))
+    return transfers, out_len
+
+
+def plan_routes(layout: CPLayout, rank: int, batch: int, length: int, continues: Sequence[Sequence[bool]],
+                need: Mapping[int, Sequence[Sequence[int]]]) -> CPRoutes:
+    """Rank ``rank``'s :class:`~dsv4.model.context_parallel.CPRoutes` for ``batch`` whole rows of
+    ``layout.num_chunks`` chunks of ``length`` columns (see
+    :meth:`~dsv4.model.context_parallel.ContextParallel.plan_routes` for ``continues`` and ``need``)."""
+    chunks = layout.num_chunks
+    if len(continues) != batch or any(len(row) != chunks for row in continues):
+        raise ValueError(f"plan_routes: continues must be [{batch}][{chunks}] (rows x chunks)")
+    halo = HaloRoute(tuple(
+        (*local_row(layout, v - 1, b, batch), *local_row(layout, v, b, batch))
+        for v in range(1, chunks) for b in range(batch) if continues[b][v]
+    ))
+    following = HaloRoute(tuple((d, j, s, i) for s, i, d, j in halo.pairs), first=True)
+    continues_next = tuple(sorted({i for s, i, _, _ in halo.pairs if s == rank}))
+    owners = [layout.owner(v) for v in range(chunks)]
+    rank_chunks = [layout.chunks(r) for r in range(layout.size)]
+    rows = batch * layout.chunks_per_rank
+    preceding, widths = {}, {}
+    for ratio, starts in need.items():
+        transfers, out_len = preceding_transfers([list(row) for row in starts], rank_chunks, owners, length // ratio)
+        widths[ratio] = out_len[rank]
+        preceding[ratio] = row_plan(transfers, rank, rows, widths[ratio])
+    return CPRoutes(halo=halo, next=following, continues_next=continues_next, preceding=preceding,
+                    preceding_width=widths)
