@@ -49,7 +49,7 @@ def cp_training_step(config, seq_len: int, world_size: int, before_step=None, ba
     from dsv4.data import pack_documents
     from dsv4.model import DSV4ForCausalLM
     from dsv4.training.loss import reduce_token_loss
-    from dsv4.training.step import forward_step
+    from dsv4.training.step import forward_outputs
 
     torch.manual_seed(0)
     model = DSV4ForCausalLM(config)
@@ -60,6 +60,7 @@ def cp_training_step(config, seq_len: int, world_size: int, before_step=None, ba
     group = dist.new_group(list(range(world_size)))
     cp = CPContext(group, balance=balance, overlap=overlap) if world_size > 1 else None
     marker = before_step() if before_step is not None else None
-    loss_sum, count = forward_step(model, batch, cp)
+    out = forward_outputs(model, batch, cp)
+    loss_sum, count = out.loss_sum, out.label_count
     reduce_token_loss(loss_sum, count, group).loss.backward()
     return cp, marker

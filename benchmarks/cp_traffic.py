@@ -102,7 +102,7 @@ def _rank_body(rank: int, world_size: int, layout: str, seq_len: int) -> dict:
     from dsv4.parallel.cp import CPContext
     from dsv4.model import DSV4ForCausalLM
     from dsv4.training.loss import reduce_token_loss
-    from dsv4.training.step import forward_step
+    from dsv4.training.step import forward_outputs
 
     torch.manual_seed(0)
     config = _config()
@@ -115,7 +115,8 @@ def _rank_body(rank: int, world_size: int, layout: str, seq_len: int) -> dict:
     batch = TokenBatch(ids, labels, seq, pos).cut(rank, world_size, config.shard_multiple, balance)
     group = dist.new_group(list(range(world_size)))
     cp = CPContext(group, balance=balance)
-    loss_sum, count = forward_step(model, batch, cp)
+    out = forward_outputs(model, batch, cp)
+    loss_sum, count = out.loss_sum, out.label_count
     reduce_token_loss(loss_sum, count, group).loss.backward()
     return cp.traffic.as_dict()
 

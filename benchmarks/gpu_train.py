@@ -32,7 +32,7 @@ from dsv4.model import DSV4ForCausalLM
 from dsv4.parallel.mesh import ParallelDims, build_meshes
 from dsv4.parallel.wrap import apply_fsdp
 from dsv4.training.loss import reduce_token_loss
-from dsv4.training.step import forward_step
+from dsv4.training.step import forward_outputs
 
 
 def slice_config(layers: int, experts: int) -> DSV4Config:
@@ -75,7 +75,8 @@ def main() -> None:
                 if device == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-                loss_sum, count = forward_step(model, batch)
+                out = forward_outputs(model, batch)
+                loss_sum, count = out.loss_sum, out.label_count
                 reduce_token_loss(loss_sum, count, meshes.dp_cp.get_group()).loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from dsv4.config import check_cp_length
+from dsv4.parallel.cp.layout import CPLayout
 
 IGNORE_INDEX = -100
 
@@ -47,8 +48,6 @@ class Shard:
     @property
     def layout(self):
         """This shard's :class:`~dsv4.parallel.cp.layout.CPLayout`."""
-        from dsv4.parallel.cp.layout import CPLayout  # dsv4.cp imports this module (the seed API)
-
         return CPLayout(self.size, self.balance)
 
     @property

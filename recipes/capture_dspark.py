@@ -9,15 +9,10 @@ Re-running with the same config resumes: finished shards are skipped (see dsv4/s
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import hydra
 from omegaconf import DictConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from dsv4.training.schema import register_schema  # noqa: E402
+from dsv4.training.schema import register_schema
 
 register_schema()
 

@@ -142,15 +142,6 @@ def _check_entry(path: str, key: str, meta, data_start: int, size: int) -> tuple
     return dtype, tuple(shape), begin, end
 
 
-def read_header(path: str) -> tuple[dict, int]:
-    """``(header without __metadata__, data start offset)`` of one ``.safetensors`` file, every entry checked
-    (see the module docstring); entries are ``{dtype, shape, data_offsets}`` as in the file."""
-    entries, start = _read_entries(path)
-    return {
-        k: {"dtype": d, "shape": list(s), "data_offsets": [b - start, e - start]} for k, (d, s, b, e) in entries.items()
-    }, start
-
-
 def _read_entries(path: str) -> tuple[dict[str, tuple[str, tuple[int, ...], int, int]], int]:
     size = os.path.getsize(path)
     with open(path, "rb") as f:

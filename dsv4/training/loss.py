@@ -6,8 +6,8 @@ global batch, exactly what a single process computes on the unsharded batch. Ran
 (e.g. a CP rank holding only pack padding) contribute 0 and never divide by zero.
 
 Gradient contract: :func:`reduce_token_loss` returns ``loss_for_backward = loss_sum / global_count`` per rank.
-Summing parameter gradients over the participating ranks (what FSDP2/DDP do with a SUM reduction, or a mean
-reduction scaled by ``grad_scale = world size``) gives the gradient of the global token mean.
+Summing parameter gradients over the participating ranks (what FSDP2/DDP do with a SUM reduction) gives the
+gradient of the global token mean.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ from dsv4.distributed import all_reduce_sum
 @dataclass
 class TokenLoss:
     """``loss``: this rank's share to backpropagate; ``value``: the global loss (detached, identical on every
-    rank); ``global_count``: labelled tokens over all ranks (detached)."""
+    rank)."""
 
     loss: torch.Tensor
     value: torch.Tensor
-    global_count: torch.Tensor
 
 
 def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
@@ -37,7 +36,6 @@ def reduce_token_loss(
     loss_sum: torch.Tensor,
     label_count: torch.Tensor | int,
     group=None,
-    grad_scale: float = 1.0,
 ) -> TokenLoss:
     """Reduce a per-rank (CE sum, label count) pair over ``group`` (the dp x cp ranks; WORLD when None).
 
@@ -45,11 +43,10 @@ def reduce_token_loss(
         loss_sum: scalar, differentiable sum of token losses on this rank.
         label_count: scalar number of labelled tokens on this rank.
         group: process group to reduce over; ``False`` (or no ``torch.distributed``) = this rank only.
-        grad_scale: multiply the backward share, e.g. by the world size when the gradient reduction averages.
     """
     count = torch.as_tensor(label_count, device=loss_sum.device).detach().to(torch.float64)
     global_count = _all_reduce_sum(count, group)
     denom = global_count.clamp_min(1).to(loss_sum.dtype)
     loss = loss_sum / denom
     value = _all_reduce_sum(loss.detach(), group)
-    return TokenLoss(loss=loss * grad_scale if grad_scale != 1.0 else loss, value=value, global_count=global_count)
+    return TokenLoss(loss=loss, value=value)

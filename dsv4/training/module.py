@@ -2,7 +2,7 @@
 
 One step: ``training_step`` receives this dp replica's whole rows (a :class:`~dsv4.batch.TokenBatch`, on the
 device), records their statistics, cuts this CP rank's contiguous slice (:meth:`~dsv4.batch.TokenBatch.cut`), runs
-:func:`~dsv4.training.step.forward_step` with the strategy's ``CPContext``, reduces (CE sum, label count) over
+:func:`~dsv4.training.step.forward_outputs` with the strategy's ``CPContext``, reduces (CE sum, label count) over
 dp x cp so every labelled token counts once, logs ``train/loss`` (token mean over the global batch) and returns
 this rank's share of the loss; FSDP sums the gradients over ranks. After the optimizer step the MoE
 load-balancing bias is updated from the loads of all ranks (not under LoRA, whose base stays as it is, nor during

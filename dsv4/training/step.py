@@ -1,20 +1,15 @@
-"""One training step's model call: :func:`forward_step` (this rank's loss sum and label count) and
-:func:`forward_outputs` (the whole model output)."""
+"""One training step's model call: :func:`forward_outputs`, the model on this rank's typed batch (loss sum, label
+count, the indexer loss sum)."""
 
 from __future__ import annotations
 
 import torch
 
 from dsv4.batch import TokenBatch
+from dsv4.model.context_parallel import ContextParallel
 
 
-def forward_step(model: torch.nn.Module, batch: TokenBatch, cp=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the model on this rank's ``batch``; return ``(loss_sum, label_count)`` (reduce them over dp x cp)."""
-    out = forward_outputs(model, batch, cp)
-    return out.loss_sum, out.label_count
-
-
-def forward_outputs(model: torch.nn.Module, batch: TokenBatch, cp=None):
+def forward_outputs(model: torch.nn.Module, batch: TokenBatch, cp: ContextParallel | None = None):
     """Run the model on this rank's ``batch`` (the chunked loss, no logits); return its ``DSV4Output`` (loss sum,
     label count, the indexer loss sum when it trains).
 

@@ -64,7 +64,6 @@ class ParallelState:
     dp_size: int = 1
     ep_rank: int = 0
     ep_size: int = 1
-    world_size: int = 1
     loss_group: ProcessGroup | None = None
     dp_group: ProcessGroup | None = None
 
@@ -100,7 +99,6 @@ class DSV4Strategy(ModelParallelStrategy):
             dp_size=dims.dp,
             ep_rank=self.meshes.ep.get_local_rank(),
             ep_size=dims.ep,
-            world_size=dims.world_size,
             loss_group=self.meshes.dp_cp.get_group(),
             dp_group=self.meshes.dp.get_group() if dims.dp > 1 else None,
         )

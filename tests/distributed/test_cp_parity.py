@@ -166,19 +166,20 @@ def _token_batch():
 def _training_step_body(rank, world_size, recompute):
     from dsv4.cp import CPContext
     from dsv4.training.loss import reduce_token_loss
-    from dsv4.training.step import forward_step
+    from dsv4.training.step import forward_outputs
 
     group = dist.new_group(list(range(world_size)))
     model = _model(recompute)
     _, batch = _token_batch()
     local = batch.cut(rank, world_size, model.config.shard_multiple)
     try:  # the batch knows which shard it is: a context of another rank or size is refused before the forward
-        forward_step(model, local, cp=None)
+        forward_outputs(model, local, cp=None)
         raise AssertionError("a shard / CP context mismatch was not detected")
     except ValueError as err:
         assert f"CP shard {rank} of {world_size} but the forward runs as rank 0 of a CP group of 1" in str(err)
     cp = CPContext(group)
-    loss_sum, count = forward_step(model, local, cp=cp)
+    out = forward_outputs(model, local, cp=cp)
+    loss_sum, count = out.loss_sum, out.label_count
     loss = reduce_token_loss(loss_sum, count, group)
     loss.loss.backward()
     return {"loss": loss.value, "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
@@ -187,9 +188,9 @@ def _training_step_body(rank, world_size, recompute):
 
 @pytest.mark.parametrize("world_size, recompute", [(2, "none"), (4, "none"), (2, "block"), (4, "selective")])
 def test_training_path_cp_matches_single_rank(world_size, recompute):
-    """The training path (packer rows -> TokenBatch.cut -> forward_step with the CPContext) against one process
+    """The training path (packer rows -> TokenBatch.cut -> forward_outputs with the CPContext) against one process
     without recompute: a recomputed block exchanges again in backward, with the same data, on every rank."""
-    from dsv4.training.step import forward_step
+    from dsv4.training.step import forward_outputs
 
     rows, batch = _token_batch()
     assert len(rows) >= 2 and bool((batch.seq_ids == 0).any())  # several rows, padding present
@@ -198,7 +199,8 @@ def test_training_path_cp_matches_single_rank(world_size, recompute):
         assert results[1]["traffic"]["halo"]["calls"] > results[1]["traffic"]["halo.backward"]["calls"]
     torch.set_num_threads(1)
     model = _model()
-    loss_sum, count = forward_step(model, batch)
+    out = forward_outputs(model, batch)
+    loss_sum, count = out.loss_sum, out.label_count
     (loss_sum / count).backward()
     for res in results:
         torch.testing.assert_close(res["loss"], (loss_sum / count).detach().to(res["loss"].dtype), atol=1e-6, rtol=0)

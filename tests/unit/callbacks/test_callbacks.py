@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from callbacks import CPTrafficCallback, MemoryCallback, PaddingCallback, ThroughputCallback
+from dsv4.callbacks import CPTrafficCallback, MemoryCallback, PaddingCallback, ThroughputCallback
 from dsv4.batch import TokenBatch
 from dsv4.config import DSV4Config
 from dsv4.flops import document_training_flops, training_flops_per_token
@@ -201,8 +201,8 @@ _RANK_TRAFFIC = [
 
 def test_cp_traffic_max_over_ranks(monkeypatch):
     """Two ranks simulated by a fake all_gather_object: per-key max, a kind missing on a rank counts 0."""
-    import callbacks.cp_traffic as cp_traffic
-    from callbacks.cp_traffic import traffic_metrics
+    import dsv4.callbacks.cp_traffic as cp_traffic
+    from dsv4.callbacks.cp_traffic import traffic_metrics
 
     other_rank = traffic_metrics(_RANK_TRAFFIC[1])
     calls = []

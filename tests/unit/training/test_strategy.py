@@ -37,7 +37,7 @@ def test_parallel_state_meshes_and_fsdp(one_rank_group):
     state = strategy.parallel
     assert (state.cp, state.cp_rank, state.cp_size, state.dp_size, state.ep_rank, state.ep_size) == (None, 0, 1, 1,
                                                                                                       0, 1)
-    assert state.dp_group is None and state.loss_group is not None and state.world_size == 1
+    assert state.dp_group is None and state.loss_group is not None
     assert strategy.meshes.world.mesh_dim_names == ("dp", "cp") and strategy.meshes.ep.size() == 1
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
     assert all(isinstance(p, DTensor) for p in module.model.parameters())  # FSDP2 wrapped every parameter

@@ -10,9 +10,9 @@
   CPU: ``mem/rss_gib``, ``mem/peak_rss_gib``.
 """
 
-from callbacks.cp_traffic import CPTrafficCallback
-from callbacks.memory import MemoryCallback
-from callbacks.padding import PaddingCallback
-from callbacks.throughput import ThroughputCallback
+from dsv4.callbacks.cp_traffic import CPTrafficCallback
+from dsv4.callbacks.memory import MemoryCallback
+from dsv4.callbacks.padding import PaddingCallback
+from dsv4.callbacks.throughput import ThroughputCallback
 
 __all__ = ["CPTrafficCallback", "MemoryCallback", "PaddingCallback", "ThroughputCallback"]
