@@ -34,6 +34,21 @@ def test_reset_peak_rss_forgets_an_earlier_transient_allocation():
     assert peak_rss_kib() - current_rss_kib() < 50 * 1024
 
 
+def test_batch_prep_measures_dsv4_and_says_whether_nemo_was_measured():
+    import importlib.util
+
+    rows = _run("batch_prep.py", "--rows", "2", "--seq-len", "2048", "--docs", "8", "--repeats", "1", timeout=120)
+    names = {(r["name"], r["shape"].get("impl")) for r in rows}
+    assert {("batch_prep.repad.throughput", "dsv4"), ("batch_prep.repad_shard.throughput", "dsv4")} <= names
+    assert all(set(r) == {"name", "shape", "value", "unit"} and r["value"] > 0 for r in rows)
+    speedup = [r for r in rows if r["name"] == "batch_prep.repad.speedup_vs_nemo"]
+    if importlib.util.find_spec("nemo_automodel") is None:
+        assert not speedup and all(r["shape"]["nemo_automodel"] == "not installed" for r in rows)
+    for r in speedup:  # measured side by side only after the outputs were found equal
+        assert r["shape"]["same_output"] is True
+        assert ("batch_prep.repad.throughput", "nemo_automodel") in names
+
+
 @pytest.mark.e2e
 def test_cp_memory_measures_only_the_step_and_reports_the_ratio():
     rows = _run("cp_memory.py", "--seq-len", "2048", "--cp", "1", "2")

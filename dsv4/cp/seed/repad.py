@@ -12,19 +12,26 @@ boundary too. On top of the layout this module only applies the seed's conventio
 * ``build_packed_seq_ids(new seq_lens_padded, seq_len=T) == packed_seq_ids``; for every input column ``i`` with
   ``input_positions[b, i] >= 0``: ``out[b, input_positions[b, i]] == in[b, i]``.
 
-Unlike the seed: a constant number of host reads per call, no per-document loop, and bad input raises before the
-caller's batch is touched (a labelled token the repad would drop, lengths past the row, negative or non-integer
-lengths, a missing or duplicated primary, missing labels).
+How it is built: every aligned span is a whole number of ``pad_multiple``-slot blocks, so a block lies in one
+document and holds that document's tokens from one caller column on. The per-token outputs are the per-block
+values (document, first caller column, real slots) broadcast over the block's slots, one pass per output; only the
+requested columns are built (the CP entry point builds just its rank's slice). The caller-to-aligned map is one
+cumulative sum over per-document steps. A constant number of host reads per call (none per document), and bad input
+raises before the caller's batch is touched (a labelled token the repad would drop, lengths past the row, negative
+or non-integer lengths, a missing or duplicated primary, missing labels).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
 from dsv4.batch import IGNORE_INDEX
 from dsv4.cp.seed.seq_ids import _SEQ_LENS_PADDING_VALUE, _check_lengths, _pad_length
 from dsv4.distributed import all_reduce_max, reduce_device
-from dsv4.packing import PackedSequenceLayout, build_layout, document_table
+from dsv4.packing import DocumentTable, PackedSequenceLayout, build_layout, document_table
 
 
 def primary_key(batch: dict) -> str:
@@ -36,6 +43,25 @@ def primary_key(batch: dict) -> str:
             f"found {present or 'neither'}"
         )
     return present[0]
+
+
+@contextmanager
+def _on_calling_thread(device: torch.device):
+    """On CPU, run the enclosed torch ops on the calling thread alone (its intra-op thread count is restored after).
+
+    The repad's passes are memory-bound over a few MiB: intra-op threads gain little there, and on a busy machine
+    every parallel region waits for descheduled workers (milliseconds per pass). Other threads' settings are
+    untouched (the setting is the calling thread's).
+    """
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _compact(lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +81,35 @@ def _lengths_table(values: torch.Tensor, count: torch.Tensor, d_max: int) -> tor
                                                                                    _SEQ_LENS_PADDING_VALUE))
 
 
-def plan_repad(
+@dataclass(frozen=True)
+class _Plan:
+    """The validated placement of one batch: documents (compacted, seed order), their count and the row width."""
+
+    docs: DocumentTable  # real lengths, caller strides and aligned slots of the compacted documents
+    count: torch.Tensor  # [B] documents per row
+    d_max: int  # the widest row's document count
+    input_len: int  # caller width S
+    total: int  # aligned width T
+
+
+def _labelled_outside(docs: DocumentTable, labels: torch.Tensor, input_len: int) -> torch.Tensor:
+    """Number of labelled caller columns outside every document's real span (0-d long; no host read).
+
+    A prefix count of labelled columns, read at each real span's two ends: labelled tokens - labelled kept.
+    """
+    if input_len == 0 or labels.shape[0] == 0:
+        return labels.new_zeros((), dtype=torch.long)
+    prefix = (labels != IGNORE_INDEX).cumsum(1)  # prefix[b, c] = labelled columns in [0, c]
+
+    def labelled_before(column: torch.Tensor) -> torch.Tensor:  # labelled columns in [0, column)
+        column = column.clamp(0, input_len)
+        return prefix.gather(1, (column - 1).clamp_min(0)) * (column > 0)
+
+    kept = (labelled_before(docs.starts + docs.lengths) - labelled_before(docs.starts)).sum()
+    return prefix[:, -1].sum() - kept
+
+
+def _plan(
     seq_lens: torch.Tensor,
     seq_lens_padded: torch.Tensor | None,
     *,
@@ -63,13 +117,10 @@ def plan_repad(
     labels: torch.Tensor | None,
     cp_size: int,
     pad_multiple: int,
-    sync_packed_length: bool = False,
-    sync_group=None,
-) -> tuple[PackedSequenceLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate the packed metadata; return ``(layout, real lengths [B, D], document count [B], D_max)``.
-
-    The layout maps the caller rows onto rows of ``T`` columns; nothing of the batch is modified.
-    """
+    sync_packed_length: bool,
+    sync_group,
+) -> _Plan:
+    """Validate the packed metadata (and, with ``labels``, that no labelled token is dropped); place the documents."""
     device = labels.device if labels is not None else seq_lens.device
     real_in = _check_lengths("seq_lens", seq_lens).to(device)
     padded_in = real_in if seq_lens_padded is None else _check_lengths("seq_lens_padded", seq_lens_padded).to(device)
@@ -90,7 +141,8 @@ def plan_repad(
     overflow = is_doc & (docs.starts + real > input_len)
     row_max = docs.row_ends.max() if batch_size else real.new_zeros(())
     d_max = count.max() if batch_size else count.new_zeros(())
-    flags = torch.stack([overflow.any().long(), row_max, d_max]).tolist()  # one host read
+    dropped = _labelled_outside(docs, labels, input_len) if labels is not None else real.new_zeros(())
+    flags = torch.stack([overflow.any().long(), row_max, d_max, dropped.to(device)]).tolist()  # one host read
     if flags[0]:
         b, d = (int(i) for i in overflow.nonzero()[0])
         raise ValueError(
@@ -106,17 +158,147 @@ def plan_repad(
                 f"sync_packed_length: the synchronised length {total} is not a multiple of "
                 f"cp_size * pad_multiple = {cp_size * m}; every rank must use the same CP size and pad multiple"
             )
-    layout = build_layout(docs, input_len, total)
-    if labels is not None:
-        dropped = (layout.input_positions < 0) & (labels != IGNORE_INDEX)
-        if bool(dropped.any()):
-            b, i = (int(x) for x in dropped.nonzero()[0])
-            raise ValueError(
-                f"{int(dropped.sum())} labelled token(s) (label != {IGNORE_INDEX}) lie outside every document "
-                f"declared by `seq_lens` and would be dropped by the repad; first at row {b}, column {i} "
-                f"(label {int(labels[b, i])}); fix `seq_lens`/`seq_lens_padded` or set those labels to {IGNORE_INDEX}"
-            )
-    return layout, real, count, int(flags[2])
+    if flags[3]:
+        dropped_at = (_input_positions(docs, input_len) < 0) & (labels != IGNORE_INDEX)
+        b, i = (int(x) for x in dropped_at.nonzero()[0])
+        raise ValueError(
+            f"{int(dropped_at.sum())} labelled token(s) (label != {IGNORE_INDEX}) lie outside every document "
+            f"declared by `seq_lens` and would be dropped by the repad; first at row {b}, column {i} "
+            f"(label {int(labels[b, i])}); fix `seq_lens`/`seq_lens_padded` or set those labels to {IGNORE_INDEX}"
+        )
+    return _Plan(docs, count, int(flags[2]), int(input_len), int(total))
+
+
+def _input_positions(docs: DocumentTable, input_len: int) -> torch.Tensor:
+    """``[B, S]`` long: the aligned column of every caller column, -1 where it holds no real token.
+
+    Inside document ``d``'s real span the map is ``column + aligned_start_d - start_d``; elsewhere it is
+    ``column + far`` with ``far = -(S + 1)``, clamped to -1. The per-column offset is one cumulative sum of its
+    changes at the spans' ends.
+    """
+    batch = docs.lengths.shape[0]
+    device = docs.lengths.device
+    far = -(input_len + 1)
+    shift = docs.aligned_starts - docs.starts
+    step = torch.where(docs.lengths > 0, shift - far, torch.zeros_like(shift))
+    where = torch.cat([docs.starts, docs.starts + docs.lengths], 1).clamp(0, input_len)
+    changes = torch.zeros((batch, input_len + 1), dtype=torch.long, device=device)
+    changes[:, 0] = far
+    changes.scatter_add_(1, where, torch.cat([step, -step], 1))
+    offset = changes[:, :input_len].cumsum(1)
+    return offset.add_(torch.arange(input_len, device=device)).clamp_min_(-1)
+
+
+class _Slots:
+    """The aligned columns ``[first, first + n)`` of a plan (``first`` and ``n`` multiples of the pad multiple)."""
+
+    def __init__(self, plan: _Plan, first: int, n: int) -> None:
+        docs, m = plan.docs, plan.docs.multiple
+        batch, num_docs = docs.lengths.shape
+        device = docs.lengths.device
+        blocks = n // m
+        # per-block values; one sentinel document (column num_docs) stands for the trailing pack padding
+        zero = docs.lengths.new_zeros((batch, 1))
+        lengths = torch.cat([docs.lengths, zero], 1)
+        starts = torch.cat([docs.starts, zero], 1)
+        aligned_starts = torch.cat([docs.aligned_starts, zero], 1)
+        block_first = torch.arange(first, first + n, m, device=device).expand(batch, blocks).contiguous()
+        doc = torch.searchsorted(docs.aligned_ends.contiguous(), block_first, right=True) if num_docs else \
+            torch.zeros_like(block_first)
+        in_span = doc < num_docs
+        offset = torch.where(in_span, block_first - aligned_starts.gather(1, doc), 0)  # slot 0's document position
+        real = (lengths.gather(1, doc) - offset).clamp_(0, m)  # real slots at the block's head
+        source = starts.gather(1, doc) + offset  # caller column of slot 0
+        ids = torch.where(in_span, doc + 1, 0)  # documents are compacted: the column is the seed's 0-based id
+        slot = torch.arange(m, device=device)
+        shape = (batch, blocks, m)
+        self.batch, self.n, self.input_len = batch, n, plan.input_len
+        self.padding_mask = (slot >= real.unsqueeze(-1)).view(batch, n)
+        self.position_ids = torch.addcmul(offset.unsqueeze(-1), in_span.unsqueeze(-1), slot).view(batch, n)
+        self.packed_seq_ids = ids.unsqueeze(-1).expand(shape).reshape(batch, n).contiguous()
+        # caller column of every slot; a pad slot reads some column in range and is overwritten
+        self._index = (source.unsqueeze(-1) + slot).view(batch, n).clamp_(0, max(plan.input_len - 1, 0))
+
+    def take(self, values: torch.Tensor, fill) -> torch.Tensor:
+        """``values [B, S, ...]`` at these slots, ``fill`` on the padding slots (differentiable)."""
+        trailing = tuple(values.shape[2:])
+        mask = self.padding_mask.to(values.device)
+        if self.input_len == 0:  # nothing to read: every slot is padding
+            return values.new_full((self.batch, self.n) + trailing, fill)
+        index = self._index.to(values.device)
+        if trailing:  # whole rows of the trailing dims, by flat row index
+            flat = index + torch.arange(self.batch, device=index.device).unsqueeze(1) * self.input_len
+            out = values.reshape((-1,) + trailing).index_select(0, flat.view(-1)).view((self.batch, self.n) + trailing)
+            return out.masked_fill_(mask.view(mask.shape + (1,) * len(trailing)), fill)
+        return values.gather(1, index).masked_fill_(mask, fill)
+
+
+def plan_repad(
+    seq_lens: torch.Tensor,
+    seq_lens_padded: torch.Tensor | None,
+    *,
+    input_len: int,
+    labels: torch.Tensor | None,
+    cp_size: int,
+    pad_multiple: int,
+    sync_packed_length: bool = False,
+    sync_group=None,
+) -> tuple[PackedSequenceLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate the packed metadata; return ``(layout, real lengths [B, D], document count [B], D_max)``.
+
+    The layout maps the caller rows onto rows of ``T`` columns; nothing of the batch is modified.
+    """
+    plan = _plan(seq_lens, seq_lens_padded, input_len=input_len, labels=labels, cp_size=cp_size,
+                 pad_multiple=pad_multiple, sync_packed_length=sync_packed_length, sync_group=sync_group)
+    return build_layout(plan.docs, input_len, plan.total), plan.docs.lengths, plan.count, plan.d_max
+
+
+def _repad(
+    batch: dict,
+    *,
+    cp_size: int,
+    pad_multiple: int,
+    padding_token_id: int,
+    sync_packed_length: bool,
+    loss_mask: torch.Tensor | None,
+    sync_group,
+    shard_rank: int | None,
+) -> tuple[torch.Tensor | None, torch.Tensor, int]:
+    """Repad ``batch`` in place, keeping the whole row (``shard_rank`` None) or only CP rank ``shard_rank``'s
+    contiguous slice of it; return ``(loss_mask, input_positions, T)`` (see :func:`_repad_dsv4_packed_batch`)."""
+    if "seq_lens" not in batch or batch["seq_lens"] is None:
+        raise KeyError("packed DSV4 CP requires `seq_lens` in the batch")
+    key = primary_key(batch)
+    if batch.get("labels") is None:
+        raise KeyError("DSV4 CP requires `labels` in the batch")
+    primary, labels = batch[key], batch["labels"]
+    if labels.shape != primary.shape[:2]:
+        raise ValueError(f"`labels` has shape {tuple(labels.shape)} but `{key}` has {tuple(primary.shape)}")
+    if loss_mask is not None and loss_mask.shape != labels.shape:
+        raise ValueError(f"`loss_mask` has shape {tuple(loss_mask.shape)} but `labels` has {tuple(labels.shape)}")
+    with _on_calling_thread(labels.device):
+        plan = _plan(
+            batch["seq_lens"], batch.get("seq_lens_padded"), input_len=primary.shape[1], labels=labels,
+            cp_size=cp_size, pad_multiple=pad_multiple, sync_packed_length=sync_packed_length, sync_group=sync_group,
+        )
+        if shard_rank is None:
+            slots = _Slots(plan, 0, plan.total)
+        else:
+            local = plan.total // cp_size
+            slots = _Slots(plan, shard_rank * local, local)
+        m = plan.docs.multiple
+        real = plan.docs.lengths
+        batch[key] = slots.take(primary, padding_token_id if key == "input_ids" else 0)
+        batch["labels"] = slots.take(labels, IGNORE_INDEX)
+        if loss_mask is not None:
+            loss_mask = slots.take(loss_mask, 0)
+        batch["position_ids"] = slots.position_ids
+        batch["padding_mask"] = slots.padding_mask
+        batch["packed_seq_ids"] = slots.packed_seq_ids
+        batch["seq_lens"] = _lengths_table(real, plan.count, plan.d_max)
+        batch["seq_lens_padded"] = _lengths_table((real + m - 1) // m * m, plan.count, plan.d_max)
+        batch["qkv_format"] = "thd"
+        return loss_mask, _input_positions(plan.docs, plan.input_len), plan.total
 
 
 def _repad_dsv4_packed_batch(
@@ -138,30 +320,32 @@ def _repad_dsv4_packed_batch(
     long: the output column of every input column, -1 where the input slot held no real token. With
     ``sync_packed_length`` the row length is MAX-reduced over ``sync_group`` (WORLD when None, the seed's choice).
     """
-    if "seq_lens" not in batch or batch["seq_lens"] is None:
-        raise KeyError("packed DSV4 CP requires `seq_lens` in the batch")
-    key = primary_key(batch)
-    if batch.get("labels") is None:
-        raise KeyError("DSV4 CP requires `labels` in the batch")
-    primary, labels = batch[key], batch["labels"]
-    if labels.shape != primary.shape[:2]:
-        raise ValueError(f"`labels` has shape {tuple(labels.shape)} but `{key}` has {tuple(primary.shape)}")
-    if loss_mask is not None and loss_mask.shape != labels.shape:
-        raise ValueError(f"`loss_mask` has shape {tuple(loss_mask.shape)} but `labels` has {tuple(labels.shape)}")
-    layout, real, count, d_max = plan_repad(
-        batch["seq_lens"], batch.get("seq_lens_padded"), input_len=primary.shape[1], labels=labels,
-        cp_size=cp_size, pad_multiple=pad_multiple, sync_packed_length=sync_packed_length, sync_group=sync_group,
+    loss_mask, input_positions, _ = _repad(
+        batch, cp_size=cp_size, pad_multiple=pad_multiple, padding_token_id=padding_token_id,
+        sync_packed_length=sync_packed_length, loss_mask=loss_mask, sync_group=sync_group, shard_rank=None,
     )
-    m = max(int(pad_multiple), 1)
-    span = layout.span_documents
-    batch[key] = layout.pack(primary, fill=padding_token_id if key == "input_ids" else 0)
-    batch["labels"] = layout.pack(labels, fill=IGNORE_INDEX)
-    if loss_mask is not None:
-        loss_mask = layout.pack(loss_mask, fill=0)
-    batch["position_ids"] = layout.span_positions
-    batch["padding_mask"] = layout.padding_mask
-    batch["packed_seq_ids"] = span + 1  # documents are compacted: the column is the seed's 0-based id
-    batch["seq_lens"] = _lengths_table(real, count, d_max)
-    batch["seq_lens_padded"] = _lengths_table((real + m - 1) // m * m, count, d_max)
-    batch["qkv_format"] = "thd"
-    return batch, loss_mask, layout.input_positions
+    return batch, loss_mask, input_positions
+
+
+def _repad_dsv4_packed_shard(
+    batch: dict,
+    *,
+    cp_size: int,
+    cp_rank: int,
+    pad_multiple: int,
+    padding_token_id: int,
+    sync_packed_length: bool = False,
+    loss_mask: torch.Tensor | None = None,
+    sync_group=None,
+) -> tuple[dict, torch.Tensor | None, torch.Tensor, int]:
+    """:func:`_repad_dsv4_packed_batch` followed by the contiguous CP cut, building only rank ``cp_rank``'s columns.
+
+    The per-token keys (and the returned ``loss_mask``) hold columns ``[r*T/C, (r+1)*T/C)`` of the repadded row;
+    ``seq_lens`` / ``seq_lens_padded`` and ``input_positions`` describe the whole row. Returns
+    ``(batch, loss_mask, input_positions, T)``.
+    """
+    loss_mask, input_positions, total = _repad(
+        batch, cp_size=cp_size, pad_multiple=pad_multiple, padding_token_id=padding_token_id,
+        sync_packed_length=sync_packed_length, loss_mask=loss_mask, sync_group=sync_group, shard_rank=cp_rank,
+    )
+    return batch, loss_mask, input_positions, total

@@ -26,10 +26,10 @@ from typing import Any, Callable
 import torch
 
 from dsv4.cp.seed.contiguous import contiguous_local_indices, shard_batch_contiguous
-from dsv4.cp.seed.groups import dsv4_cp_all_gather, dsv4_cp_all_gather_metadata, mesh_group, mesh_size
+from dsv4.cp.seed.groups import dsv4_cp_all_gather, dsv4_cp_all_gather_metadata, mesh_group, mesh_rank, mesh_size
 from dsv4.cp.seed.layout import ShardLayout
 from dsv4.cp.seed.seq_ids import dsv4_cp_local_seq_multiple
-from dsv4.cp.seed.repad import _repad_dsv4_packed_batch
+from dsv4.cp.seed.repad import _repad_dsv4_packed_shard
 from dsv4.distributed import is_initialized
 
 
@@ -82,9 +82,12 @@ def make_dsv4_contiguous_shard_cp_batch_and_ctx(
             "(per-document lengths); pre-flattened `cu_seqlens` batches are not supported by the DSV4 CP path"
         )
     if packed:
-        _, loss_mask, input_positions = _repad_dsv4_packed_batch(
+        # the repad builds only this rank's columns of the repadded rows: the contiguous cut of the full repad
+        # (whose width T is a multiple of size * multiple, so the cut adds no padding)
+        _, loss_mask, input_positions, total = _repad_dsv4_packed_shard(
             batch,
             cp_size=size,
+            cp_rank=mesh_rank(cp_mesh),
             pad_multiple=multiple,
             padding_token_id=padding_token_id,
             sync_packed_length=sync_packed_length,
@@ -92,18 +95,18 @@ def make_dsv4_contiguous_shard_cp_batch_and_ctx(
             sync_group=sync_group,
         )
         batch.pop("attention_mask", None)  # the repad rebuilt padding_mask
-    ctx, batch, layout = shard_batch_contiguous(
-        cp_mesh,
-        tp_mesh,
-        batch,
-        loss_mask=loss_mask,
-        padding_token_id=padding_token_id,
-        pad_multiple=multiple,
-        extra_seq_keys={"packed_seq_ids": 1} if packed else None,
-        extra_pad_values={"packed_seq_ids": 0} if packed else None,
-    )
-    if packed:
-        layout = ShardLayout(padded_seq_len=layout.padded_seq_len, input_token_stream_positions=input_positions)
+        if loss_mask is not None:
+            batch["loss_mask"] = loss_mask
+        ctx, layout = nullcontext, ShardLayout(padded_seq_len=total, input_token_stream_positions=input_positions)
+    else:
+        ctx, batch, layout = shard_batch_contiguous(
+            cp_mesh,
+            tp_mesh,
+            batch,
+            loss_mask=loss_mask,
+            padding_token_id=padding_token_id,
+            pad_multiple=multiple,
+        )
     batch["_dsv4_cp_group"] = mesh_group(cp_mesh)
     return ctx, batch, layout
 
