@@ -1,6 +1,6 @@
 """``model.attention_backend``: a DSV4Attention layer on the Triton kernels (sparse attention and, for CSA, the
-indexer) equals the same layer on the torch path (same weights; under the Triton interpreter on CPU tensors), and
-the backend choice fails clearly."""
+indexer) equals the same layer on the torch path (same weights; under the Triton interpreter on CPU tensors, or
+compiled on CUDA tensors: ``tests/unit/kernels/device.py``), and the backend choice fails clearly."""
 
 import os
 
@@ -20,6 +20,7 @@ from dsv4.kernels.triton_indexer import triton_indexer_topk  # noqa: E402
 from dsv4.model.attention_backend import attention_kernel, indexer_kernel, resolve_attention_backend  # noqa: E402
 from dsv4.model.attention_metadata import build_attention_metadata  # noqa: E402
 from dsv4.model.sparse_attention import sparse_attention  # noqa: E402
+from tests.unit.kernels.device import DEVICE  # noqa: E402  (cpu under the interpreter; cuda: compiled)
 from tests.unit.model.test_attention import make_layer  # noqa: E402
 from tests.unit.model.test_sparse_attention import packed_meta  # noqa: E402
 
@@ -29,10 +30,10 @@ CONFIG = DSV4Config.preset("tiny", attention_chunk_size=48)
 
 def _layer_run(layer_idx: int, backend: str, x, meta):
     config = dataclasses.replace(CONFIG, attention_backend=backend)
-    layer = make_layer(layer_idx, seed=layer_idx, config=config)
+    layer = make_layer(layer_idx, seed=layer_idx, config=config).to(DEVICE)
     xi = x.clone().requires_grad_(True)
     out = layer(xi, meta)
-    out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+    out.backward(torch.linspace(-1, 1, out.numel(), device=out.device).reshape(out.shape))
     grads = {name: p.grad for name, p in layer.named_parameters() if p.grad is not None}
     return out.detach(), xi.grad, grads
 
@@ -42,7 +43,8 @@ def test_layer_on_triton_equals_torch(layer_idx):
     seq, pos = packed_meta([128, 96], 32)  # two documents, then 32 pack-padding tokens
     length = seq.numel()
     torch.manual_seed(1)
-    x = torch.randn(1, length, CONFIG.hidden_size)
+    x = torch.randn(1, length, CONFIG.hidden_size).to(DEVICE)
+    seq, pos = seq.to(DEVICE), pos.to(DEVICE)
     pad = (seq == 0)[None]
     meta = build_attention_metadata(CONFIG, pos[None], seq[None], pad)
     out_t, dx_t, g_t = _layer_run(layer_idx, "torch", x, meta)
@@ -60,8 +62,9 @@ def test_backend_resolution(monkeypatch):
     assert resolve_attention_backend("auto", "meta") == "torch"
     assert resolve_attention_backend("auto", "cuda") == "triton"  # triton imports here
     assert attention_kernel("auto", torch.device("cpu")) is sparse_attention
-    assert attention_kernel("triton", torch.device("cpu")) is triton_sparse_attention  # TRITON_INTERPRET=1
-    assert indexer_kernel("triton", torch.device("cpu")) is triton_indexer_topk  # the CSA layer's indexer too
+    # on CPU tensors under TRITON_INTERPRET=1; on CUDA tensors compiled
+    assert attention_kernel("triton", torch.device(DEVICE)) is triton_sparse_attention
+    assert indexer_kernel("triton", torch.device(DEVICE)) is triton_indexer_topk  # the CSA layer's indexer too
     assert indexer_kernel("auto", torch.device("cpu")) is None
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
@@ -94,12 +97,13 @@ def test_indexer_loss_on_triton_equals_torch():
     so the same indexer loss and indexer gradients, as on the torch path."""
     seq, pos = packed_meta([128, 96], 32)
     torch.manual_seed(1)
-    x = torch.randn(1, seq.numel(), CONFIG.hidden_size)
+    x = torch.randn(1, seq.numel(), CONFIG.hidden_size).to(DEVICE)
+    seq, pos = seq.to(DEVICE), pos.to(DEVICE)
     meta = build_attention_metadata(CONFIG, pos[None], seq[None], (seq == 0)[None])
     results = {}
     for backend in ("torch", "triton"):
         config = dataclasses.replace(CONFIG, attention_backend=backend, indexer_loss_coeff=0.5, index_topk=8)
-        layer = make_layer(1, seed=1, config=config)
+        layer = make_layer(1, seed=1, config=config).to(DEVICE)
         layer(x.clone().requires_grad_(True), meta)
         loss = layer.indexer_loss
         loss.backward()

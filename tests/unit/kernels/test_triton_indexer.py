@@ -1,5 +1,5 @@
 """Triton lightning-indexer top-k vs the torch indexer's selection, under the Triton interpreter on CPU tensors
-(TRITON_INTERPRET=1 is set before triton is imported).
+(TRITON_INTERPRET=1 is set before triton is imported), or compiled on CUDA tensors (``tests/unit/kernels/device.py``).
 
 The reference ``reference_topk`` is the scoring loop of ``Indexer.forward`` on given ``q`` (after RoPE), ``w`` and
 keys, op for op (fp32 einsum, relu, weighted head sum, D_I^-0.5, masked_fill(-inf), stable descending sort, -1 for
@@ -23,11 +23,8 @@ pytest.importorskip("triton")
 from dsv4.kernels.triton_indexer import triton_indexer_topk  # noqa: E402
 from dsv4.model.compressor import window_metadata  # noqa: E402
 from dsv4.model.sparse_attention import compressed_key_allowed  # noqa: E402
+from tests.unit.kernels.device import DEVICE  # noqa: E402  (cpu under the interpreter; cuda: compiled)
 
-if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    DEVICE = "cuda"  # a real GPU run (TRITON_INTERPRET=0): the same tests on the compiled kernel
-else:
-    DEVICE = "cpu"
 
 H, D = 2, 16
 
@@ -173,12 +170,13 @@ def test_matches_indexer_module():
     indexer = Indexer(config)
     with torch.no_grad():
         indexer.compressor.ape.normal_()
+    indexer.to(DEVICE)
     lengths = [16, 28]
     seq = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)] + [torch.zeros(4, dtype=torch.long)])
     pos = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(4, dtype=torch.long)])
-    x = torch.randn(1, 48, config.hidden_size)
-    q_lat = torch.randn(1, 48, config.q_lora_rank)
-    meta = build_attention_metadata(config, pos[None], seq[None])
+    x = torch.randn(1, 48, config.hidden_size).to(DEVICE)
+    q_lat = torch.randn(1, 48, config.q_lora_rank).to(DEVICE)
+    meta = build_attention_metadata(config, pos[None].to(DEVICE), seq[None].to(DEVICE))
     w4 = meta.windows[4]
     with torch.no_grad():
         keys = indexer.keys(x, w4)

@@ -1,5 +1,6 @@
 """Triton sparse attention (forward + backward) vs the torch reference ``sparse_attention``, under the Triton
-interpreter on CPU tensors (TRITON_INTERPRET=1 is set before triton is imported).
+interpreter on CPU tensors (TRITON_INTERPRET=1 is set before triton is imported), or compiled on CUDA tensors
+(``tests/unit/kernels/device.py``).
 
 Every case compares the output and the gradients w.r.t. q, kv, sink and the compressed rows, with a random
 (non-uniform) output weight so that every gradient path is exercised.
@@ -17,12 +18,9 @@ pytest.importorskip("triton")
 from dsv4.kernels.triton_sparse_attention import triton_sparse_attention  # noqa: E402
 from dsv4.model.compressor import window_metadata  # noqa: E402
 from dsv4.model.sparse_attention import compressed_key_allowed, sparse_attention  # noqa: E402
+from tests.unit.kernels.device import DEVICE  # noqa: E402  (cpu under the interpreter; cuda: compiled)
 from tests.unit.model.test_sparse_attention import packed_meta  # noqa: E402
 
-if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    DEVICE = "cuda"  # a real GPU run (TRITON_INTERPRET=0): the same tests on the compiled kernels
-else:
-    DEVICE = "cpu"
 
 LEAVES = ("q", "kv", "sink", "comp")
 
