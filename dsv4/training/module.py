@@ -23,71 +23,40 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterable
 
 import lightning as L
 import torch
 
 from dsv4.batch import TokenBatch
-from dsv4.config import DSV4Config
 from dsv4.distributed import all_reduce_sum, is_initialized
 from dsv4.model import DSV4ForCausalLM
 from dsv4.model.moe import update_load_balancing_bias
-from dsv4.peft.config import LoRAConfig
 from dsv4.parallel.wrap import clip_grad_norm_
 from dsv4.training.loss import reduce_token_loss
 from dsv4.training.stats import StepStats, batch_statistics, document_flops, step_stats_from
+from dsv4.training.spec import RunSpec
 from dsv4.training.step import forward_outputs
 from dsv4.training.strategy import DSV4Strategy, ParallelState
 
 log = logging.getLogger("dsv4")
 
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
-SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
-
 
 class DSV4LightningModule(L.LightningModule):
-    """Args:
-        config: the model (a :class:`DSV4Config` or its dict).
-        optimizer: ``params -> torch.optim.Optimizer``.
-        scheduler: ``optimizer -> LRScheduler`` stepped every optimizer step, or None.
-        bias_update_rate: the MoE ``noaux_tc`` bias step after each optimizer step.
-        hf_checkpoint: a Hugging Face-format DSV4 checkpoint directory loaded before parallelisation.
-        export_hf_dir / export_dtype: write the trained model there at the end of training (merged under LoRA).
-        lora: a :class:`~dsv4.peft.LoRAConfig` for a LoRA fine-tune (None: full fine-tune). The base is frozen
-            (no gradient, no optimizer state, no reduction, no router-bias update), only adapters train.
-        lora_adapter: a PEFT adapter directory to start the adapters from.
-        export_adapter_dir: write the adapters there in the PEFT format at the end of training.
-        indexer_warmup_steps: with ``config.indexer_loss_coeff > 0``, the first steps train only the indexer on its
-            KL loss (:mod:`dsv4.model.indexer_loss`); the main model and the router biases stay as they are.
+    """The model of a :class:`~dsv4.training.spec.RunSpec` and its training step. It reads from the spec: the model
+    config, the optimizer and scheduler factories (the scheduler stepped every optimizer step), the MoE bias step
+    (``bias_update_rate``), ``model_checkpoint`` (a Hugging Face-format DSV4 checkpoint loaded before
+    parallelisation), ``lora`` (a LoRA fine-tune: the base is frozen, with no gradient, optimizer state, reduction or
+    router-bias update; only adapters train) and ``lora_adapter`` (a PEFT adapter to start from), ``export`` (what
+    to write at the end of training) and ``indexer_warmup_steps`` (with ``indexer_loss_coeff > 0`` the first steps
+    train only the indexer on its KL loss, :mod:`dsv4.model.indexer_loss`; the main model and the router biases stay
+    as they are).
     """
 
-    def __init__(
-        self,
-        config: DSV4Config | dict[str, Any],
-        optimizer: OptimizerFactory,
-        scheduler: SchedulerFactory | None = None,
-        bias_update_rate: float = 1e-3,
-        hf_checkpoint: str | None = None,
-        export_hf_dir: str | None = None,
-        export_dtype: str = "bfloat16",
-        lora: LoRAConfig | None = None,
-        lora_adapter: str | None = None,
-        export_adapter_dir: str | None = None,
-        indexer_warmup_steps: int = 0,
-    ) -> None:
+    def __init__(self, spec: RunSpec) -> None:
         super().__init__()
-        self.config = config if isinstance(config, DSV4Config) else DSV4Config.from_dict(dict(config))
-        self.optimizer_factory = optimizer
-        self.scheduler_factory = scheduler
-        self.bias_update_rate = bias_update_rate
-        self.hf_checkpoint = hf_checkpoint
-        self.export_hf_dir = export_hf_dir
-        self.export_dtype = export_dtype
-        self.lora = lora
-        self.lora_adapter = lora_adapter
-        self.export_adapter_dir = export_adapter_dir
-        self.indexer_warmup_steps = indexer_warmup_steps
+        self.spec = spec
+        self.config = spec.model
+        self.lora = spec.lora
         self.model: DSV4ForCausalLM | None = None
         self.last_step_stats: StepStats | None = None
         self._flops = document_flops(self.config)
@@ -119,16 +88,16 @@ class DSV4LightningModule(L.LightningModule):
             summary = lora_summary(self.model, self.lora, counts)
             if self._trainer is None or self.global_rank == 0:
                 log.info("%s", summary)
-        if self.hf_checkpoint:
+        if self.spec.model_checkpoint:
             from dsv4.checkpoint import load_hf_checkpoint
 
             ep = parallel.ep_size > 1
-            load_hf_checkpoint(self.model, self.hf_checkpoint, ep_rank=parallel.ep_rank if ep else None,
+            load_hf_checkpoint(self.model, self.spec.model_checkpoint, ep_rank=parallel.ep_rank if ep else None,
                                ep_size=parallel.ep_size if ep else None)
-        if self.lora_adapter:
+        if self.spec.lora_adapter:
             from dsv4.peft.peft_format import load_peft_adapter
 
-            load_peft_adapter(self.model, self.lora_adapter)
+            load_peft_adapter(self.model, self.spec.lora_adapter)
         strategy = self._trainer.strategy if self._trainer is not None else None
         if isinstance(strategy, DSV4Strategy):
             strategy.parallelize(self.model)
@@ -137,14 +106,14 @@ class DSV4LightningModule(L.LightningModule):
         """``export.adapter_dir``: the adapters in the PEFT format; ``export.hf_dir``: the trained model in the HF
         layout (merged under LoRA). Every rank gathers, global rank 0 writes."""
         write = self.trainer.global_rank == 0
-        if self.export_adapter_dir:
+        if self.spec.export.adapter_dir:
             from dsv4.peft.peft_format import export_peft_adapter
 
-            export_peft_adapter(self.model, self.export_adapter_dir, self.lora, base_model=self.hf_checkpoint,
-                                write=write)
+            export_peft_adapter(self.model, self.spec.export.adapter_dir, self.lora,
+                                base_model=self.spec.model_checkpoint, write=write)
             if write:
-                log.info("wrote the LoRA adapters (PEFT format) to %s", self.export_adapter_dir)
-        if not self.export_hf_dir:
+                log.info("wrote the LoRA adapters (PEFT format) to %s", self.spec.export.adapter_dir)
+        if not self.spec.export.hf_dir:
             return
         from dsv4.checkpoint import export_hf_checkpoint
 
@@ -153,7 +122,7 @@ class DSV4LightningModule(L.LightningModule):
             from dsv4.peft.apply import merged_tensors, requantization_loss
 
             tensors = merged_tensors(self.model)
-            if self.export_dtype == "quantized":
+            if self.spec.export.dtype == "quantized":
                 lost = requantization_loss(self.model)
                 if lost is not None and lost > 0.1:
                     log.warning("export.merge with export.dtype=quantized: re-quantising the merged FP8 / FP4 weights "
@@ -161,13 +130,14 @@ class DSV4LightningModule(L.LightningModule):
                                 "adapter (export.adapter_dir)", 100 * lost)
                 elif lost is not None:
                     log.info("re-quantised merge keeps the LoRA update within %.1f%% (relative L2)", 100 * lost)
-        export_hf_checkpoint(self.model, self.export_hf_dir, dtype=self.export_dtype, write=write, tensors=tensors)
+        export_hf_checkpoint(self.model, self.spec.export.hf_dir, dtype=self.spec.export.dtype, write=write,
+                             tensors=tensors)
 
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory([p for p in self.parameters() if p.requires_grad])
-        if self.scheduler_factory is None:
+        optimizer = self.spec.optimizer([p for p in self.parameters() if p.requires_grad])
+        if self.spec.scheduler is None:
             return optimizer
-        scheduler = self.scheduler_factory(optimizer)
+        scheduler = self.spec.scheduler(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
@@ -211,7 +181,7 @@ class DSV4LightningModule(L.LightningModule):
     @property
     def in_indexer_warmup(self) -> bool:
         """Whether this step is one of the first ``indexer_warmup_steps`` (only the indexer trains)."""
-        return self._trainer is not None and self.trainer.global_step < self.indexer_warmup_steps
+        return self._trainer is not None and self.trainer.global_step < self.spec.indexer_warmup_steps
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         """Forward, backward and the optimizer step (Lightning's closure), then the MoE bias update and the step
@@ -223,7 +193,7 @@ class DSV4LightningModule(L.LightningModule):
         parallel = self.parallel
         # every router sees different tokens: sum the expert loads of all ranks, apply the same update everywhere
         if self.lora is None and not self.in_indexer_warmup:  # LoRA and the indexer warm-up keep the routers as they are
-            update_load_balancing_bias(self.model, self.bias_update_rate,
+            update_load_balancing_bias(self.model, self.spec.bias_update_rate,
                                        reduce=all_reduce_sum if is_initialized() else None)
         totals = self._batch_stats
         if parallel.dp_group is not None:

@@ -147,7 +147,7 @@ class FinetuneConfig:
     logger: Optional[Dict[str, Any]] = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
-    # true = plan only, false = no plan, or the options of dsv4.training.planning.PlanOptions
+    # true = plan only, false = no plan, or the options of dsv4.training.spec.PlanOptions
     plan: Any = field(default_factory=lambda: {"enabled": True, "only": False, "enforce": True,
                                                "device_memory_gib": None})
 

@@ -10,7 +10,7 @@
 * ``parallelize(model)`` (called by the module's ``configure_model``): expert parallelism and the MoE dispatcher
   (:func:`dsv4.parallel.expert_shard.apply_expert_parallel`), then FSDP2 with summed gradients
   (:func:`dsv4.parallel.wrap.apply_fsdp`) in ``compute_dtype`` (FSDP2 mixed precision: fp32 master weights,
-  optimizer state and gradient reduction; :func:`compute_dtype_for` maps the trainer's precision).
+  optimizer state and gradient reduction; :func:`~dsv4.training.spec.compute_dtype_for` maps the trainer's precision).
 * Checkpoints: the parent's distributed (DCP) save/load of model and optimizer; loop, scheduler, data position and
   RNG travel in ``meta.pt``. A LoRA model (:mod:`dsv4.peft`) saves and loads only its adapters (and the optimizer,
   which holds nothing else): the frozen base comes from the model's own source (init seed or ``model.checkpoint``).
@@ -34,22 +34,7 @@ from dsv4.parallel.mesh import Meshes, ParallelDims, build_meshes
 from dsv4.parallel.wrap import apply_fsdp
 from dsv4.peft.apply import is_lora_model
 from dsv4.peft.lora import is_adapter_name
-
-
-PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def compute_dtype_for(precision: str, torch_dtype: str) -> torch.dtype:
-    """The dtype the model computes in: ``precision`` ``auto`` follows ``model.torch_dtype`` (float32 -> fp32,
-    bfloat16 -> bf16 mixed, float16 -> fp16 mixed); ``32-true`` / ``bf16-mixed`` / ``16-mixed`` choose directly.
-    Lightning's own autocast is not used: mixed precision is FSDP2's, with fp32 master weights."""
-    if precision == "auto":
-        return _TORCH_DTYPES[torch_dtype]
-    if precision not in PRECISIONS:
-        raise ValueError(f"`trainer.precision`={precision!r} must be auto or one of {sorted(PRECISIONS)} (dsv4 keeps "
-                         "fp32 master weights; a *-true half precision would not)")
-    return PRECISIONS[precision]
+from dsv4.training.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -82,6 +67,13 @@ class DSV4Strategy(ModelParallelStrategy):
         self.compute_dtype = compute_dtype
         self.meshes: Meshes | None = None
         self.parallel = ParallelState()
+
+    @classmethod
+    def from_spec(cls, spec: RunSpec, **kwargs: Any) -> "DSV4Strategy":
+        """The strategy of a resolved run: its parallel dims, CP layout, dispatcher and compute dtype."""
+        p = spec.parallel
+        return cls(cp=p.cp, dp=p.dp, ep=p.ep, cp_balance=p.cp_balance, dispatcher=spec.dispatcher,
+                   compute_dtype=spec.compute_dtype, **kwargs)
 
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)  # skip the parent's hard-coded ("data_parallel", "tensor_parallel") mesh

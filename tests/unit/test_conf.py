@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from dsv4.config import PRESETS, DSV4Config
-from dsv4.training.run import build_callbacks, build_logger, build_optimization
+from dsv4.training.spec import build_callbacks, build_logger, build_optimization
 from dsv4.training.schema import model_config, register_schema
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -61,11 +61,11 @@ def test_every_group_option_composes_and_builds(tmp_path, monkeypatch):
     for group in ("model", "data", "dispatcher", "trainer", "logger", "optim", "scheduler", "callbacks"):
         for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
             cfg = _compose([f"{group}={option}"])
-            optimizer, scheduler = build_optimization(cfg, [torch.nn.Parameter(torch.zeros(2))])
+            optimizer, scheduler = build_optimization(cfg)
             assert isinstance(optimizer([torch.nn.Parameter(torch.zeros(2))]), torch.optim.Optimizer)
             build_callbacks(cfg)
-            logger = build_logger(cfg, tmp_path / option)
-            assert logger is False or logger.save_dir == str(tmp_path / option)
+            factory = build_logger(cfg)
+            assert factory is None or factory(tmp_path / option).save_dir == str(tmp_path / option)
     from dsv4.training.schema import lora_config
 
     assert lora_config(_compose(["peft=none"]).peft) is None
@@ -77,9 +77,9 @@ def test_every_group_option_composes_and_builds(tmp_path, monkeypatch):
 
 def test_groups_select_what_is_built():
     cfg = _compose(["optim.lr=0.5", "scheduler=constant", "callbacks=none", "logger=none"])
-    optimizer, scheduler = build_optimization(cfg, [torch.nn.Parameter(torch.zeros(1))])
+    optimizer, scheduler = build_optimization(cfg)
     assert optimizer([torch.nn.Parameter(torch.zeros(1))]).defaults["lr"] == 0.5 and scheduler is None
-    assert build_callbacks(cfg) == [] and build_logger(cfg, Path("unused")) is False
+    assert build_callbacks(cfg) == [] and build_logger(cfg) is None
     names = [type(c).__name__ for c in build_callbacks(_compose([]))]
     assert names == ["ThroughputCallback", "PaddingCallback", "CPTrafficCallback", "MemoryCallback"]
     assert build_callbacks(_compose(["~callbacks.memory"]))[-1].__class__.__name__ == "CPTrafficCallback"
@@ -89,7 +89,7 @@ def test_groups_select_what_is_built():
 
 def test_bad_group_values_name_the_key():
     with pytest.raises(ValueError, match=r"`optim` cannot be instantiated: TypeError: .*lrr"):
-        build_optimization(_compose(["+optim.lrr=1"]), [torch.nn.Parameter(torch.zeros(1))])
+        build_optimization(_compose(["+optim.lrr=1"]))
     with pytest.raises(ValueError, match=r"`callbacks.throughput` cannot be instantiated: .*window must be >= 1"):
         build_callbacks(_compose(["callbacks.throughput.window=0"]))
 

@@ -15,6 +15,7 @@ from dsv4.config import DSV4Config
 from dsv4.data import build_packed_dataset
 from dsv4.flops import document_training_flops
 from dsv4.training.module import DSV4LightningModule
+from dsv4.training.spec import RunSpec
 from dsv4.training.schedule import warmup_cosine_schedule
 from dsv4.training.strategy import DSV4Strategy, ParallelState
 
@@ -45,7 +46,8 @@ class _Record(L.Callback):
 def test_logged_loss_and_statistics_are_the_batchs(one_rank_group):
     """lr = 0 and no MoE bias step keep the weights: the logged loss must equal the model's own loss on the batch."""
     loader, dataset = _loader()
-    module = DSV4LightningModule(CONFIG, optimizer=functools.partial(torch.optim.SGD, lr=0.0), bias_update_rate=0.0)
+    spec = RunSpec(CONFIG, optimizer=functools.partial(torch.optim.SGD, lr=0.0), bias_update_rate=0.0)
+    module = DSV4LightningModule(spec)
     record = _Record()
     _trainer(DSV4Strategy(), 2, callbacks=[record]).fit(module, train_dataloaders=loader)
     assert module.parallel.cp is None
@@ -68,7 +70,8 @@ def test_logged_loss_and_statistics_are_the_batchs(one_rank_group):
 def test_optimizer_schedule_and_clipping_come_from_the_factories(one_rank_group):
     loader, _ = _loader()
     schedule = functools.partial(warmup_cosine_schedule, warmup_steps=2, total_steps=4, min_lr_ratio=0.5)
-    module = DSV4LightningModule(CONFIG, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), scheduler=schedule)
+    spec = RunSpec(CONFIG, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), scheduler=schedule)
+    module = DSV4LightningModule(spec)
     trainer = _trainer(DSV4Strategy(), 3, gradient_clip_val=1e-3)
     trainer.fit(module, train_dataloaders=loader)
     optimizer = trainer.optimizers[0]
@@ -81,7 +84,7 @@ def test_optimizer_schedule_and_clipping_come_from_the_factories(one_rank_group)
 def test_module_trains_under_a_plain_strategy_without_parallelism():
     """Any Lightning strategy works: the module then sees a single process and does not parallelize."""
     loader, _ = _loader()
-    module = DSV4LightningModule(CONFIG, optimizer=functools.partial(torch.optim.AdamW, lr=3e-3))
+    module = DSV4LightningModule(RunSpec(CONFIG, optimizer=functools.partial(torch.optim.AdamW, lr=3e-3)))
     record = _Record()
     _trainer("auto", 4, callbacks=[record]).fit(module, train_dataloaders=loader)
     assert module.parallel == ParallelState()
@@ -89,8 +92,8 @@ def test_module_trains_under_a_plain_strategy_without_parallelism():
     assert len(record.losses) == 4 and record.losses[-1] < record.losses[0]
 
 
-def test_configure_model_is_idempotent_and_config_dict_accepted():
-    module = DSV4LightningModule(CONFIG.to_dict(), optimizer=torch.optim.SGD)
+def test_configure_model_is_idempotent():
+    module = DSV4LightningModule(RunSpec(CONFIG, optimizer=torch.optim.SGD))
     module.configure_model()
     model = module.model
     module.configure_model()

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from dsv4.training.planning import PLAN_FILE, PlanOptions, plan_options
+from dsv4.training.planning import PLAN_FILE
+from dsv4.training.spec import PlanOptions, plan_options
 from dsv4.training.run import run_finetune
 from dsv4.training.schema import register_schema
 

@@ -11,7 +11,8 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from dsv4.training.run import read_objective, run_finetune, validate
+from dsv4.training.run import read_objective, run_finetune
+from dsv4.training.spec import build_run_spec
 from dsv4.training.schema import register_schema
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
@@ -68,15 +69,15 @@ def _compose(overrides):
         (["logger._target_=no.such.Logger"], "`logger._target_`='no.such.Logger' cannot be imported"),
     ],
 )
-def test_validate_names_the_bad_key(overrides, message):
+def test_run_spec_names_the_bad_key(overrides, message):
     with pytest.raises((ValueError, RuntimeError)) as err:  # RuntimeError: a dispatcher this machine cannot run
-        validate(_compose([*FAST, *overrides]))
+        build_run_spec(_compose([*FAST, *overrides]))
     assert message in str(err.value)
 
 
 def test_removed_dispatcher_group_lists_the_options():
     """``dispatcher=hybridep`` (removed, no conf/dispatcher/hybridep.yaml) fails while Hydra composes, listing the
-    dispatcher options; ``dispatcher.name=hybridep`` reaches :func:`validate` (ValueError, case above)."""
+    dispatcher options; ``dispatcher.name=hybridep`` reaches :func:`~dsv4.training.spec.build_run_spec` (ValueError, case above)."""
     with pytest.raises(Exception, match="Could not find 'dispatcher/hybridep'") as err:
         _compose([*FAST, "dispatcher=hybridep"])
     for name in ("auto", "local", "alltoall", "allgather", "deepep"):

@@ -16,6 +16,7 @@ from dsv4.data import build_packed_dataset
 from dsv4.model.moe import MoE
 from dsv4.parallel.dispatch import AllToAllDispatcher
 from dsv4.training.module import DSV4LightningModule
+from dsv4.training.spec import RunSpec
 from dsv4.training.strategy import DSV4Strategy
 
 CONFIG = DSV4Config.preset("tiny")
@@ -24,7 +25,7 @@ CONFIG = DSV4Config.preset("tiny")
 def _fit(strategy, steps=1):
     docs = [[3] * 150, [5] * 100, [7] * 60]
     loader = DataLoader(build_packed_dataset(docs, 256, CONFIG.shard_multiple), batch_size=1, collate_fn=TokenBatch.stack)
-    module = DSV4LightningModule(CONFIG, optimizer=functools.partial(torch.optim.SGD, lr=0.0))
+    module = DSV4LightningModule(RunSpec(CONFIG, optimizer=functools.partial(torch.optim.SGD, lr=0.0)))
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, train_dataloaders=loader)

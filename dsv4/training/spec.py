@@ -1,0 +1,315 @@
+"""`RunSpec`: a fine-tuning run resolved once from the composed config; building it is the validation.
+
+:func:`build_run_spec` turns the composed Hydra config (``conf/finetune.yaml`` and its groups) into one typed,
+frozen :class:`RunSpec`: the model config, the LoRA config, the parallel dims, the device type, the compute dtype,
+the attention backend and the MoE dispatcher resolved for that device, the optimizer and scheduler factories, the
+metric callbacks, the logger factory, the plan, export and checkpoint options, and the trainer's keywords. Every
+semantic check of the config runs here, in the launching process, before anything is written or any rank starts,
+and raises ``ValueError`` / ``KeyError`` naming the key and the value.
+
+The strategy (:meth:`~dsv4.training.strategy.DSV4Strategy.from_spec`), the LightningModule, the memory plan
+(:func:`~dsv4.training.planning.plan_setup`), the export and the job (:mod:`dsv4.training.run`) read the spec; no
+other code derives a value from the config again.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from functools import partial
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dsv4.config import DSV4Config, check_cp_length
+from dsv4.parallel.cp.layout import check_balance, cp_chunks
+from dsv4.parallel.mesh import ParallelDims
+from dsv4.peft.config import LoRAConfig
+from dsv4.training.schema import lora_config, model_config
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+LoggerFactory = Callable[[Path], Any]
+
+PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compute_dtype_for(precision: str, torch_dtype: str) -> torch.dtype:
+    """The dtype the model computes in: ``precision`` ``auto`` follows ``model.torch_dtype`` (float32 -> fp32,
+    bfloat16 -> bf16 mixed, float16 -> fp16 mixed); ``32-true`` / ``bf16-mixed`` / ``16-mixed`` choose directly.
+    Lightning's own autocast is not used: mixed precision is FSDP2's, with fp32 master weights."""
+    if precision == "auto":
+        return _TORCH_DTYPES[torch_dtype]
+    if precision not in PRECISIONS:
+        raise ValueError(f"`trainer.precision`={precision!r} must be auto or one of {sorted(PRECISIONS)} (dsv4 keeps "
+                         "fp32 master weights; a *-true half precision would not)")
+    return PRECISIONS[precision]
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """``enabled``: plan at all; ``only``: plan and stop; ``enforce``: refuse to launch what does not fit;
+    ``device_memory_gib``: the memory judged against (None: see :mod:`dsv4.training.planning`)."""
+
+    enabled: bool = True
+    only: bool = False
+    enforce: bool = True
+    device_memory_gib: float | None = None
+
+
+def plan_options(value: Any) -> PlanOptions:
+    """``cfg.plan`` as :class:`PlanOptions`: ``true`` = plan only, ``false`` = no plan, or a mapping of the fields
+    (KeyError naming an unknown key, ValueError for a bad value)."""
+    if isinstance(value, bool):
+        return PlanOptions(enabled=value, only=value)
+    if value is None:
+        return PlanOptions()
+    values = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else dict(value)
+    known = {f.name for f in fields(PlanOptions)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise KeyError(f"`plan.{unknown[0]}` is not a plan option; the options are {sorted(known)}")
+    for name in ("enabled", "only", "enforce"):
+        if name in values and not isinstance(values[name], bool):
+            raise ValueError(f"`plan.{name}` must be true or false, got {values[name]!r}")
+    gib = values.get("device_memory_gib")
+    if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib <= 0):
+        raise ValueError(f"`plan.device_memory_gib` must be a positive number of GiB, got {gib!r}")
+    return PlanOptions(**values)
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """``cp`` x ``dp`` ranks (``dp`` -1: the world divided by ``cp``), ``ep`` expert-parallel ranks borrowed from
+    them, the CP layout ``cp_balance``; ``world_size``: devices x nodes when the trainer config fixes it, else None
+    (known at launch)."""
+
+    cp: int = 1
+    dp: int = -1
+    ep: int = 1
+    cp_balance: str = "none"
+    world_size: int | None = None
+
+    @property
+    def chunks(self) -> int:
+        """Equal chunks every row is cut into (``cp``, or ``2 cp`` balanced)."""
+        return cp_chunks(self.cp, self.cp_balance)
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    """At the end of training: ``hf_dir`` gets the model in the Hugging Face layout in ``dtype`` (merged under LoRA
+    with ``merge``), ``adapter_dir`` the LoRA adapters in the PEFT format."""
+
+    hf_dir: str | None = None
+    dtype: str = "bfloat16"
+    adapter_dir: str | None = None
+    merge: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """``every_n_steps``: distributed checkpoint cadence (0 = only at the end); ``resume``: ``auto`` | ``none`` | a
+    checkpoint directory."""
+
+    every_n_steps: int = 50
+    resume: str = "auto"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One fine-tuning run, resolved (see the module docstring). Only ``model`` and ``optimizer`` have no default,
+    so a test or a script builds the spec it needs directly."""
+
+    model: DSV4Config
+    optimizer: OptimizerFactory
+    scheduler: SchedulerFactory | None = None
+    model_checkpoint: str | None = None
+    lora: LoRAConfig | None = None
+    lora_adapter: str | None = None
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    device_type: str = "cpu"
+    compute_dtype: torch.dtype = torch.float32
+    attention_backend: str = "torch"  # resolved for device_type (never "auto")
+    dispatcher: str = "local"  # resolved for ep (never "auto")
+    seq_len: int = 2048
+    micro_batch_size: int = 1
+    seed: int = 1234
+    bias_update_rate: float = 1e-3
+    indexer_warmup_steps: int = 0
+    max_steps: int = 100
+    dry_run: bool = False
+    # the data source's keywords (dsv4.data.build_documents)
+    data: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    # Lightning Trainer keywords (precision resolved into compute_dtype)
+    trainer: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    callbacks: tuple = ()
+    logger: LoggerFactory | None = None
+    plan: PlanOptions = field(default_factory=PlanOptions)
+    export: ExportSpec = field(default_factory=ExportSpec)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    # the composed config with every model value spelled out (for the record)
+    resolved: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+def world_size_of(trainer_cfg: Mapping[str, Any]) -> int | None:
+    """World size implied by the trainer config (``devices`` x ``num_nodes``); None when only known at launch."""
+    devices = trainer_cfg.get("devices", 1)
+    if isinstance(devices, (list, tuple)):
+        devices = len(devices)
+    if not isinstance(devices, int) or devices < 1:
+        return None
+    return devices * int(trainer_cfg.get("num_nodes", 1))
+
+
+def device_type_of(trainer_cfg: Mapping[str, Any]) -> str:
+    """The torch device type a trainer config runs on (``trainer.accelerator``: gpu / cuda -> ``cuda``)."""
+    accelerator = str(trainer_cfg.get("accelerator", "cpu"))
+    return "cuda" if accelerator in ("gpu", "cuda") else accelerator
+
+
+def _instantiate(cfg: Any, key: str, *args: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` (plain Python containers as arguments, e.g. AdamW's ``betas`` a tuple-like list,
+    never a ListConfig inside optimizer state) with errors turned into a ValueError naming the config key."""
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(cfg, *args, _convert_="all", **kwargs)
+    except Exception as err:  # noqa: BLE001 - Hydra wraps import and call errors in several types
+        cause = err.__cause__ or err
+        raise ValueError(f"`{key}` cannot be instantiated: {type(cause).__name__}: {cause}") from None
+
+
+def build_optimization(cfg: DictConfig) -> tuple[OptimizerFactory, SchedulerFactory | None]:
+    """``(optimizer, scheduler or None)`` factories from ``cfg.optim`` / ``cfg.scheduler``, checked on a probe
+    parameter."""
+    optimizer = _instantiate(cfg.optim, "optim")
+    scheduler = _instantiate(cfg.scheduler, "scheduler") if cfg.get("scheduler") else None
+    try:
+        probe = optimizer([torch.nn.Parameter(torch.zeros(1))])
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"`optim` cannot be instantiated: {type(err).__name__}: {err}") from None
+    if not isinstance(probe, torch.optim.Optimizer):
+        raise ValueError(f"`optim` must build a torch.optim.Optimizer from the parameters, got {type(probe).__name__}")
+    if scheduler is not None:
+        try:
+            scheduler(probe)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"`scheduler` cannot be instantiated: {type(err).__name__}: {err}") from None
+    return optimizer, scheduler
+
+
+def build_callbacks(cfg: DictConfig) -> list:
+    """The metric callbacks of ``cfg.callbacks`` (one entry per callback, each with a ``_target_``)."""
+    return [_instantiate(spec, f"callbacks.{name}") for name, spec in (cfg.get("callbacks") or {}).items()
+            if spec is not None]
+
+
+def _make_logger(logger_cfg: Mapping[str, Any], output_dir: Path) -> Any:
+    return _instantiate(dict(logger_cfg), "logger", save_dir=str(output_dir))
+
+
+def build_logger(cfg: DictConfig) -> LoggerFactory | None:
+    """``output_dir -> logger`` for ``cfg.logger`` (its target checked now), or None without one."""
+    if not cfg.get("logger"):
+        return None
+    from hydra.utils import get_object
+
+    target = cfg.logger.get("_target_")
+    try:
+        get_object(str(target))
+    except Exception as err:  # noqa: BLE001
+        raise ValueError(f"`logger._target_`={target!r} cannot be imported: {err}") from None
+    return partial(_make_logger, MappingProxyType(OmegaConf.to_container(cfg.logger, resolve=True)))
+
+
+def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> None:
+    if world is not None:
+        ParallelDims(world_size=world, cp=cfg.cp, dp=cfg.dp, ep=cfg.ep).validate(config.n_routed_experts)
+    elif cfg.cp < 1:
+        raise ValueError(f"`cp` must be a positive integer, got {cfg.cp}")
+    check_balance(cfg.cp_balance)
+    chunks = cp_chunks(cfg.cp, cfg.cp_balance)
+    if chunks != cfg.cp and cfg.seq_len % (chunks * config.shard_multiple):
+        step = chunks * config.shard_multiple
+        raise ValueError(f"`seq_len`={cfg.seq_len} must be a multiple of 2 x cp x shard multiple = {step} under "
+                         f"cp_balance=full (rank r holds chunks r and 2cp-1-r of {chunks}); e.g. "
+                         f"seq_len={max(1, round(cfg.seq_len / step)) * step}")
+    check_cp_length(cfg.seq_len, cfg.cp, config.shard_multiple)
+    if cfg.micro_batch_size < 1:
+        raise ValueError(f"`micro_batch_size` must be >= 1, got {cfg.micro_batch_size}")
+
+
+def _export_spec(cfg: DictConfig, lora: LoRAConfig | None) -> ExportSpec:
+    export = ExportSpec(hf_dir=cfg.export.hf_dir, dtype=cfg.export.dtype, adapter_dir=cfg.export.adapter_dir,
+                        merge=bool(cfg.export.merge))
+    if lora is None and (export.adapter_dir or export.merge):
+        raise ValueError("`export.adapter_dir` / `export.merge` need peft=lora (a full fine-tune has no adapters)")
+    if lora is not None and export.hf_dir and not export.merge:
+        raise ValueError("`export.hf_dir` with peft=lora writes the merged model: set export.merge=true (or "
+                         "export.adapter_dir for the adapters alone)")
+    if export.merge and not export.hf_dir:
+        raise ValueError("`export.merge=true` needs `export.hf_dir` (where the merged model goes)")
+    if export.hf_dir:
+        from dsv4.checkpoint import EXPORT_DTYPES
+
+        if export.dtype not in EXPORT_DTYPES:
+            raise ValueError(f"`export.dtype`={export.dtype!r} must be one of {EXPORT_DTYPES}")
+    if (export.hf_dir or export.adapter_dir) and cfg.ep > 1:
+        raise ValueError("`export.hf_dir` / `export.adapter_dir` with ep > 1 are not supported yet (experts would "
+                         "need unsharding)")
+    return export
+
+
+def build_run_spec(cfg: DictConfig) -> RunSpec:
+    """Resolve and validate the composed config (see the module docstring); nothing is written."""
+    from dsv4.model.attention_backend import resolve_attention_backend
+    from dsv4.parallel.dispatch import check_dispatcher_available, resolve_dispatcher
+
+    config = model_config(cfg.model)
+    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+    world = world_size_of(trainer)
+    _check_parallel(cfg, config, world)
+    compute_dtype = compute_dtype_for(str(trainer.pop("precision", "auto")), config.torch_dtype)
+    device_type = device_type_of(trainer)
+    dispatcher = resolve_dispatcher(cfg.dispatcher.name, cfg.ep)
+    check_dispatcher_available(dispatcher, device_type)
+    backend = resolve_attention_backend(config.attention_backend, device_type)
+    if cfg.indexer_warmup_steps < 0 or (cfg.indexer_warmup_steps and not config.indexer_loss_coeff > 0):
+        raise ValueError(f"`indexer_warmup_steps`={cfg.indexer_warmup_steps} must be >= 0, and > 0 only with "
+                         f"model.indexer_loss_coeff > 0 (got {config.indexer_loss_coeff})")
+    if cfg.checkpoint.every_n_steps < 0:
+        raise ValueError(f"`checkpoint.every_n_steps` must be >= 0, got {cfg.checkpoint.every_n_steps}")
+    if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).exists():
+        raise ValueError(f"`checkpoint.resume`={cfg.checkpoint.resume!r}: no such checkpoint")
+    checkpoint = cfg.model.checkpoint
+    if checkpoint and not os.path.isdir(checkpoint):
+        raise ValueError(f"`model.checkpoint`={checkpoint!r} is not a directory")
+    lora = lora_config(cfg.peft)
+    adapter = cfg.peft.get("adapter")
+    if adapter and (lora is None or not os.path.isdir(adapter)):
+        raise ValueError(f"`peft.adapter`={adapter!r} " + ("needs peft=lora" if lora is None else "is not a directory"))
+    export = _export_spec(cfg, lora)
+    optimizer, scheduler = build_optimization(cfg)
+    callbacks = tuple(build_callbacks(cfg))
+    plan = plan_options(cfg.get("plan"))
+    logger = build_logger(cfg)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved["model"].update(config.to_dict())
+    return RunSpec(
+        model=config, optimizer=optimizer, scheduler=scheduler, model_checkpoint=checkpoint or None, lora=lora,
+        lora_adapter=adapter or None,
+        parallel=ParallelSpec(cp=cfg.cp, dp=cfg.dp, ep=cfg.ep, cp_balance=cfg.cp_balance, world_size=world),
+        device_type=device_type, compute_dtype=compute_dtype, attention_backend=backend, dispatcher=dispatcher,
+        seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, seed=cfg.seed,
+        bias_update_rate=cfg.bias_update_rate, indexer_warmup_steps=cfg.indexer_warmup_steps,
+        max_steps=int(trainer.get("max_steps", 100)), dry_run=bool(cfg.dry_run),
+        data=MappingProxyType(OmegaConf.to_container(cfg.data, resolve=True)), trainer=MappingProxyType(trainer),
+        callbacks=callbacks, logger=logger, plan=plan, export=export,
+        checkpoint=CheckpointSpec(every_n_steps=cfg.checkpoint.every_n_steps, resume=cfg.checkpoint.resume),
+        resolved=MappingProxyType(resolved),
+    )
