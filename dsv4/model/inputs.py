@@ -7,10 +7,11 @@ single forward:
 
 * ``position_ids`` default to ``rank * L + arange(L)``, ``packed_seq_ids`` to all 1 (one document per row);
 * ``loss_mask`` (0 = do not train on this token) is folded into ``labels``;
-* a batch key registered with :func:`register_cp_batch_key` (the compatible API's sharder registers the
-  key naming its CP group) resolves the forward's :class:`~dsv4.model.context_parallel.ContextParallel`;
-* ``seq_lens`` / ``seq_lens_padded`` / ``qkv_format`` / ``cp_partition_mode`` of a sharded batch (global
-  metadata with ``packed_seq_ids`` present) are ignored, as in the seed;
+* a batch key registered with :func:`register_batch_key` is accepted: the compatible API's sharder registers the
+  key naming its CP group (it resolves the forward's :class:`~dsv4.model.context_parallel.ContextParallel`) and the
+  format keys its batches carry (ignored);
+* ``seq_lens`` / ``seq_lens_padded`` of a sharded batch (global metadata with ``packed_seq_ids`` present) are
+  ignored;
 * ``seq_lens`` *without* ``packed_seq_ids`` (one rank): the rows are caller rows of back-to-back documents; they
   are moved onto the aligned layout of :mod:`dsv4.packing` (every document on a shard-multiple boundary) and the
   model restores its outputs to caller coordinates (:attr:`ModelInputs.layout`).
@@ -29,19 +30,20 @@ from dsv4.config import DSV4Config
 from dsv4.model.context_parallel import ContextParallel, is_parallel
 from dsv4.packing import PackedSequenceLayout
 
-PACKED_BATCH_KEYS = frozenset({"seq_lens", "seq_lens_padded", "qkv_format", "cp_partition_mode", "loss_mask"})
+PACKED_BATCH_KEYS = frozenset({"seq_lens", "seq_lens_padded", "loss_mask"})
 
 CPFromBatch = Callable[[Any, "ContextParallel | None"], "ContextParallel | None"]
-_CP_BATCH_KEYS: dict[str, CPFromBatch] = {}
+_BATCH_KEYS: dict[str, CPFromBatch | None] = {}
 
 
-def register_cp_batch_key(name: str, resolve: CPFromBatch) -> None:
-    """Accept batch key ``name`` in ``model(**batch)``: ``resolve(value, cp)`` returns the context the forward runs
-    with (``cp``: the one passed explicitly, or None), or raises ValueError when the two disagree. A sharder that
-    stores its CP group in the batch registers its key here; the model knows no key of its own."""
+def register_batch_key(name: str, resolve: CPFromBatch | None = None) -> None:
+    """Accept batch key ``name`` in ``model(**batch)``. ``resolve(value, cp)``, when given, returns the context the
+    forward runs with (``cp``: the one passed explicitly, or None) or raises ValueError when the two disagree; None
+    accepts the key and ignores it. A batch API whose batches carry keys of their own (the compatible sharder's CP
+    group and format keys) registers them here; the model itself knows only the typed inputs and the packed keys."""
     if name in PACKED_BATCH_KEYS:
-        raise ValueError(f"register_cp_batch_key: {name!r} is a packed-batch key of the model")
-    _CP_BATCH_KEYS[name] = resolve
+        raise ValueError(f"register_batch_key: {name!r} is a packed-batch key of the model")
+    _BATCH_KEYS[name] = resolve
 
 
 @dataclass
@@ -58,8 +60,8 @@ class ModelInputs:
 
 
 def _cp_from_batch(cp: ContextParallel | None, batch_keys: dict) -> ContextParallel | None:
-    for name, resolve in _CP_BATCH_KEYS.items():
-        if name in batch_keys:
+    for name, resolve in _BATCH_KEYS.items():
+        if resolve is not None and name in batch_keys:
             cp = resolve(batch_keys[name], cp)
     return cp
 
@@ -84,7 +86,7 @@ def resolve_inputs(
     batch_keys: dict,
 ) -> ModelInputs:
     """The canonical inputs of a forward call (see the module docstring)."""
-    unknown = set(batch_keys) - PACKED_BATCH_KEYS - set(_CP_BATCH_KEYS)
+    unknown = set(batch_keys) - PACKED_BATCH_KEYS - set(_BATCH_KEYS)
     if unknown:
         raise TypeError(f"DSV4ForCausalLM.forward got unexpected keyword arguments {sorted(unknown)}")
     if input_ids.dim() != 2:

@@ -1,8 +1,10 @@
-"""``model(**batch)`` for a batch the seed sharder cut: its ``_dsv4_cp_group`` key names the CP group.
+"""``model(**batch)`` for a batch the seed sharder (or Megatron-Bridge's THD partition) cut.
 
-Registered with :func:`dsv4.model.inputs.register_cp_batch_key` when :mod:`dsv4.cp` is imported (which the sharder's
-users do), so the model accepts the key without knowing it: the group becomes the forward's
-:class:`~dsv4.parallel.cp.CPContext` when no context is passed, and must have the passed context's size otherwise.
+Registered with :func:`dsv4.model.inputs.register_batch_key` when :mod:`dsv4.cp` is imported (which the sharder's
+users do), so the model accepts these keys without knowing them: ``_dsv4_cp_group`` names the CP group, which
+becomes the forward's :class:`~dsv4.parallel.cp.CPContext` when no context is passed and must have the passed
+context's size otherwise; ``qkv_format`` and ``cp_partition_mode`` describe the batch and are ignored, as in the
+seed.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from dsv4.model.context_parallel import ContextParallel
-from dsv4.model.inputs import register_cp_batch_key
+from dsv4.model.inputs import register_batch_key
 from dsv4.parallel.cp.context import CPContext
 
 GROUP_KEY = "_dsv4_cp_group"
+FORMAT_KEYS = ("qkv_format", "cp_partition_mode")
 
 
 def cp_from_group(group: Any, cp: ContextParallel | None) -> ContextParallel | None:
@@ -30,4 +33,6 @@ def cp_from_group(group: Any, cp: ContextParallel | None) -> ContextParallel | N
     return cp
 
 
-register_cp_batch_key(GROUP_KEY, cp_from_group)
+register_batch_key(GROUP_KEY, cp_from_group)
+for _key in FORMAT_KEYS:
+    register_batch_key(_key)
