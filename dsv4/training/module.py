@@ -60,7 +60,8 @@ class DSV4LightningModule(L.LightningModule):
         self.model: DSV4ForCausalLM | None = None
         self.last_step_stats: StepStats | None = None
         self._flops = document_flops(self.config)
-        self._batch_stats: torch.Tensor | None = None
+        self._batch_stats: torch.Tensor | None = None  # summed over the micro-batches of the current step
+        self._window_sums: torch.Tensor | None = None  # (CE sum, label count[, indexer sum]) under accumulation
         self._step_start = 0.0
 
     @property
@@ -148,17 +149,33 @@ class DSV4LightningModule(L.LightningModule):
         self.log("train/grad_norm", norm, on_step=True, rank_zero_only=True)
 
     # ------------------------------------------------------------------ step
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step (the Trainer's ``accumulate_grad_batches``, from ``global_batch_size``)."""
+        return int(self._trainer.accumulate_grad_batches) if self._trainer is not None else 1
+
     def on_train_batch_start(self, batch, batch_idx) -> None:
-        self._step_start = time.perf_counter()
+        if self._batch_stats is None:  # the first micro-batch of an optimizer step
+            self._step_start = time.perf_counter()
 
     def training_step(self, batch: TokenBatch, batch_idx: int) -> torch.Tensor:
-        """``batch``: this dp replica's whole rows; returns this rank's share of the global token-mean loss."""
+        """``batch``: this dp replica's whole rows (one micro-batch); returns this rank's share of the loss to
+        backpropagate.
+
+        Without accumulation that share is ``loss_sum / global label count`` (:func:`reduce_token_loss`). With
+        accumulation the label count of the whole optimizer step is known only after its last micro-batch: each
+        micro-batch backpropagates ``loss_sum / grad_scale`` (a fixed number) and :meth:`on_before_optimizer_step`
+        multiplies the summed gradients by ``grad_scale / global label count``, so the step's gradient is the one
+        of the token mean over the whole global batch, exactly as one large batch gives."""
         parallel = self.parallel
-        self._batch_stats = batch_statistics(batch, self.config.shard_multiple, self._flops)
+        stats = batch_statistics(batch, self.config.shard_multiple, self._flops)
+        self._batch_stats = stats if self._batch_stats is None else self._batch_stats + stats
         balance = parallel.cp.balance if parallel.cp is not None else "none"
         local = batch.cut(parallel.cp_rank, parallel.cp_size, self.config.shard_multiple, balance)
         out = forward_outputs(self.model, local, cp=parallel.cp)
         group = parallel.loss_group if parallel.loss_group is not None else False
+        if self.accumulation > 1:
+            return self._accumulate(out)
         loss = reduce_token_loss(out.loss_sum, out.label_count, group)
         self.log("train/loss", loss.value, prog_bar=True, on_step=True, rank_zero_only=True)
         if out.indexer_loss_sum is None:
@@ -171,6 +188,44 @@ class DSV4LightningModule(L.LightningModule):
         # through every block as usual (FSDP2 gathers a block's parameters when backward reaches its output);
         # on_after_backward then drops every gradient but the indexer's.
         return loss.loss * 0.0 + indexer.loss
+
+    @property
+    def grad_scale(self) -> float:
+        """The fixed divisor of an accumulated micro-batch's loss sum: the token slots of one global batch."""
+        return float(self.accumulation * self.spec.micro_batch_size * self.parallel.dp_size * self.spec.seq_len)
+
+    def _accumulate(self, out) -> torch.Tensor:
+        """One micro-batch of an accumulated step: record (CE sum, label count[, indexer sum]) for the step's
+        loss; return ``loss_sum / grad_scale`` times the accumulation (Lightning divides by it)."""
+        sums = [out.loss_sum.detach(), torch.as_tensor(out.label_count, dtype=out.loss_sum.dtype,
+                                                       device=out.loss_sum.device)]
+        if out.indexer_loss_sum is not None:
+            sums.append(out.indexer_loss_sum.detach())
+        values = torch.stack(sums).to(torch.float64)
+        self._window_sums = values if self._window_sums is None else self._window_sums + values
+        scale = self.accumulation / self.grad_scale
+        if out.indexer_loss_sum is None or not self.in_indexer_warmup:
+            return out.loss_sum * scale
+        return out.loss_sum * 0.0 + out.indexer_loss_sum * scale
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """With accumulation: reduce the step's (CE sum, label count) over dp x cp, rescale the summed gradients to
+        the token mean over the global batch and log ``train/loss`` (before clipping, which follows)."""
+        if self._window_sums is None:
+            return
+        sums, self._window_sums = self._window_sums, None
+        group = self.parallel.loss_group
+        if group is not None:
+            sums = all_reduce_sum(sums, group)
+        count = float(sums[1].clamp_min(1))
+        factor = self.grad_scale / count
+        with torch.no_grad():
+            for param in self.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(factor)
+        self.log("train/loss", sums[0] / count, prog_bar=True, on_step=True, rank_zero_only=True)
+        if sums.numel() > 2:
+            self.log("train/indexer_loss", sums[2] / count, on_step=True, rank_zero_only=True)
 
     def on_after_backward(self) -> None:
         if self.in_indexer_warmup:  # no gradient, so no optimizer update or state, for anything but the indexer
@@ -186,7 +241,9 @@ class DSV4LightningModule(L.LightningModule):
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         """Forward, backward and the optimizer step (Lightning's closure), then the MoE bias update and the step
         statistics, so that callbacks' ``on_train_batch_end`` see this step's numbers."""
+        lr = optimizer.param_groups[0]["lr"]
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self.log("train/lr", lr, on_step=True, rank_zero_only=True)
         self._after_optimizer_step()
 
     def _after_optimizer_step(self) -> None:
@@ -195,7 +252,7 @@ class DSV4LightningModule(L.LightningModule):
         if self.lora is None and not self.in_indexer_warmup:  # LoRA and the indexer warm-up keep the routers as they are
             update_load_balancing_bias(self.model, self.spec.bias_update_rate,
                                        reduce=all_reduce_sum if is_initialized() else None)
-        totals = self._batch_stats
+        totals, self._batch_stats = self._batch_stats, None  # every micro-batch of the step
         if parallel.dp_group is not None:
             totals = all_reduce_sum(totals, parallel.dp_group)
         traffic = {}

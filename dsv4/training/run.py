@@ -120,6 +120,8 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     trainer = L.Trainer(strategy=DSV4Strategy.from_spec(spec), logger=logger,
                         callbacks=[checkpointing, *spec.callbacks], use_distributed_sampler=False,
                         default_root_dir=str(output_dir), precision="32-true", **spec.trainer)
+    # gradient accumulation from global_batch_size (the world size is known here also when the config left it open)
+    trainer.accumulate_grad_batches = spec.accumulation(trainer.world_size)
     if trainer.global_rank == 0:
         OmegaConf.save(OmegaConf.create(dict(spec.resolved)), output_dir / "resolved_config.yaml")
     if logger:

@@ -133,6 +133,8 @@ class FinetuneConfig:
     seq_len: int = 2048
     seed: int = 1234
     micro_batch_size: int = 1
+    # rows per optimizer step over all dp replicas (None: micro_batch_size x dp, no gradient accumulation)
+    global_batch_size: Optional[int] = None
     dry_run: bool = False
     bias_update_rate: float = 1e-3
     indexer_warmup_steps: int = 0

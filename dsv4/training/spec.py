@@ -138,6 +138,7 @@ class RunSpec:
     dispatcher: str = "local"  # resolved for ep (never "auto")
     seq_len: int = 2048
     micro_batch_size: int = 1
+    global_batch_size: int | None = None  # rows per optimizer step over all dp replicas (None: micro x dp)
     seed: int = 1234
     bias_update_rate: float = 1e-3
     indexer_warmup_steps: int = 0
@@ -154,6 +155,29 @@ class RunSpec:
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     # the composed config with every model value spelled out (for the record)
     resolved: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def accumulation(self, world_size: int) -> int:
+        """Micro-batches accumulated into one optimizer step on ``world_size`` ranks (:func:`accumulation_steps`
+        with this run's dp)."""
+        dp = ParallelDims(world_size=world_size, cp=self.parallel.cp, dp=self.parallel.dp, ep=self.parallel.ep).validate()
+        return accumulation_steps(self.global_batch_size, self.micro_batch_size, dp)
+
+
+def accumulation_steps(global_batch_size: int | None, micro_batch_size: int, dp: int) -> int:
+    """Micro-batches per optimizer step: ``global_batch_size / (micro_batch_size x dp)`` (1 when
+    ``global_batch_size`` is None). ValueError naming the numbers when the global batch is not a positive multiple of
+    the rows one forward of every replica takes."""
+    if global_batch_size is None:
+        return 1
+    per_step = micro_batch_size * dp
+    if global_batch_size < 1 or global_batch_size % per_step:
+        low = max(per_step, global_batch_size // per_step * per_step)
+        raise ValueError(
+            f"`global_batch_size`={global_batch_size} must be a positive multiple of micro_batch_size x dp = "
+            f"{micro_batch_size} x {dp} = {per_step} (the rows of one forward on every replica; gradients are "
+            f"accumulated over global_batch_size / {per_step} of them); e.g. global_batch_size={low} or "
+            f"{low + per_step}")
+    return global_batch_size // per_step
 
 
 def world_size_of(trainer_cfg: Mapping[str, Any]) -> int | None:
@@ -242,6 +266,12 @@ def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> N
     check_cp_length(cfg.seq_len, cfg.cp, config.shard_multiple)
     if cfg.micro_batch_size < 1:
         raise ValueError(f"`micro_batch_size` must be >= 1, got {cfg.micro_batch_size}")
+    gbs = cfg.get("global_batch_size")
+    if gbs is not None and gbs < 1:
+        raise ValueError(f"`global_batch_size` must be >= 1 or null, got {gbs}")
+    if world is not None:
+        dp = ParallelDims(world_size=world, cp=cfg.cp, dp=cfg.dp, ep=cfg.ep).validate()
+        accumulation_steps(gbs, cfg.micro_batch_size, dp)
 
 
 def _export_spec(cfg: DictConfig, lora: LoRAConfig | None) -> ExportSpec:
@@ -274,6 +304,9 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
     world = world_size_of(trainer)
     _check_parallel(cfg, config, world)
+    if "accumulate_grad_batches" in trainer:
+        raise ValueError(f"`trainer.accumulate_grad_batches`={trainer['accumulate_grad_batches']!r} is derived: set "
+                         "`global_batch_size` (rows per optimizer step over all dp replicas) instead")
     compute_dtype = compute_dtype_for(str(trainer.pop("precision", "auto")), config.torch_dtype)
     device_type = device_type_of(trainer)
     dispatcher = resolve_dispatcher(cfg.dispatcher.name, cfg.ep)
@@ -305,7 +338,8 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         lora_adapter=adapter or None,
         parallel=ParallelSpec(cp=cfg.cp, dp=cfg.dp, ep=cfg.ep, cp_balance=cfg.cp_balance, world_size=world),
         device_type=device_type, compute_dtype=compute_dtype, attention_backend=backend, dispatcher=dispatcher,
-        seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, seed=cfg.seed,
+        seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.get("global_batch_size"),
+        seed=cfg.seed,
         bias_update_rate=cfg.bias_update_rate, indexer_warmup_steps=cfg.indexer_warmup_steps,
         max_steps=int(trainer.get("max_steps", 100)), dry_run=bool(cfg.dry_run),
         data=MappingProxyType(OmegaConf.to_container(cfg.data, resolve=True)), trainer=MappingProxyType(trainer),

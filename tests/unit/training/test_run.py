@@ -47,6 +47,11 @@ def _compose(overrides):
         (["seq_len=256", "cp=2", "cp_balance=full"], "`seq_len`=256 must be a multiple of 2 x cp x shard multiple = "
                                                      "512 under cp_balance=full"),
         (["micro_batch_size=0"], "`micro_batch_size` must be >= 1, got 0"),
+        (["global_batch_size=3", "trainer.devices=2"], "`global_batch_size`=3 must be a positive multiple of "
+                                                       "micro_batch_size x dp = 1 x 2 = 2"),
+        (["global_batch_size=0"], "`global_batch_size` must be >= 1 or null, got 0"),
+        (["+trainer.accumulate_grad_batches=2"], "`trainer.accumulate_grad_batches`=2 is derived: set "
+                                                 "`global_batch_size`"),
         (["trainer.precision=bf16-true"], "`trainer.precision`='bf16-true' must be auto or one of"),
         (["checkpoint.every_n_steps=-1"], "`checkpoint.every_n_steps` must be >= 0, got -1"),
         (["model.checkpoint=/no/such/dir"], "`model.checkpoint`='/no/such/dir' is not a directory"),
