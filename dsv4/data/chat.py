@@ -1,6 +1,7 @@
 """Chat conversations -> token ids with an assistant-only loss mask, through a Jinja2 chat template.
 
-A conversation is a non-empty list of ``{"role": str, "content": str}`` messages. The template is rendered the way
+A conversation is a non-empty list of ``{"role": str, "content": str}`` messages, each role one of
+:data:`CHAT_ROLES` (anything else is refused, naming where). The template is rendered the way
 Hugging Face chat templates are (sandboxed Jinja2, ``trim_blocks`` and ``lstrip_blocks``, variables ``messages``
 and ``add_generation_prompt``, plus a ``raise_exception`` helper).
 
@@ -20,6 +21,7 @@ back the assistant replies (plus their end markers) verbatim.
 
 from __future__ import annotations
 
+import difflib
 from functools import lru_cache
 from typing import Any, Sequence
 
@@ -27,6 +29,10 @@ from dsv4.data.tokenizers import Tokenizer
 
 
 ASSISTANT_ROLE = "assistant"
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+"""Roles a message may have. Any other role is refused (naming the line): a misspelt ``asistant`` would otherwise
+render as some other speaker and silently never be trained on."""
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -69,6 +75,11 @@ def validate_messages(messages: Any, where: str) -> list[dict]:
                 raise KeyError(f"{where}: messages[{i}] has no `{key}` field (keys: {sorted(message)})")
             if not isinstance(message[key], str):
                 raise ValueError(f"{where}: messages[{i}].{key} must be a string, got {type(message[key]).__name__}")
+        if message["role"] not in CHAT_ROLES:
+            close = difflib.get_close_matches(message["role"], CHAT_ROLES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{where}: messages[{i}].role={message['role']!r} is not a chat role (one of "
+                             f"{', '.join(CHAT_ROLES)}){hint}")
     return messages
 
 

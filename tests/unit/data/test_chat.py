@@ -63,6 +63,10 @@ def test_template_that_is_not_prefix_stable_is_refused():
         ([{"role": "user"}], KeyError, r"messages\[0\] has no `content` field"),
         ([{"role": "user", "content": 3}], ValueError, r"messages\[0\].content must be a string, got int"),
         (["hi"], ValueError, r"messages\[0\] must be an object"),
+        ([{"role": "user", "content": "Hi"}, {"role": "asistant", "content": "Hello"}], ValueError,
+         r"f.jsonl:2: messages\[1\].role='asistant' is not a chat role \(one of system, developer, user, assistant, "
+         r"tool, function, ipython\); did you mean 'assistant'\?"),
+        ([{"role": "narrator", "content": "Once"}], ValueError, r"messages\[0\].role='narrator' is not a chat role"),
     ],
 )
 def test_malformed_messages(messages, error, pattern):

@@ -86,6 +86,8 @@ def test_jsonl_text_and_chat_rows(tmp_path):
         ([{"text": 5}], ValueError, r"d.jsonl:1: field `text` must be a string, got int"),
         (["[1, 2]"], ValueError, r"d.jsonl:1: expected a JSON object, got list"),
         ([{"messages": [{"role": "user"}]}], KeyError, r"d.jsonl:1: messages\[0\] has no `content` field"),
+        ([{"text": "ok"}, {"messages": [{"role": "user", "content": "Q"}, {"role": "asistant", "content": "A"}]}],
+         ValueError, r"d.jsonl:2: messages\[1\].role='asistant' is not a chat role .* did you mean 'assistant'\?"),
         (["", "  "], ValueError, r"d.jsonl' holds no records \(empty dataset\)"),
     ],
 )
