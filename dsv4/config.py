@@ -189,6 +189,9 @@ class DSV4Config:
             fail("scoring_func", f"must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
         if self.topk_method not in TOPK_METHODS:
             fail("topk_method", f"must be one of {TOPK_METHODS}, got {self.topk_method!r}")
+        if self.norm_topk_prob is not True:
+            fail("norm_topk_prob", f"must be true, got {self.norm_topk_prob!r}: DeepSeek's reference and transformers "
+                 "always renormalise the top-k routing weights (the release sets it true); dsv4 follows them")
         if self.hidden_act != "silu":
             fail("hidden_act", f"only 'silu' (clamped SwiGLU) is supported, got {self.hidden_act!r}")
         if self.activation_checkpointing not in CHECKPOINTING_MODES:

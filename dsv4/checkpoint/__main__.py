@@ -1,7 +1,8 @@
 """``python -m dsv4.checkpoint inspect DIR [--json]``: what a checkpoint directory holds, from the headers only.
 
-Prints the ``config.json`` summary (and whether ``DSV4Config`` accepts it), the tensor count, a per-dtype census
-(tensors and bytes), the shard count and the total size. No tensor data is read. A bad directory or file
+Prints the layout (``release`` or ``transformers``, :mod:`dsv4.checkpoint.layouts`), the ``config.json`` summary and
+whether :func:`~dsv4.checkpoint.hf_config.config_from_hf` accepts it (else the refusal, naming the field), the
+tensor count, a per-dtype census (tensors and bytes), the shard count and the total size. No tensor data is read. A bad directory or file
 (missing, unreadable, a refused header or index, see :mod:`dsv4.checkpoint.safetensors_io`) prints one
 ``error: ...`` line naming it on stderr and exits with status 2.
 """
@@ -14,6 +15,7 @@ import sys
 from collections import Counter
 
 from dsv4.checkpoint.hf_config import config_from_hf, read_hf_config_dict
+from dsv4.checkpoint.layouts import detect_layout
 from dsv4.checkpoint.safetensors_io import CheckpointDir
 
 
@@ -29,6 +31,8 @@ def inspect(path: str) -> dict:
         "num_tensors": len(ckpt.tensors),
         "num_shards": len(ckpt.files),
         "has_index": ckpt.has_index,
+        "layout": detect_layout(ckpt.tensors),
+        "has_mtp": any(k.startswith("mtp.") for k in ckpt.tensors),
         "total_bytes": sum(size.values()),
         "dtypes": {k: {"tensors": count[k], "bytes": size[k]} for k in sorted(count)},
     }
@@ -42,21 +46,23 @@ def inspect(path: str) -> dict:
     try:
         config_from_hf(raw)
         out["config_valid"] = True
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, KeyError) as e:
         out["config_valid"] = False
-        out["config_error"] = str(e)
+        out["config_error"] = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
     return out
 
 
 _SUMMARY_FIELDS = (
     "hidden_size", "num_hidden_layers", "num_nextn_predict_layers", "vocab_size", "num_attention_heads", "head_dim",
     "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "num_hash_layers", "compress_ratios",
-    "torch_dtype", "quantization_config",
+    "torch_dtype", "dtype", "quantization_config", "expert_dtype", "layer_types", "compress_rates", "mlp_layer_types",
+    "rope_scaling", "rope_parameters",
 )
 
 
 def _print_text(info: dict) -> None:
-    print(f"checkpoint: {info['path']}")
+    print(f"checkpoint: {info['path']} ({info['layout']} layout, " + ("with" if info["has_mtp"] else "no")
+          + " MTP weights)")
     cfg = info.get("config")
     if cfg is None:
         print(f"config: missing ({info.get('config_error')})")

@@ -1,19 +1,40 @@
-"""``config.json`` (HF release) <-> :class:`~dsv4.config.DSV4Config`.
+"""``config.json`` <-> :class:`~dsv4.config.DSV4Config`, in either layout (:mod:`dsv4.checkpoint.layouts`).
 
-Reading keeps every field ``DSV4Config`` knows (the names are the release's); ``dtype`` is accepted for ``torch_dtype``; HF bookkeeping (``architectures``,
-``model_type``, ``quantization_config``, ``transformers_version``, ...) is ignored. ``overrides`` replace fields
-after reading (e.g. ``num_nextn_predict_layers=0`` to skip MTP, ``torch_dtype="float32"``). Writing emits the
-release's fields, plus ``quantization_config`` when the weights are re-quantised.
+Reading (:func:`config_from_hf`) takes every field the model uses from the file, or refuses the file with a
+``KeyError`` naming the missing field; nothing falls back to a preset. The release's ``config.json`` names the fields
+as ``DSV4Config`` does (``dtype`` is accepted for ``torch_dtype``). The config transformers' ``save_pretrained``
+writes for ``DeepseekV4ForCausalLM`` is translated (:func:`translate_transformers_config`): ``layer_types`` +
+``compress_rates`` (a ratio per layer type) give ``compress_ratios`` (the MTP blocks get ratio 0, sliding window
+only, as in the release), the leading ``hash_moe`` entries of ``mlp_layer_types`` give ``num_hash_layers``,
+``rope_parameters`` give ``rope_theta`` (``main``), ``compress_rope_theta`` and YaRN (``compress``), and
+``partial_rotary_factor`` gives ``qk_rope_head_dim`` when the file has none; ``topk_method`` is ``noaux_tc``, the only
+routing transformers implements. A value the model cannot compute as transformers does is refused with a
+``ValueError`` naming the field.
+
+Optional fields, and what their absence means (logged on the ``dsv4`` logger, never silent):
+``rope_scaling`` (absent or null: no YaRN, a WARNING), ``norm_topk_prob`` (true: the reference and transformers
+always renormalise the top-k weights; false is refused by ``DSV4Config``), ``hidden_act`` (silu),
+``tie_word_embeddings`` (false), ``initializer_range`` (0.02; used only to initialise tensors the checkpoint does not
+hold, e.g. MTP blocks missing from a transformers directory). HF bookkeeping (``architectures``, ``model_type``,
+``quantization_config``, ``transformers_version``, ...) is ignored. ``overrides`` replace fields after reading (e.g.
+``num_nextn_predict_layers=0`` to skip MTP, ``torch_dtype="float32"``) and count as given.
+
+Writing (:func:`config_to_hf`) emits the release's fields: ``compress_ratios`` with one entry per MTP block after
+the ``num_hidden_layers`` backbone entries (DeepSeek's inference code indexes ``compress_ratios[n_layers + k]``),
+and on a re-quantised export ``quantization_config`` and ``"expert_dtype": "fp4"`` (the routed experts' format).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, fields
 from typing import Any
 
 from dsv4.config import DSV4Config
+
+log = logging.getLogger("dsv4")
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,34 +70,201 @@ def read_hf_config_dict(path: str) -> dict[str, Any]:
     return data
 
 
+# Fields the model uses that a config.json must carry (or an override give).
+REQUIRED_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "qk_rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "n_routed_experts", "n_shared_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "routed_scaling_factor", "scoring_func", "topk_method",
+    "swiglu_limit", "max_position_embeddings", "rope_theta", "compress_rope_theta", "compress_ratios",
+    "sliding_window", "num_hash_layers", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "index_head_dim", "index_n_heads",
+    "index_topk", "num_nextn_predict_layers", "rms_norm_eps", "torch_dtype",
+)
+# Optional fields and the value their absence stands for (see the module docstring).
+OPTIONAL_FIELDS: dict[str, Any] = {
+    "rope_scaling": None, "norm_topk_prob": True, "hidden_act": "silu", "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+}
+_LAYER_TYPE_KEYS = {"compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca"}
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+
+
+def is_transformers_config(data: dict[str, Any]) -> bool:
+    """Whether ``data`` is the config transformers writes (``layer_types`` / ``compress_rates`` per type /
+    ``rope_parameters``) rather than the release's (``compress_ratios`` per layer)."""
+    return "compress_ratios" not in data and (
+        "layer_types" in data or isinstance(data.get("compress_rates"), dict) or "rope_parameters" in data
+        or "mlp_layer_types" in data)
+
+
+def _need(data: dict[str, Any], key: str, where: str) -> Any:
+    if key not in data:
+        raise KeyError(f"config.json: {where} has no {key!r}")
+    return data[key]
+
+
+def _ratios_from_layer_types(data: dict[str, Any]) -> list[int]:
+    n = int(_need(data, "num_hidden_layers", "the transformers config"))
+    types = _need(data, "layer_types", "the transformers config")
+    rates = _need(data, "compress_rates", "the transformers config")
+    if not isinstance(types, list) or len(types) != n:
+        raise ValueError(f"config.json: layer_types has {len(types) if isinstance(types, list) else types!r} entries, "
+                         f"num_hidden_layers={n}")
+    if not isinstance(rates, dict):
+        raise ValueError(f"config.json: compress_rates={rates!r} is not a dict of layer type -> ratio")
+    ratio_of = {"sliding_attention": 0}
+    for kind in _LAYER_TYPE_KEYS:
+        if kind in types:
+            ratio_of[kind] = int(_need(rates, kind, "compress_rates"))
+    if ratio_of.get("compressed_sparse_attention", 4) != 4:
+        raise ValueError(f"config.json: compress_rates['compressed_sparse_attention']="
+                         f"{rates['compressed_sparse_attention']}: dsv4's overlapping compressor with the indexer "
+                         "(CSA) is the ratio-4 layer; other CSA ratios are not supported")
+    hca = ratio_of.get("heavily_compressed_attention")
+    if hca is not None and (hca < 1 or hca == 4):
+        raise ValueError(f"config.json: compress_rates['heavily_compressed_attention']={hca}: an HCA ratio must be "
+                         ">= 1 and not 4 (ratio 4 is CSA in dsv4)")
+    unknown = sorted({t for t in types if t not in ratio_of})
+    if unknown:
+        raise ValueError(f"config.json: layer_types has unknown types {unknown} (expected sliding_attention, "
+                         "compressed_sparse_attention, heavily_compressed_attention)")
+    return [ratio_of[t] for t in types]
+
+
+def _hash_layers_from_mlp_types(data: dict[str, Any]) -> int:
+    types = _need(data, "mlp_layer_types", "the transformers config")
+    n = int(_need(data, "num_hidden_layers", "the transformers config"))
+    if not isinstance(types, list) or len(types) != n:
+        raise ValueError(f"config.json: mlp_layer_types has {len(types) if isinstance(types, list) else types!r} "
+                         f"entries, num_hidden_layers={n}")
+    n_hash = 0
+    while n_hash < n and types[n_hash] == "hash_moe":
+        n_hash += 1
+    bad = [(i, t) for i, t in enumerate(types[n_hash:], n_hash) if t != "moe"]
+    if bad:
+        raise ValueError(f"config.json: mlp_layer_types must be hash_moe layers first, then moe; got (layer, type) "
+                         f"{bad[:5]}")
+    return n_hash
+
+
+def _rope_from_parameters(data: dict[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+    params = _need(data, "rope_parameters", "the transformers config")
+    if not (isinstance(params, dict) and isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict)):
+        raise ValueError(f"config.json: rope_parameters must hold the 'main' and 'compress' dicts transformers writes, "
+                         f"got keys {sorted(params) if isinstance(params, dict) else params!r}")
+    main, compress = params["main"], params["compress"]
+    if main.get("rope_type", "default") != "default":
+        raise ValueError(f"config.json: rope_parameters['main']['rope_type']={main.get('rope_type')!r}: dsv4 applies "
+                         "no scaling to the sliding-window rope (only 'default' is supported)")
+    out["rope_theta"] = _need(main, "rope_theta", "rope_parameters['main']")
+    out["compress_rope_theta"] = _need(compress, "rope_theta", "rope_parameters['compress']")
+    head_dim = int(_need(data, "head_dim", "the transformers config"))
+    for name, sub in (("main", main), ("compress", compress)):
+        factor = sub.get("partial_rotary_factor")
+        if factor is not None and "qk_rope_head_dim" in out and factor * head_dim != out["qk_rope_head_dim"]:
+            raise ValueError(f"config.json: rope_parameters['{name}']['partial_rotary_factor']={factor} x head_dim="
+                             f"{head_dim} differs from qk_rope_head_dim={out['qk_rope_head_dim']}")
+    kind = compress.get("rope_type", "default")
+    if kind == "default":
+        out["rope_scaling"] = None
+        notes.append("rope_parameters['compress'] has rope_type 'default': no YaRN")
+        return
+    if kind != "yarn":
+        raise ValueError(f"config.json: rope_parameters['compress']['rope_type']={kind!r}: only 'yarn' or 'default' "
+                         "is supported")
+    if compress.get("attention_factor", 1.0) != 1.0:
+        raise ValueError(f"config.json: rope_parameters['compress']['attention_factor']={compress['attention_factor']}"
+                         ": dsv4's YaRN scales no attention (the reference does not), only 1.0 is supported")
+    unknown = sorted(set(compress) - {*_YARN_KEYS, "rope_type", "type", "rope_theta", "partial_rotary_factor",
+                                      "attention_factor", "truncate"})
+    if unknown or compress.get("truncate", True) is not True:
+        raise ValueError(f"config.json: rope_parameters['compress'] has YaRN keys dsv4 does not implement: "
+                         f"{unknown or ['truncate=false']}")
+    scaling = {"type": "yarn", "factor": _need(compress, "factor", "rope_parameters['compress']"),
+               "original_max_position_embeddings": _need(compress, "original_max_position_embeddings",
+                                                         "rope_parameters['compress']")}
+    for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):  # transformers' YaRN defaults
+        if key in compress:
+            scaling[key] = compress[key]
+        else:
+            scaling[key] = default
+            notes.append(f"rope_parameters['compress'] has no {key}: {default} (transformers' default)")
+    out["rope_scaling"] = scaling
+
+
+def translate_transformers_config(data: dict[str, Any], notes: list[str] | None = None) -> dict[str, Any]:
+    """The release-named fields of a transformers ``DeepseekV4Config`` dict (see the module docstring)."""
+    notes = [] if notes is None else notes
+    for key in ("attention_bias", "mlp_bias"):
+        if data.get(key):
+            raise ValueError(f"config.json: {key}=true is not supported (DSV4 has no biases there)")
+    out = {k: v for k, v in data.items() if k not in ("compress_rates", "layer_types", "mlp_layer_types",
+                                                      "rope_parameters", "partial_rotary_factor")}
+    head_dim = int(_need(data, "head_dim", "the transformers config"))
+    if "qk_rope_head_dim" not in out:
+        factor = _need(data, "partial_rotary_factor", "the transformers config (nor qk_rope_head_dim)")
+        if factor * head_dim != int(factor * head_dim):
+            raise ValueError(f"config.json: partial_rotary_factor={factor} x head_dim={head_dim} is not an integer")
+        out["qk_rope_head_dim"] = int(factor * head_dim)
+    ratios = _ratios_from_layer_types(data)
+    mtp = int(_need(data, "num_nextn_predict_layers", "the transformers config"))
+    out["compress_ratios"] = ratios + [0] * mtp  # MTP blocks: sliding window only, as in the release
+    out["num_hash_layers"] = _hash_layers_from_mlp_types(data)
+    _rope_from_parameters(data, out, notes)
+    if "topk_method" in out and out["topk_method"] != "noaux_tc":
+        raise ValueError(f"config.json: topk_method={out['topk_method']!r}; transformers routes with noaux_tc only")
+    out["topk_method"] = "noaux_tc"
+    return out
+
+
 def config_from_hf(source: str | os.PathLike | dict[str, Any], **overrides: Any) -> DSV4Config:
-    """Build a ``DSV4Config`` from a checkpoint directory, a ``config.json`` path or its parsed dict."""
+    """Build a ``DSV4Config`` from a checkpoint directory, a ``config.json`` path or its parsed dict, in either
+    layout (see the module docstring: a missing field is a ``KeyError`` naming it)."""
     data = dict(read_hf_config_dict(source) if isinstance(source, (str, os.PathLike)) else source)
-    if "torch_dtype" not in data and "dtype" in data:
-        data["torch_dtype"] = data["dtype"]
     names = {f.name for f in fields(DSV4Config)}
-    values = {k: v for k, v in data.items() if k in names}
-    if "compress_rates" in data and "compress_ratios" not in values:
-        values["compress_ratios"] = data["compress_rates"]
     unknown = sorted(set(overrides) - names)
     if unknown:
         raise ValueError(f"config_from_hf: unknown override keys {unknown}")
+    if "torch_dtype" not in data and "dtype" in data:
+        data["torch_dtype"] = data["dtype"]
+    notes: list[str] = []
+    if is_transformers_config(data):
+        data = translate_transformers_config({**data, **overrides}, notes)
+    elif "compress_rates" in data and "compress_ratios" not in data:  # a per-layer list under the other spelling
+        data["compress_ratios"] = data["compress_rates"]
+    values = {k: v for k, v in data.items() if k in names}
     values.update(overrides)
-    n = int(values.get("num_hidden_layers", DSV4Config.num_hidden_layers))
-    mtp = int(values.get("num_nextn_predict_layers", DSV4Config.num_nextn_predict_layers))
-    ratios = values.get("compress_ratios")
+    missing = [k for k in REQUIRED_FIELDS if k not in values]
+    if missing:
+        raise KeyError(f"config.json: no {missing} (every field the model uses must be in the file or given as an "
+                       "override; nothing is taken from a preset)")
+    for key, default in OPTIONAL_FIELDS.items():
+        if key not in values:
+            values[key] = default
+            notes.append(f"no {key}: " + ("no YaRN" if key == "rope_scaling" else f"{default!r}"))
+        elif key == "rope_scaling" and values[key] is None:
+            notes.append("rope_scaling is null: no YaRN")
+    n, mtp = int(values["num_hidden_layers"]), int(values["num_nextn_predict_layers"])
+    ratios = values["compress_ratios"]
     if ratios is not None and len(ratios) > n + mtp:  # e.g. MTP disabled by an override: drop its ratio entries
         values["compress_ratios"] = list(ratios)[: n + mtp]
+    if notes:
+        level = logging.WARNING if values["rope_scaling"] is None else logging.INFO
+        where = source if isinstance(source, (str, os.PathLike)) else "config"
+        log.log(level, "%s: %s", where, "; ".join(notes))
     return DSV4Config(**values)
 
 
 def config_to_hf(config: DSV4Config, *, quantized: bool = False) -> dict[str, Any]:
-    """The ``config.json`` dict of an export: release field names, ``quantization_config`` when ``quantized``."""
+    """The ``config.json`` dict of an export: release field names, ``compress_ratios`` with the MTP entries,
+    ``quantization_config`` and ``expert_dtype`` when ``quantized``."""
     data = {k: v for k, v in asdict(config).items() if k not in _DSV4_ONLY_FIELDS}
+    n, mtp = config.num_hidden_layers, config.num_nextn_predict_layers
+    data["compress_ratios"] = [config.ratio_for_layer(i) for i in range(n + mtp)]
     data["torch_dtype"] = "bfloat16" if quantized else data["torch_dtype"]
     out: dict[str, Any] = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", **data}
     if quantized:
         out["quantization_config"] = dict(QUANTIZATION_CONFIG)
+        out["expert_dtype"] = "fp4"
     return out
 
 

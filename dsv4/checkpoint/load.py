@@ -15,6 +15,11 @@ Order of work (nothing is read before every check passed):
    may live in another shard), dequantise (FP8 block / FP4 packed, :mod:`dsv4.checkpoint.quant`) or cast to the
    target's dtype, copy into the parameter or buffer, drop it. Peak extra memory is about one tensor.
 
+Both layouts of :mod:`dsv4.checkpoint.layouts` load: the release's, and what transformers' ``save_pretrained``
+writes (read through :func:`~dsv4.checkpoint.layouts.release_view`; errors name the file's own keys). A checkpoint
+with no ``mtp.*`` key at all (every transformers directory) leaves the model's MTP depths as they were initialised
+and says so in a WARNING (``report.fresh`` lists them); one with some MTP keys must have them all.
+
 Kept quantized targets (a LoRA model with ``peft.base_dtype=fp8``, :mod:`dsv4.peft`): a model tensor of dtype
 ``float8_e4m3fn`` (FP8 block) or ``int8`` (packed FP4) receives the checkpoint's bytes as they are and its scale
 goes to the model's kept scale (``<module>.scale``, or ``w1_scale`` beside stacked experts): nothing is
@@ -30,6 +35,7 @@ That is the order the recipe uses: build the full model, load this rank's keys, 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -45,7 +51,11 @@ from dsv4.checkpoint.quant import (
     logical_shape,
     quantize_kept,
 )
+from dsv4.checkpoint.layouts import release_view
 from dsv4.checkpoint.safetensors_io import DTYPES, CheckpointDir, TensorInfo, TensorReader
+
+log = logging.getLogger("dsv4")
+_MTP_PREFIX = "mtp."
 
 _FLOAT_TAGS = ("F64", "F32", "F16", "BF16")
 _INT_TAGS = ("I64", "I32")
@@ -69,6 +79,8 @@ class LoadReport:
     skipped: list[str] = field(default_factory=list)
     loaded: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    layout: str = "release"  # dsv4.checkpoint.layouts: "release" or "transformers"
+    fresh: list[str] = field(default_factory=list)  # model tensors the checkpoint has no keys for (absent MTP)
 
 
 @dataclass
@@ -235,13 +247,20 @@ def load_hf_checkpoint(
     """Fill ``model``'s parameters and persistent buffers from the checkpoint directory ``path``; returns a
     :class:`LoadReport`. See the module docstring for the checks, the EP behaviour and the streaming order."""
     start = time.perf_counter()
-    ckpt = CheckpointDir.open(path)
+    ckpt, layout = release_view(CheckpointDir.open(path))
     state = model.state_dict(keep_vars=True)
     kept_scales = {kept_scale_name(n) for n, t in state.items() if kept_format(t)}
     targets = {n: t for n, t in state.items() if n not in kept_scales and not n.endswith(_ADAPTER_SUFFIXES)}
     if mtp_depths is None:
         mtp = getattr(model, "mtp", None)
         mtp_depths = len(mtp.layers) if mtp is not None and hasattr(mtp, "layers") else 0
+    fresh: list[str] = []
+    if mtp_depths and not any(K.mtp_depth(k) is not None for k in ckpt.tensors):
+        # e.g. a transformers directory (transformers builds no MTP block): the MTP depths keep their initialisation
+        fresh = sorted(n for n in targets if n.startswith(_MTP_PREFIX))
+        targets = {n: t for n, t in targets.items() if not n.startswith(_MTP_PREFIX)}
+        log.warning("%s (%s layout) holds no MTP weights: the %d MTP depth(s) keep their fresh initialisation "
+                    "(%d tensors; num_nextn_predict_layers=0 builds none)", path, layout, mtp_depths, len(fresh))
     ranges = _expert_ranges(model, targets, ep_rank, ep_size)
     items, skipped = _check_and_plan(ckpt, targets, ranges, mtp_depths)
 
@@ -249,7 +268,7 @@ def load_hf_checkpoint(
     for it in items:
         by_file.setdefault(ckpt.tensors[it.hf_key].file, []).append(it)
     reader = TensorReader(ckpt)
-    report = LoadReport(skipped=skipped)
+    report = LoadReport(skipped=skipped, layout=layout, fresh=fresh)
     try:
         for name in sorted(by_file):
             report.shards.append(name)

@@ -1,5 +1,7 @@
 """Key adapter (both directions) and config.json <-> DSV4Config."""
 
+import dataclasses
+
 import pytest
 
 from dsv4.checkpoint import keys as K
@@ -83,7 +85,7 @@ FLASH_JSON = {
     "moe_intermediate_size": 2048, "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus",
     "topk_method": "noaux_tc", "swiglu_limit": 10.0, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
     "num_hash_layers": 3, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "sliding_window": 128,
-    "rope_theta": 10000, "compress_rope_theta": 160000,
+    "rope_theta": 10000, "compress_rope_theta": 160000, "rms_norm_eps": 1e-6, "max_position_embeddings": 1048576,
     "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
                      "beta_slow": 1},
     "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0], "dtype": "bfloat16", "tie_word_embeddings": False,
@@ -109,4 +111,8 @@ def test_config_round_trip():
     assert data["quantization_config"]["weight_block_size"] == [128, 128] and "mtp_loss_weight" not in data
     # dsv4-only training knobs (attention_chunk_size, ...) are not part of the release config
     back = config_from_hf(data, torch_dtype=cfg.torch_dtype, attention_chunk_size=cfg.attention_chunk_size)
-    assert back == cfg
+    # the release's compress_ratios carries one entry per MTP block (DeepSeek's inference code indexes
+    # compress_ratios[n_layers + k]); quantized exports say the routed experts are FP4, as the release does
+    assert data["compress_ratios"] == [0, 4, 128, 4, 0] and data["expert_dtype"] == "fp4"
+    assert back == dataclasses.replace(cfg, compress_ratios=[0, 4, 128, 4, 0])
+    assert "expert_dtype" not in config_to_hf(cfg)
