@@ -21,7 +21,8 @@ from dsv4.data.sources import build_documents
 
 class DSV4DataModule(L.LightningDataModule):
     """Args: ``source`` (keyword arguments of :func:`~dsv4.data.sources.build_documents`), ``seq_len``,
-    ``shard_multiple`` (the model's), ``micro_batch_size``, ``cp_size``, ``seed``, ``pad_id``."""
+    ``shard_multiple`` (the model's), ``micro_batch_size``, ``cp_size``, ``seed``, ``pad_id``, ``overlong``
+    (documents longer than a row, :data:`~dsv4.data.packer.OVERLONG`)."""
 
     def __init__(
         self,
@@ -33,11 +34,13 @@ class DSV4DataModule(L.LightningDataModule):
         seed: int = 0,
         pad_id: int = 0,
         shuffle: bool = True,
+        overlong: str = "split",
     ) -> None:
         super().__init__()
         self.source = dict(source)
         self.seq_len, self.shard_multiple, self.cp_size = seq_len, shard_multiple, cp_size
         self.micro_batch_size, self.seed, self.pad_id, self.shuffle = micro_batch_size, seed, pad_id, shuffle
+        self.overlong = overlong
         self.dataset: PackedRows | None = None
         self.sampler: DistributedPackedSampler | None = None
         self._pending_state: dict | None = None
@@ -47,7 +50,8 @@ class DSV4DataModule(L.LightningDataModule):
         if self.dataset is None:
             documents = build_documents(**self.source)
             self.dataset = build_packed_dataset(
-                documents, self.seq_len, self.shard_multiple, pad_id=self.pad_id, cp_size=self.cp_size
+                documents, self.seq_len, self.shard_multiple, pad_id=self.pad_id, cp_size=self.cp_size,
+                overlong=self.overlong,
             )
         return self.dataset
 

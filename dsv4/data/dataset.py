@@ -138,8 +138,10 @@ def build_packed_dataset(
     pad_id: int = 0,
     split_long: bool = True,
     cp_size: int = 1,
+    overlong: str | None = None,
 ) -> PackedRows:
     """Pack ``documents`` into rows every CP rank can cut on a window boundary (``seq_len`` a multiple of
-    ``cp_size * shard_multiple``, else ValueError naming the numbers)."""
+    ``cp_size * shard_multiple``, else ValueError naming the numbers); ``overlong``: see
+    :func:`~dsv4.data.packer.pack_documents`."""
     check_cp_length(seq_len, cp_size, shard_multiple)
-    return pack_documents(documents, seq_len, shard_multiple, split_long=split_long, pad_id=pad_id)
+    return pack_documents(documents, seq_len, shard_multiple, split_long=split_long, pad_id=pad_id, overlong=overlong)

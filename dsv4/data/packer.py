@@ -17,11 +17,19 @@ Placement (:func:`first_fit_decreasing`): pieces sorted by aligned length, longe
 each goes into the first row (in creation order) with enough free slots, or opens a new row. Deterministic;
 O(P log P) for P pieces (a max-segment tree finds the first row that fits).
 
-Long documents (``len > S``): with ``split_long`` (default) a document is cut into chunks of ``S`` tokens (the last
-chunk shorter). Each chunk is a separate document for attention (positions restart at 0), but **the last label of
-a chunk is the first token of the next chunk** (the label the token has in the unsplit document), so no target is
-lost. Without ``split_long`` a long document is a ValueError naming it; nothing is ever cut silently. Empty
-documents are skipped (counted in the stats).
+Long documents (``len > S``), by ``overlong`` (:data:`OVERLONG`):
+
+* ``split``: cut into chunks of ``S`` tokens (the last chunk shorter). Each chunk is a separate document for
+  attention (positions restart at 0), but **the last label of a chunk is the first token of the next chunk** (the
+  label the token has in the unsplit document), so no target is lost; a later chunk no longer sees the start of
+  its document.
+* ``truncate_left``: keep the last ``S`` tokens (a conversation keeps its final turns and the context right before
+  them).
+* ``drop``: leave the document out. ``error``: ValueError naming the document.
+
+Nothing is cut silently: every count is in :class:`PackStats` (:meth:`PackStats.summary` is the line the recipe
+logs). A piece (a document, a chunk, a kept tail) without a single supervised target is left out, so **no packed
+row is without a label**; empty documents are skipped. Both are counted.
 """
 
 from __future__ import annotations
@@ -38,9 +46,18 @@ from dsv4.data.sources import Document
 from dsv4.packing import build_layout, document_table
 
 
+OVERLONG = ("split", "truncate_left", "drop", "error")
+"""What the packer does with a document longer than a row (see the module docstring)."""
+
+
 @dataclass(frozen=True)
 class PackStats:
-    """Token accounting of a packing; ``total_slots == real_tokens + alignment_padding + pack_padding``."""
+    """Token accounting of a packing; ``total_slots == real_tokens + alignment_padding + pack_padding``.
+
+    ``num_split_documents`` / ``num_truncated_documents`` / ``num_dropped_documents``: longer than a row, handled
+    by ``overlong``; ``num_unsupervised_pieces``: pieces without a supervised target, left out;
+    ``unused_tokens``: tokens of the documents that are in no row (truncated, dropped, unsupervised);
+    ``rows_without_labels``: packed rows without a label (0 by construction)."""
 
     num_rows: int
     seq_len: int
@@ -53,6 +70,12 @@ class PackStats:
     alignment_padding: int
     pack_padding: int
     supervised_tokens: int
+    overlong: str = "split"
+    num_truncated_documents: int = 0
+    num_dropped_documents: int = 0
+    num_unsupervised_pieces: int = 0
+    unused_tokens: int = 0
+    rows_without_labels: int = 0
 
     @property
     def total_slots(self) -> int:
@@ -65,6 +88,19 @@ class PackStats:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total_slots": self.total_slots, "padding_fraction": self.padding_fraction}
+
+    def summary(self) -> str:
+        """One line: documents, rows, what happened to long and unsupervised documents, padding."""
+        long = {"split": f"{self.num_split_documents} split", "truncate_left":
+                f"{self.num_truncated_documents} truncated to their last {self.seq_len} tokens",
+                "drop": f"{self.num_dropped_documents} dropped", "error": "none"}[self.overlong]
+        return (f"packing: {self.num_documents} documents -> {self.num_rows} rows of {self.seq_len} tokens; longer "
+                f"than a row (data.overlong={self.overlong}): {long}; {self.num_unsupervised_pieces} pieces without "
+                f"a supervised token left out; {self.num_empty_documents} empty documents; {self.unused_tokens} "
+                f"tokens in no row; rows without labels: {self.rows_without_labels}; {self.supervised_tokens} "
+                f"supervised tokens; padding {100 * self.padding_fraction:.1f}% (pack "
+                f"{100 * self.pack_padding / max(self.total_slots, 1):.1f}%, alignment "
+                f"{100 * self.alignment_padding / max(self.total_slots, 1):.1f}%)")
 
 
 @dataclass
@@ -182,14 +218,20 @@ def pack_documents(
     *,
     split_long: bool = True,
     pad_id: int = 0,
+    overlong: str | None = None,
 ) -> PackedRows:
     """Pack ``documents`` into rows of ``seq_len`` slots by first-fit-decreasing (see the module docstring).
 
-    ``documents`` are :class:`~dsv4.data.sources.Document` objects or plain id sequences. Raises ValueError for an
-    empty input, ``seq_len``/``shard_multiple`` that are not positive or ``seq_len % shard_multiple != 0``, and
-    (without ``split_long``) a document longer than ``seq_len``.
+    ``documents`` are :class:`~dsv4.data.sources.Document` objects or plain id sequences. ``overlong`` (one of
+    :data:`OVERLONG`; None: ``split`` with ``split_long``, else ``error``) handles documents longer than a row.
+    Raises ValueError for an empty input, ``seq_len``/``shard_multiple`` that are not positive or ``seq_len %
+    shard_multiple != 0``, a long document under ``error``, and an input with no supervised target left.
     """
     seq_len, multiple = _positive_int("seq_len", seq_len), _positive_int("shard_multiple", shard_multiple)
+    if overlong is None:
+        overlong = "split" if split_long else "error"
+    if overlong not in OVERLONG:
+        raise ValueError(f"`data.overlong`={overlong!r} must be one of {', '.join(OVERLONG)}")
     if seq_len % multiple:
         raise ValueError(
             f"seq_len {seq_len} is not a multiple of the shard multiple {multiple} (seq_len % shard_multiple = "
@@ -201,26 +243,46 @@ def pack_documents(
     kept = [i for i, d in enumerate(docs) if len(d) > 0]
     if not kept:
         raise ValueError(f"all {len(docs)} documents are empty (0 tokens); nothing to pack")
-    if not split_long:
+    if overlong == "error":
         for i in kept:
             if len(docs[i]) > seq_len:
                 raise ValueError(
                     f"document {i} ({docs[i].source}) has {len(docs[i])} tokens, more than seq_len {seq_len}, and "
-                    "split_long=False; raise seq_len or allow splitting (documents are never cut silently)"
+                    "data.overlong=error; raise seq_len or choose split, truncate_left or drop (documents are never "
+                    "cut silently)"
                 )
+    ids_flat, labels_flat, doc_starts = _flat_tokens([docs[i] for i in kept])
+    supervised_before = torch.cat([torch.zeros(1, dtype=torch.long), (labels_flat != IGNORE_INDEX).long().cumsum(0)])
 
-    # pieces: (kept position, first token, length); chunks of seq_len tokens for long documents
-    pieces: list[tuple[int, int, int]] = []
-    split_count = 0
+    # pieces: (kept position, first token, length); what overlong keeps of a long document
+    candidates: list[tuple[int, int, int]] = []
+    counts = {"split": 0, "truncate_left": 0, "drop": 0}
     for pos, i in enumerate(kept):
         n = len(docs[i])
-        split_count += n > seq_len
-        pieces.extend((pos, start, min(seq_len, n - start)) for start in range(0, n, seq_len))
+        if n <= seq_len:
+            candidates.append((pos, 0, n))
+            continue
+        counts[overlong] += 1
+        if overlong == "split":
+            candidates.extend((pos, start, min(seq_len, n - start)) for start in range(0, n, seq_len))
+        elif overlong == "truncate_left":
+            candidates.append((pos, n - seq_len, seq_len))
+    pieces = []
+    for piece in candidates:
+        begin = int(doc_starts[piece[0]]) + piece[1]
+        if supervised_before[begin + piece[2]] > supervised_before[begin]:
+            pieces.append(piece)
+    if not pieces:
+        raise ValueError(
+            f"no supervised token to train on: {len(kept)} documents of up to {seq_len} tokens (data.overlong="
+            f"{overlong}: {counts.get(overlong, 0)} longer than a row) hold no target with loss (e.g. chats without "
+            "an assistant turn in reach)"
+        )
+    split_count = counts["split"]
     aligned = [-(-length // multiple) * multiple for _, _, length in pieces]
     rows = first_fit_decreasing(aligned, seq_len)
 
     # caller rows: each row's pieces back to back; the aligned layout then moves them onto multiples
-    ids_flat, labels_flat, doc_starts = _flat_tokens([docs[i] for i in kept])
     num_rows, d_max = len(rows), max(len(r) for r in rows)
     lengths = torch.zeros(num_rows, d_max, dtype=torch.long)
     src, dest, piece_len = [], [], []
@@ -260,6 +322,12 @@ def pack_documents(
         alignment_padding=align_pad,
         pack_padding=num_rows * seq_len - real - align_pad,
         supervised_tokens=int((labels != IGNORE_INDEX).sum()),
+        overlong=overlong,
+        num_truncated_documents=counts["truncate_left"],
+        num_dropped_documents=counts["drop"],
+        num_unsupervised_pieces=len(candidates) - len(pieces),
+        unused_tokens=int(ids_flat.numel()) - real,
+        rows_without_labels=int(((labels != IGNORE_INDEX).sum(dim=1) == 0).sum()),
     )
     return PackedRows(
         batch=TokenBatch(input_ids, labels, layout.sequence_ids, layout.position_ids),

@@ -201,7 +201,8 @@ def run_capture(cfg: Any, output_dir: str | Path) -> dict:
         raise ValueError(f"`dtype`={c['dtype']!r} must be one of {sorted(_DTYPES)}")
     out = Path(c["output_dir"] or Path(output_dir) / "features")
     out.mkdir(parents=True, exist_ok=True)
-    data = {k: v for k, v in c["data"].items() if v is not None}
+    # data.overlong is the training packer's choice; capture keeps whole documents (max_document_tokens caps them)
+    data = {k: v for k, v in c["data"].items() if v is not None and k != "overlong"}
     job = {"model": config.to_dict(), "data": data, "layer_ids": layer_ids, "seed": int(c["seed"]),
            "checkpoint": c["model"].get("checkpoint"), "dtype": c["dtype"], "seq_len": int(c["seq_len"]),
            "micro_batch_size": int(c["micro_batch_size"]), "docs_per_shard": int(c["docs_per_shard"]),

@@ -56,7 +56,10 @@ def model_config(model_cfg: Any) -> DSV4Config:
 
 @dataclass
 class DataConfig:
-    """Keyword arguments of :func:`dsv4.data.build_documents` (``kind``: stdlib | jsonl | hf)."""
+    """Keyword arguments of :func:`dsv4.data.build_documents` (``kind``: stdlib | jsonl | hf), and ``overlong``:
+    what the packer does with a document longer than ``seq_len`` (:data:`dsv4.data.packer.OVERLONG`; the default
+    ``truncate_left`` keeps a conversation's last turns, the ones with the answer; ``conf/data/stdlib.yaml`` splits
+    its source files)."""
 
     kind: str = "stdlib"
     path: Optional[str] = None
@@ -69,6 +72,7 @@ class DataConfig:
     max_bytes: Optional[int] = None
     min_bytes: int = 64
     seed: int = 0
+    overlong: str = "truncate_left"
 
 
 @dataclass

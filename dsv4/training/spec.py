@@ -146,6 +146,7 @@ class RunSpec:
     dry_run: bool = False
     # the data source's keywords (dsv4.data.build_documents)
     data: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    overlong: str = "split"  # documents longer than seq_len (dsv4.data.packer.OVERLONG)
     # Lightning Trainer keywords (precision resolved into compute_dtype)
     trainer: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     callbacks: tuple = ()
@@ -327,6 +328,12 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
     if adapter and (lora is None or not os.path.isdir(adapter)):
         raise ValueError(f"`peft.adapter`={adapter!r} " + ("needs peft=lora" if lora is None else "is not a directory"))
     export = _export_spec(cfg, lora)
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    overlong = data.pop("overlong", "split")
+    from dsv4.data.packer import OVERLONG
+
+    if overlong not in OVERLONG:
+        raise ValueError(f"`data.overlong`={overlong!r} must be one of {', '.join(OVERLONG)}")
     optimizer, scheduler = build_optimization(cfg)
     callbacks = tuple(build_callbacks(cfg))
     plan = plan_options(cfg.get("plan"))
@@ -342,7 +349,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         seed=cfg.seed,
         bias_update_rate=cfg.bias_update_rate, indexer_warmup_steps=cfg.indexer_warmup_steps,
         max_steps=int(trainer.get("max_steps", 100)), dry_run=bool(cfg.dry_run),
-        data=MappingProxyType(OmegaConf.to_container(cfg.data, resolve=True)), trainer=MappingProxyType(trainer),
+        data=MappingProxyType(data), overlong=overlong, trainer=MappingProxyType(trainer),
         callbacks=callbacks, logger=logger, plan=plan, export=export,
         checkpoint=CheckpointSpec(every_n_steps=cfg.checkpoint.every_n_steps, resume=cfg.checkpoint.resume),
         resolved=MappingProxyType(resolved),

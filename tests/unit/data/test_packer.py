@@ -100,7 +100,46 @@ def test_split_long_document_loses_no_target():
 
 def test_split_long_false_refuses_and_names_document():
     with pytest.raises(ValueError, match=r"document 1 \(document 1\) has 9 tokens, more than seq_len 8"):
-        pack_documents([[1], list(range(9))], seq_len=8, split_long=False)
+        pack_documents([[1, 2], list(range(9))], seq_len=8, split_long=False)
+    with pytest.raises(ValueError, match=r"document 1 \(document 1\) has 9 tokens, more than seq_len 8, and "
+                                         r"data.overlong=error"):
+        pack_documents([[1, 2], list(range(9))], seq_len=8, overlong="error")
+    with pytest.raises(ValueError, match=r"`data.overlong`='cut' must be one of split, truncate_left, drop, error"):
+        pack_documents([[1, 2]], seq_len=8, overlong="cut")
+
+
+def _chat(prompt: int, answer: int, base: int) -> Document:
+    """A prompt of ``prompt`` tokens, then an answer of ``answer`` supervised tokens."""
+    return Document(list(range(base, base + prompt + answer)), [False] * prompt + [True] * answer, f"chat {base}")
+
+
+def test_overlong_split_leaves_out_chunks_without_a_target():
+    # a 20-token chat whose answer is its last 3 tokens, seq_len 8: chunks [0, 8) and [8, 16) hold prompt only (no
+    # target: left out, they would be rows with loss 0), [16, 20) holds the answer; plus a short chat
+    rows = pack_documents([_chat(17, 3, 100), _chat(3, 2, 200)], seq_len=8, overlong="split")
+    assert rows.pieces == [[(0, 16, 4), (1, 0, 5)]] or rows.pieces == [[(1, 0, 5)], [(0, 16, 4)]]
+    s = rows.stats
+    assert (s.num_split_documents, s.num_unsupervised_pieces, s.rows_without_labels) == (1, 2, 0)
+    assert s.unused_tokens == 16 and s.supervised_tokens == 3 + 2  # every answer token is a target
+    assert bool(((rows.batch.labels != X).sum(dim=1) > 0).all())
+
+
+def test_overlong_truncate_left_keeps_the_answer_and_its_context():
+    rows = pack_documents([_chat(17, 3, 100), _chat(3, 2, 200)], seq_len=8, overlong="truncate_left")
+    assert sorted(p for row in rows.pieces for p in row) == [(0, 12, 8), (1, 0, 5)]
+    first = [r for r, row in enumerate(rows.pieces) if row[0][0] == 0][0]
+    assert rows.batch.input_ids[first].tolist() == list(range(112, 120))
+    assert rows.batch.labels[first].tolist() == [X, X, X, X, 117, 118, 119, X]  # targets 117-119: the answer
+    s = rows.stats
+    assert (s.num_truncated_documents, s.num_split_documents, s.unused_tokens, s.supervised_tokens) == (1, 0, 12, 5)
+    assert "1 truncated to their last 8 tokens" in s.summary() and "rows without labels: 0" in s.summary()
+
+
+def test_overlong_drop_and_nothing_supervised_left():
+    rows = pack_documents([_chat(17, 3, 100), _chat(3, 2, 200)], seq_len=8, overlong="drop")
+    assert rows.pieces == [[(1, 0, 5)]] and rows.stats.num_dropped_documents == 1 and rows.stats.unused_tokens == 20
+    with pytest.raises(ValueError, match="no supervised token to train on: 2 documents of up to 8 tokens"):
+        pack_documents([_chat(17, 3, 100), _chat(5, 0, 200)], seq_len=8, overlong="drop")
 
 
 @pytest.mark.parametrize(
@@ -138,11 +177,18 @@ def test_property_every_token_once_and_metadata_consistent(lengths, alignment, r
     seq_len = 4 * alignment * rows_of
     if not any(lengths):
         lengths = lengths + [1]
+    if all(n < 2 for n in lengths):
+        lengths = lengths + [2]
     docs = [[(7 * k + j) % 251 + 1 for j in range(n)] for k, n in enumerate(lengths)]
     rows = pack_documents(docs, seq_len, alignment, pad_id=0)
+    # a chunk (of seq_len tokens) is packed when it holds a target: it is not a document's last, lone token
+    packed = {k: [start + j for start in range(0, n, seq_len) for j in range(min(seq_len, n - start))
+                  if n - start >= 2] for k, n in enumerate(lengths)}
     s = rows.stats
     assert s.total_slots == s.real_tokens + s.alignment_padding + s.pack_padding
-    assert s.real_tokens == sum(lengths) and s.supervised_tokens == sum(max(n - 1, 0) for n in lengths)
+    assert s.real_tokens == sum(map(len, packed.values()))
+    assert s.supervised_tokens == sum(max(n - 1, 0) for n in lengths)  # every target once
+    assert s.rows_without_labels == 0
     seen = {k: [None] * n for k, n in enumerate(lengths)}
     for r, pieces in enumerate(rows.pieces):
         offset = 0
@@ -159,4 +205,6 @@ def test_property_every_token_once_and_metadata_consistent(lengths, alignment, r
         assert int((~pad).sum()) == sum(n for _, _, n in pieces)
         assert bool((rows.batch.labels[r][pad] == X).all()) and bool((rows.batch.input_ids[r][pad] == 0).all())
         assert bool((rows.batch.positions[r][pad] == 0).all())
-    assert all(seen[k] == docs[k] for k in seen)
+    for k, doc in enumerate(docs):
+        assert [i for i, v in enumerate(seen[k]) if v is not None] == packed[k]
+        assert all(seen[k][i] == doc[i] for i in packed[k])

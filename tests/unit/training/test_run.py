@@ -49,6 +49,7 @@ def _compose(overrides):
         (["micro_batch_size=0"], "`micro_batch_size` must be >= 1, got 0"),
         (["global_batch_size=3", "trainer.devices=2"], "`global_batch_size`=3 must be a positive multiple of "
                                                        "micro_batch_size x dp = 1 x 2 = 2"),
+        (["data.overlong=cut"], "`data.overlong`='cut' must be one of split, truncate_left, drop, error"),
         (["global_batch_size=0"], "`global_batch_size` must be >= 1 or null, got 0"),
         (["+trainer.accumulate_grad_batches=2"], "`trainer.accumulate_grad_batches`=2 is derived: set "
                                                  "`global_batch_size`"),
@@ -117,3 +118,16 @@ def test_dry_run_packs_and_stops(tmp_path, caplog):
     caplog.set_level("INFO", logger="dsv4")
     assert run_finetune(_compose([*FAST, "dry_run=true"]), tmp_path) is None
     assert "dry run:" in caplog.text and not (tmp_path / "checkpoints").exists()
+    # the packing statistics are logged at start: documents split, rows without labels, padding
+    line = next(line for line in caplog.text.splitlines() if "packing:" in line)
+    for part in ("rows of 256 tokens", "longer than a row (data.overlong=split):", " split;",
+                 "rows without labels: 0", "padding "):
+        assert part in line, line
+
+
+def test_overlong_default_is_truncate_left_for_chat_data_and_split_for_the_bundled_corpus(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}\n')
+    assert build_run_spec(_compose([*FAST, "data=jsonl", f"data.path={path}"])).overlong == "truncate_left"
+    spec = build_run_spec(_compose(FAST))
+    assert spec.overlong == "split" and "overlong" not in spec.data  # not a keyword of the document source
