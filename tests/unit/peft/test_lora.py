@@ -254,7 +254,7 @@ def test_peft_adapter_round_trip(tmp_path):
     model = _model()
     apply_lora(model, lora)
     _randomize_adapters(model)
-    keys = export_peft_adapter(model, str(tmp_path), lora)
+    keys = export_peft_adapter(model, str(tmp_path), lora, layout="release")  # the layout of earlier exports
     config = peft.PeftConfig.from_pretrained(str(tmp_path))
     assert type(config).__name__ == "LoraConfig" and config.r == 4 and config.lora_alpha == 8
     modules = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in keys}
