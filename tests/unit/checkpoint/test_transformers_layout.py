@@ -140,3 +140,24 @@ def test_inspect_names_the_layout(saved):
     info = json.loads(out.stdout)
     assert info["layout"] == "transformers" and info["has_mtp"] is False and info["config_valid"] is True
     assert info["num_tensors"] == len(CheckpointDir.open(path).tensors)
+
+
+def test_in_memory_names_with_fused_experts_load_the_same(saved, tmp_path):
+    """``save_pretrained(save_original_format=False)``: transformers' module names, experts fused per layer."""
+    model, path = saved
+    model.save_pretrained(str(tmp_path), save_original_format=False)
+    keys = CheckpointDir.open(str(tmp_path)).tensors
+    assert {"lm_head.weight", "model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight",
+            "model.layers.1.mlp.experts.gate_up_proj"} <= set(keys)
+    native = load_model_from_hf(str(tmp_path), attention_chunk_size=64)
+    reverted = load_model_from_hf(path, attention_chunk_size=64)
+    a, b = native.state_dict(), reverted.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a if not k.startswith("mtp."))
+    # each expert is a byte range of the fused tensor: an EP rank reads its own experts only
+    half = DSV4ForCausalLM(config_from_hf(str(tmp_path), attention_chunk_size=64))
+    report = load_hf_checkpoint(half, str(tmp_path), ep_rank=1, ep_size=2)
+    experts = [k for k in report.keys_read if ".ffn.experts." in k]
+    assert len(experts) == 4 * 4 * 3 and all(int(k.split(".")[4]) >= 4 for k in experts)
+    for name, t in half.state_dict().items():
+        if name.startswith("model.") and name.endswith(("experts.w1", "experts.w2", "experts.w3")):
+            assert torch.equal(t[4:], b[name][4:]), name
