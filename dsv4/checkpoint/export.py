@@ -8,7 +8,10 @@
 * ``"float32"``: every float tensor as F32 (lossless for an fp32 model).
 * ``"quantized"``: the release formats: FP8 e4m3 + 128x128 e8m0 ``.scale`` for the dense/shared-expert linears,
   indexer ``wq_b`` and MTP ``e_proj``/``h_proj``; packed FP4 + e8m0 per 32 columns for routed experts; BF16/F32
-  /I64 as in the release; ``config.json`` gets a ``quantization_config``.
+  /I64 as in the release; ``config.json`` gets a ``quantization_config`` and ``"expert_dtype": "fp4"``.
+
+``config.json`` (:func:`~dsv4.checkpoint.hf_config.config_to_hf`) has the release's fields, ``compress_ratios`` with
+one entry per MTP block after the backbone's.
 
 Tensors are converted one at a time and a shard is written as soon as it reaches ``max_shard_bytes``, so at
 most one shard of converted tensors is held. Routed experts are split back into ``ffn.experts.{e}.w{1,2,3}``.

@@ -5,7 +5,8 @@
 * :mod:`~dsv4.peft.lora`: :class:`LoRALinear`, :class:`LoRAGroupedExperts`;
 * :mod:`~dsv4.peft.apply`: :func:`apply_lora`, :func:`merged_tensors`;
 * :mod:`~dsv4.peft.peft_format`: PEFT-format adapter export / load (``adapter_config.json`` +
-  ``adapter_model.safetensors``, released module names).
+  ``adapter_model.safetensors``, in transformers' module names so that PEFT applies it to transformers'
+  ``DeepseekV4ForCausalLM``; the release-named layout is read too).
 """
 
 from dsv4.peft.apply import adapter_state, apply_lora, is_lora_model, merged_tensors
