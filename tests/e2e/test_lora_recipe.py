@@ -24,8 +24,13 @@ def _base_checkpoint(path):
     from dsv4.model import DSV4ForCausalLM
 
     torch.manual_seed(11)
-    export_hf_checkpoint(DSV4ForCausalLM(DSV4Config.preset("tiny")), str(path), dtype="quantized")
+    export_hf_checkpoint(DSV4ForCausalLM(DSV4Config.preset("tiny", **MODEL)), str(path), dtype="quantized")
     return path
+
+
+# 8 indexer heads: the comparisons with transformers stay free of exact indexer ties (tests/unit/checkpoint/
+# hf_reference.py)
+MODEL = {"index_n_heads": 8}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +38,7 @@ def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     base = _base_checkpoint(root / "base")
     args = [*FAST, "cp=2", "peft=lora", "peft.base_dtype=fp8", "peft.rank=4", "peft.alpha=8", f"model.checkpoint={base}",
-            "optim.lr=1e-2"]
+            "optim.lr=1e-2", *(f"model.{k}={v}" for k, v in MODEL.items())]
     run = root / "run"
     run_recipe([*args, "trainer.max_steps=4", "checkpoint.every_n_steps=2", f"export.adapter_dir={root / 'adapter'}",
                 "export.merge=true", f"export.hf_dir={root / 'merged'}", "export.dtype=float32"], run)
@@ -79,7 +84,7 @@ def test_lora_exports_the_adapter_and_the_merged_model(lora_run):
     root = lora_run["root"]
     config = peft.PeftConfig.from_pretrained(str(root / "adapter"))
     assert config.r == 4 and config.lora_alpha == 8
-    adapted = DSV4ForCausalLM(DSV4Config.preset("tiny"))
+    adapted = DSV4ForCausalLM(DSV4Config.preset("tiny", **MODEL))
     apply_lora(adapted, LoRAConfig(rank=4, alpha=8, base_dtype="fp8"))
     load_hf_checkpoint(adapted, str(lora_run["base"]))
     load_peft_adapter(adapted, str(root / "adapter"))
@@ -89,3 +94,38 @@ def test_lora_exports_the_adapter_and_the_merged_model(lora_run):
     plain = load_model_from_hf(str(lora_run["base"]))
     assert (plain(ids).logits - expected).abs().max() > 1e-3  # the adapters learned something
     torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_lora_exports_apply_in_transformers_and_peft(lora_run):
+    """The recipe's adapter through peft on transformers' DeepseekV4ForCausalLM (the base checkpoint, FP8 / FP4
+    dequantised by transformers) and its merged export in transformers give the dsv4 LoRA model's logits."""
+    import warnings
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from dsv4.checkpoint import load_hf_checkpoint
+    from dsv4.config import DSV4Config
+    from dsv4.model import DSV4ForCausalLM
+    from dsv4.peft import LoRAConfig, apply_lora
+    from dsv4.peft.peft_format import load_peft_adapter
+    from tests.unit.checkpoint.hf_reference import indexer_ties, relative_error
+
+    root = lora_run["root"]
+    adapted = DSV4ForCausalLM(DSV4Config.preset("tiny", **MODEL))
+    apply_lora(adapted, LoRAConfig(rank=4, alpha=8, base_dtype="fp8"))
+    load_hf_checkpoint(adapted, str(lora_run["base"]))
+    load_peft_adapter(adapted, str(root / "adapter"))
+    ids = torch.randint(1, 256, (1, 256), generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with_adapter = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(str(lora_run["base"]), dtype=torch.float32), str(root / "adapter"))
+        merged = AutoModelForCausalLM.from_pretrained(str(root / "merged"), dtype=torch.float32)
+    with torch.no_grad(), indexer_ties(with_adapter) as ties, indexer_ties(merged) as merged_ties:
+        expected = adapted(ids).logits
+        got = with_adapter.eval()(ids).logits
+        got_merged = merged.eval()(ids).logits
+    assert ties and not any(ties) and not any(merged_ties), (ties, merged_ties)
+    assert relative_error(got, expected) < 1e-5
+    assert relative_error(got_merged, expected) < 1e-5
