@@ -44,8 +44,9 @@ def inspect(path: str) -> dict:
         return out
     out["config"] = raw
     try:
-        config_from_hf(raw)
+        cfg = config_from_hf(raw)
         out["config_valid"] = True
+        out["dsv4_config"] = {k: getattr(cfg, k) for k in _READ_AS}
     except (ValueError, TypeError, KeyError) as e:
         out["config_valid"] = False
         out["config_error"] = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
@@ -60,6 +61,11 @@ _SUMMARY_FIELDS = (
 )
 
 
+# what a transformers config is translated into (dsv4.checkpoint.hf_config), printed beside the file's fields
+_READ_AS = ("compress_ratios", "num_hash_layers", "qk_rope_head_dim", "rope_theta", "compress_rope_theta",
+            "rope_scaling", "topk_method")
+
+
 def _print_text(info: dict) -> None:
     print(f"checkpoint: {info['path']} ({info['layout']} layout, " + ("with" if info["has_mtp"] else "no")
           + " MTP weights)")
@@ -72,6 +78,8 @@ def _print_text(info: dict) -> None:
             if k in cfg:
                 print(f"  {k}: {json.dumps(cfg[k])}")
         print(f"  valid DSV4Config: {info['config_valid']}" + ("" if info["config_valid"] else f" ({info['config_error']})"))
+        if info["config_valid"]:
+            print("read by dsv4 as: " + ", ".join(f"{k}={json.dumps(v)}" for k, v in info["dsv4_config"].items()))
     print(f"tensors: {info['num_tensors']} in {info['num_shards']} shard(s) (index file: {info['has_index']})")
     print("dtypes:")
     for k, v in info["dtypes"].items():

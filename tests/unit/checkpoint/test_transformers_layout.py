@@ -140,6 +140,7 @@ def test_inspect_names_the_layout(saved):
     info = json.loads(out.stdout)
     assert info["layout"] == "transformers" and info["has_mtp"] is False and info["config_valid"] is True
     assert info["num_tensors"] == len(CheckpointDir.open(path).tensors)
+    assert info["dsv4_config"]["compress_ratios"] == [0, 4, 8, 4, 0] and info["dsv4_config"]["num_hash_layers"] == 1
 
 
 def test_in_memory_names_with_fused_experts_load_the_same(saved, tmp_path):

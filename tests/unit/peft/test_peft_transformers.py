@@ -130,3 +130,21 @@ def test_release_layout_still_loads(tmp_path):
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
     assert torch.equal(fresh(ids).logits, model(ids).logits)
     assert (tmp_path / ADAPTER_WEIGHTS).exists()
+
+
+def test_an_expert_parallel_rank_reads_its_experts_from_the_fused_pairs(tmp_path):
+    from dsv4.parallel.expert_shard import shard_experts
+
+    lora = LoRAConfig(rank=4, alpha=8, targets=("routed_experts",))
+    model = _lora_model(lora)
+    export_peft_adapter(model, str(tmp_path), lora)
+    part = _base()
+    apply_lora(part, lora)
+    shard_experts(part, ep_rank=1, ep_size=2)
+    report = load_peft_adapter(part, str(tmp_path))
+    # 5 blocks x 4 other-rank experts x 3 projections x (A, B) skipped
+    assert len(report.skipped) == 5 * 4 * 3 * 2 and all(".experts." in k for k in report.skipped)
+    full, half = adapter_state(model), adapter_state(part)
+    assert half.keys() == full.keys()
+    for name, value in half.items():
+        assert torch.equal(value, full[name][4:8]), name
