@@ -95,11 +95,11 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
 
     import lightning as L
     import torch
-    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import WandbLogger
     from omegaconf import OmegaConf
 
     from dsv4.data.datamodule import DSV4DataModule
+    from dsv4.training.checkpointing import StepCheckpoint, checkpoint_step
     from dsv4.training.module import DSV4LightningModule
     from dsv4.training.strategy import DSV4Strategy
 
@@ -115,10 +115,10 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
 
     log.info("compute dtype %s (fp32 master weights, optimizer state and gradient reduction)", spec.compute_dtype)
     ckpt_dir = output_dir / "checkpoints"
-    checkpointing = ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}", save_last=True, save_top_k=-1,
-                                    every_n_train_steps=spec.checkpoint.every_n_steps or spec.max_steps,
-                                    save_on_train_epoch_end=False, auto_insert_metric_name=False)
-    logger = spec.logger(output_dir) if spec.logger is not None else False
+    checkpointing = StepCheckpoint(ckpt_dir, spec.checkpoint.every_n_steps)
+    resume = _resume_path(spec, ckpt_dir)
+    resume_step = checkpoint_step(resume) if resume else None  # the logs continue from this step
+    logger = spec.logger(output_dir, resume_step=resume_step) if spec.logger is not None else False
     trainer = L.Trainer(strategy=DSV4Strategy.from_spec(spec), logger=logger,
                         callbacks=[checkpointing, *spec.callbacks], use_distributed_sampler=False,
                         default_root_dir=str(output_dir), precision="32-true", **spec.trainer)
@@ -128,7 +128,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
         OmegaConf.save(OmegaConf.create(dict(spec.resolved)), output_dir / "resolved_config.yaml")
     if logger:
         logger.log_hyperparams(dict(spec.resolved))
-    trainer.fit(DSV4LightningModule(spec), datamodule=data, ckpt_path=_resume_path(spec, ckpt_dir))
+    trainer.fit(DSV4LightningModule(spec), datamodule=data, ckpt_path=resume)
     loss = trainer.callback_metrics.get(OBJECTIVE_METRIC)
     objective = float(loss) if isinstance(loss, torch.Tensor) else None
     if trainer.global_rank == 0:

@@ -32,7 +32,7 @@ from dsv4.training.schema import lora_config, model_config
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
-LoggerFactory = Callable[[Path], Any]
+LoggerFactory = Callable[..., Any]  # (output_dir, resume_step=None) -> logger
 
 PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -234,12 +234,22 @@ def build_callbacks(cfg: DictConfig) -> list:
             if spec is not None]
 
 
-def _make_logger(logger_cfg: Mapping[str, Any], output_dir: Path) -> Any:
-    return _instantiate(dict(logger_cfg), "logger", save_dir=str(output_dir))
+def _make_logger(logger_cfg: Mapping[str, Any], output_dir: Path, resume_step: int | None = None) -> Any:
+    """The logger writing under ``output_dir``; ``resume_step`` (the step a resumed run continues from) goes to
+    factories that take it (``dsv4.training.loggers``: they continue the run's logs)."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    extra = {}
+    if resume_step is not None and "resume_step" in inspect.signature(get_object(logger_cfg["_target_"])).parameters:
+        extra["resume_step"] = resume_step
+    return _instantiate(dict(logger_cfg), "logger", save_dir=str(output_dir), **extra)
 
 
 def build_logger(cfg: DictConfig) -> LoggerFactory | None:
-    """``output_dir -> logger`` for ``cfg.logger`` (its target checked now), or None without one."""
+    """``(output_dir, resume_step=None) -> logger`` for ``cfg.logger`` (its target checked now), or None without
+    one."""
     if not cfg.get("logger"):
         return None
     from hydra.utils import get_object

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
+from dsv4.training.checkpointing import checkpoint_step
 from dsv4.training.run import read_objective, run_finetune
 from dsv4.training.spec import build_run_spec
 from dsv4.training.schema import register_schema
@@ -90,9 +92,13 @@ def test_removed_dispatcher_group_lists_the_options():
         assert f"\t{name}\n" in str(err.value)
 
 
-def _losses(run: Path) -> dict[int, float]:
+def _metric(run: Path, name: str = "train/loss") -> dict[int, float]:
     with open(run / "csv" / "metrics.csv") as f:
-        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+        return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return _metric(run, "train/loss")
 
 
 def test_run_trains_writes_its_outputs_and_resumes(tmp_path, one_rank_group):
@@ -103,15 +109,44 @@ def test_run_trains_writes_its_outputs_and_resumes(tmp_path, one_rank_group):
     assert sorted(losses) == [0, 1, 2] and value == pytest.approx(losses[2])
     assert read_objective(run) == pytest.approx(value)
     assert json.loads((run / "objective.json").read_text())["metric"] == "train/loss"
+    # every 2 steps, and the last step although 3 is not a multiple of 2
     assert (run / "checkpoints" / "step2.ckpt" / ".metadata").exists()
+    assert checkpoint_step(run / "checkpoints" / "step2.ckpt") == 2
+    assert checkpoint_step(run / "checkpoints" / "step3.ckpt") == 3
+    assert checkpoint_step(run / "checkpoints" / "last.ckpt") == 3
+    # the learning rate is logged: warm-up 1 step, cosine over total_steps = max_steps = 3 to 0.1 x 3e-3
+    assert _metric(run, "train/lr") == pytest.approx({0: 3e-3, 1: 3e-3, 2: 0.55 * 3e-3})
     resolved = yaml.safe_load((run / "resolved_config.yaml").read_text())
     assert resolved["model"]["preset"] == "tiny" and resolved["model"]["sliding_window"] == 16  # preset spelled out
     assert (run / "csv" / "hparams.yaml").exists()  # the logger got the config
-    # the same command with more steps resumes from the newest complete checkpoint (step 2) and continues the
-    # same trajectory: its first step is the first run's third
-    run_finetune(_compose([*FAST, "trainer.max_steps=4", "checkpoint.every_n_steps=2"]), run)
+    # resumed from the step-2 checkpoint with more steps: the same trajectory (its first step is the first run's
+    # third), the CSV keeps the steps before 2 and appends, and the learning rate does not jump: the cosine goes on
+    # from step 2's phase pi/2 to pi at the new max_steps 5 (re-stretching it would give step 3 0.55 x 3e-3)
+    run_finetune(_compose([*FAST, "trainer.max_steps=5", "checkpoint.every_n_steps=2",
+                           f"checkpoint.resume={run / 'checkpoints' / 'step2.ckpt'}"]), run)
     resumed = _losses(run)
-    assert sorted(resumed) == [2, 3] and resumed[2] == pytest.approx(losses[2], abs=1e-6)
+    assert sorted(resumed) == [0, 1, 2, 3, 4]
+    assert resumed[0] == losses[0] and resumed[1] == losses[1]  # the first run's rows are kept
+    assert resumed[2] == pytest.approx(losses[2], abs=1e-6)
+    expected = [0.1 + 0.45 * (1 + math.cos(phase)) for phase in (math.pi / 2, 2 * math.pi / 3, 5 * math.pi / 6)]
+    lrs = _metric(run, "train/lr")
+    assert [lrs[s] for s in (2, 3, 4)] == pytest.approx([3e-3 * f for f in expected])
+    assert checkpoint_step(run / "checkpoints" / "last.ckpt") == 5
+
+
+def test_resume_continues_the_same_wandb_run(tmp_path, one_rank_group, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run = tmp_path / "run"
+    run.mkdir()
+    quick = [*FAST, "logger=wandb", "checkpoint.every_n_steps=0"]
+    run_finetune(_compose([*quick, "trainer.max_steps=1"]), run)
+    run_id = (run / "wandb" / "run_id").read_text().strip()
+    run_finetune(_compose([*quick, "trainer.max_steps=2"]), run)  # resumes from the last step (1)
+    offline = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(name.endswith(f"-{run_id}") for name in offline), (offline, run_id)
+    # a fresh start in the same directory is a new wandb run
+    run_finetune(_compose([*quick, "trainer.max_steps=1", "checkpoint.resume=none"]), run)
+    assert (run / "wandb" / "run_id").read_text().strip() != run_id
 
 
 def test_dry_run_packs_and_stops(tmp_path, caplog):
