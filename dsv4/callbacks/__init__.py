@@ -8,11 +8,14 @@
 * :class:`CPTrafficCallback` -- ``cp/bytes_received_per_step``, ``cp/bytes_sent_per_step``, ``cp/<kind>_bytes``.
 * :class:`MemoryCallback` -- CUDA: ``mem/max_allocated_gib``, ``mem/max_reserved_gib``, ``mem/num_alloc_retries``;
   CPU: ``mem/rss_gib``, ``mem/peak_rss_gib``.
+* :class:`TextProgressCallback` -- a plain text line (step, loss, lr, tokens/s, ETA) every N steps for logs that are
+  not a terminal.
 """
 
 from dsv4.callbacks.cp_traffic import CPTrafficCallback
 from dsv4.callbacks.memory import MemoryCallback
 from dsv4.callbacks.padding import PaddingCallback
+from dsv4.callbacks.progress import TextProgressCallback
 from dsv4.callbacks.throughput import ThroughputCallback
 
-__all__ = ["CPTrafficCallback", "MemoryCallback", "PaddingCallback", "ThroughputCallback"]
+__all__ = ["CPTrafficCallback", "MemoryCallback", "PaddingCallback", "TextProgressCallback", "ThroughputCallback"]

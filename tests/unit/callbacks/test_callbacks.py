@@ -277,3 +277,74 @@ def test_callbacks_under_a_real_trainer(tmp_path):
     assert "train/loss" in trainer.progress_bar_metrics
     header = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"perf/tokens_per_s", "data/pack_padding_fraction", "cp/bytes_received_per_step"} <= set(header)
+
+
+# ------------------------------------------------------------------------------------------------ text progress
+class FakeTrainer:
+    def __init__(self, max_steps=100, global_step=0, rank_zero=True):
+        self.max_steps, self.global_step, self.is_global_zero = max_steps, global_step, rank_zero
+        self.callback_metrics = {}
+
+
+def _end(callback, trainer, module, stats=None):
+    if stats is not None:
+        module.last_step_stats = stats
+    callback.on_train_batch_end(trainer, module, None, None, 0)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_text_progress_line_every_n_steps_and_at_the_last(caplog):
+    from dsv4.callbacks import TextProgressCallback
+
+    caplog.set_level("INFO", logger="dsv4")
+    clock = FakeClock()
+    cb = TextProgressCallback(every_n_steps=2, when="always", clock=clock)
+    trainer, module = FakeTrainer(max_steps=5), FakeModule()
+    cb.on_train_start(trainer, module)
+    lines = []
+    for step, (real, seconds, loss, lr) in enumerate([(1000, 2.0, 5.5, 1e-3), (3000, 2.0, 4.25, 2e-3),
+                                                      (500, 1.0, 4.0, 3e-3), (700, 1.0, 3.5, 4e-3),
+                                                      (800, 2.0, 3.25, 5e-3)], start=1):
+        clock.now += 10.0  # 10 s of wall time per step
+        trainer.callback_metrics = {"train/loss": torch.tensor(loss), "train/lr": torch.tensor(lr)}
+        caplog.clear()
+        _end(cb, trainer, module, make_stats(step, real=real, time_s=seconds))
+        _end(cb, trainer, module)  # the same step again (another micro-batch's end): nothing
+        lines += [r.getMessage() for r in caplog.records]
+    # steps 2 and 4 (every 2) and 5 (the last); tokens/s over the steps since the previous line; ETA: 10 s per step
+    assert lines == [
+        "step 2/5 | loss 4.2500 | lr 2.000e-03 | 1,000 tokens/s | ETA 0:00:30",
+        "step 4/5 | loss 3.5000 | lr 4.000e-03 | 600 tokens/s | ETA 0:00:10",
+        "step 5/5 | loss 3.2500 | lr 5.000e-03 | 400 tokens/s | ETA 0:00:00",
+    ]
+
+
+def test_text_progress_auto_follows_the_terminal_and_only_rank_zero_writes(caplog, monkeypatch):
+    from dsv4.callbacks import TextProgressCallback
+
+    caplog.set_level("INFO", logger="dsv4")
+    cb = TextProgressCallback(every_n_steps=1, when="auto")
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    assert not cb.enabled  # a terminal: the progress bar shows
+    monkeypatch.setattr("sys.stdout.isatty", lambda: False)
+    assert cb.enabled
+    cb.on_train_start(FakeTrainer(), FakeModule())
+    _end(cb, FakeTrainer(), FakeModule(), make_stats(1))
+    assert any(r.getMessage().startswith("step 1/100") for r in caplog.records)
+    caplog.clear()
+    other = TextProgressCallback(every_n_steps=1, when="always")
+    trainer = FakeTrainer(rank_zero=False)
+    other.on_train_start(trainer, FakeModule())
+    _end(other, trainer, FakeModule(), make_stats(1))
+    assert not caplog.records
+    with pytest.raises(ValueError, match="every_n_steps must be an integer >= 1, got 0"):
+        TextProgressCallback(every_n_steps=0)
+    with pytest.raises(ValueError, match="when='sometimes' must be one of auto, always, never"):
+        TextProgressCallback(when="sometimes")
