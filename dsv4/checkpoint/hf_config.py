@@ -241,7 +241,7 @@ def config_from_hf(source: str | os.PathLike | dict[str, Any], **overrides: Any)
         if key not in values:
             values[key] = default
             notes.append(f"no {key}: " + ("no YaRN" if key == "rope_scaling" else f"{default!r}"))
-        elif key == "rope_scaling" and values[key] is None:
+        elif key == "rope_scaling" and values[key] is None and not any("no YaRN" in n for n in notes):
             notes.append("rope_scaling is null: no YaRN")
     n, mtp = int(values["num_hidden_layers"]), int(values["num_nextn_predict_layers"])
     ratios = values["compress_ratios"]
