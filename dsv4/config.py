@@ -29,7 +29,6 @@ SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 TOPK_METHODS = ("noaux_tc", "greedy")
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 CHECKPOINTING_MODES = ("none", "block", "selective")  # dsv4.model.recompute
-ATTENTION_BACKENDS = ("auto", "torch", "triton")  # dsv4.model.attention_backend
 
 # Flash checkpoint values (its config.json).
 FLASH_ROPE_SCALING: dict[str, Any] = {
@@ -129,7 +128,7 @@ class DSV4Config:
     attention_chunk_size: int = 256
     loss_chunk_size: int = 1024  # rows per [rows, vocab] logits block of the chunked loss (return_logits=False)
     activation_checkpointing: str = "none"  # none | block | selective (dsv4.model.recompute)
-    attention_backend: str = "auto"  # auto | torch | triton (dsv4.model.attention_backend)
+    attention_backend: str = "auto"  # auto or a registered backend: torch | triton (dsv4.model.attention_backend)
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -197,8 +196,11 @@ class DSV4Config:
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
             fail("activation_checkpointing", f"must be one of {CHECKPOINTING_MODES}, got "
                  f"{self.activation_checkpointing!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            fail("attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        from dsv4.model.attention_backend import ATTENTION_BACKENDS, AUTO  # noqa: PLC0415 - beside the kernels
+
+        backends = (AUTO, *ATTENTION_BACKENDS.names())
+        if self.attention_backend not in backends:
+            fail("attention_backend", f"must be one of {backends}, got {self.attention_backend!r}")
         if self.torch_dtype not in TORCH_DTYPES:
             fail("torch_dtype", f"must be one of {TORCH_DTYPES}, got {self.torch_dtype!r}")
         if self.tie_word_embeddings:

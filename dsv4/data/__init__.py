@@ -1,6 +1,6 @@
 """Data pipeline: documents -> tokenizer -> first-fit-decreasing packer -> packed dataset -> dp sampler -> batches.
 
-    docs = build_documents("stdlib", max_bytes=2_000_000)            # or "jsonl" / "hf" with a local path
+    docs = build_documents("stdlib", max_bytes=2_000_000)            # or "jsonl" / "hf" (DATA_SOURCES) with a path
     dataset = build_packed_dataset(docs, seq_len=1024, shard_multiple=128, pad_id=0, cp_size=2)
     sampler = DistributedPackedSampler(len(dataset), dp_rank, dp_size, seed=0)
     loader = DataLoader(dataset, batch_size=2, sampler=sampler, collate_fn=TokenBatch.stack)
@@ -13,19 +13,23 @@ from dsv4.batch import IGNORE_INDEX, TokenBatch
 from dsv4.data.chat import DEFAULT_CHAT_TEMPLATE, chat_segments, tokenize_chat
 from dsv4.data.dataset import DistributedPackedSampler, build_packed_dataset
 from dsv4.data.packer import PackedRows, PackStats, first_fit_decreasing, pack_documents
-from dsv4.data.sources import DATA_KINDS, Document, build_documents, hf_documents, jsonl_documents, stdlib_corpus
+from dsv4.data.sources import (DATA_KINDS, DATA_SOURCES, DataSource, Document, SourceArgs, build_documents,
+                               hf_documents, jsonl_documents, stdlib_corpus)
 from dsv4.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
     "ByteTokenizer",
     "DATA_KINDS",
+    "DATA_SOURCES",
     "DEFAULT_CHAT_TEMPLATE",
+    "DataSource",
     "DistributedPackedSampler",
     "Document",
     "HFTokenizer",
     "IGNORE_INDEX",
     "PackStats",
     "PackedRows",
+    "SourceArgs",
     "TokenBatch",
     "Tokenizer",
     "build_documents",

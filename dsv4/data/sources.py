@@ -17,6 +17,10 @@ the text nor the messages field, a malformed message, an empty file or dataset.
   wins.
 * ``hf_documents``: a local ``datasets`` dataset (a ``save_to_disk`` directory, a data directory, or a
   ``.jsonl/.json/.parquet/.csv/.arrow/.txt`` file); the same record rules as JSONL. Nothing is downloaded.
+
+``data.kind`` names a source registered in :data:`DATA_SOURCES` (built in: ``stdlib``, ``jsonl``, ``hf``);
+:func:`build_documents` is the one entry point configs use. A new source is one module with its documents factory
+and one :class:`DataSource` registration (``docs/extending.md``).
 """
 
 from __future__ import annotations
@@ -25,15 +29,14 @@ import json
 import os
 import random
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from dsv4.data.chat import _compile, tokenize_chat, validate_messages
 from dsv4.data.tokenizers import Tokenizer, build_tokenizer
+from dsv4.registry import Registry
 
-
-DATA_KINDS = ("stdlib", "jsonl", "hf")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _HF_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow",
                      ".txt": "text"}
@@ -258,6 +261,75 @@ def hf_documents(
     return [_to_document(rec, field, messages_key, tokenizer, chat_template, where) for where, rec, field in records]
 
 
+# --------------------------------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class SourceArgs:
+    """What :func:`build_documents` hands a source: the data group's keys (``conf/data/*.yaml``, the schema's
+    ``DataConfig``) with ``tokenizer`` built and ``chat_template`` read from ``chat_template_file``. A source reads
+    the keys it needs; ``options`` holds the source-specific ones (only those its :class:`DataSource` declares)."""
+
+    kind: str
+    path: str | os.PathLike | None
+    tokenizer: Tokenizer
+    chat_template: str | None = None
+    split: str = "train"
+    text_key: str = "text"
+    messages_key: str = "messages"
+    max_documents: int | None = None
+    max_bytes: int | None = None
+    min_bytes: int = 64
+    seed: int | None = 0
+    cache_dir: str | os.PathLike | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def required_path(self) -> str | os.PathLike:
+        """``path``, or ``ValueError`` when the source needs one and the config has none."""
+        if self.path is None:
+            raise ValueError(f"data kind {self.kind!r} needs a `path`")
+        return self.path
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One registered document source.
+
+    Attributes:
+        documents: ``documents(args: SourceArgs) -> list[Document]``; bad data raises naming where and which key.
+        options: the keys of ``data.options`` it reads; any other key fails before ``documents`` runs.
+    """
+
+    documents: Callable[[SourceArgs], list[Document]]
+    options: tuple[str, ...] = ()
+
+
+DATA_SOURCES: Registry[DataSource] = Registry("data.kind", "data source",
+                                              unknown="`{key}`: data kind {name!r} is not one of {names}")
+
+
+def _stdlib_source(args: SourceArgs) -> list[Document]:
+    return stdlib_corpus(args.max_documents, args.max_bytes, args.min_bytes, args.seed, tokenizer=args.tokenizer,
+                         root=args.path)
+
+
+def _jsonl_source(args: SourceArgs) -> list[Document]:
+    return jsonl_documents(args.required_path(), args.tokenizer, args.text_key, args.messages_key,
+                           args.chat_template, max_documents=args.max_documents)
+
+
+def _hf_source(args: SourceArgs) -> list[Document]:
+    return hf_documents(args.required_path(), args.split, args.tokenizer, args.text_key, args.messages_key,
+                        args.chat_template, max_documents=args.max_documents, cache_dir=args.cache_dir)
+
+
+DATA_SOURCES.register("stdlib", DataSource(_stdlib_source))
+DATA_SOURCES.register("jsonl", DataSource(_jsonl_source))
+DATA_SOURCES.register("hf", DataSource(_hf_source))
+
+DATA_KINDS: tuple[str, ...] = DATA_SOURCES.names()  # the built-in kinds; DATA_SOURCES lists every one
+
+
 # ---------------------------------------------------------------------------------------------------- factory
 
 
@@ -276,15 +348,22 @@ def build_documents(
     min_bytes: int = 64,
     seed: int | None = 0,
     cache_dir: str | os.PathLike | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> list[Document]:
-    """Plain-argument factory over the sources (for configs): ``kind`` is ``"stdlib"``, ``"jsonl"`` or ``"hf"``.
+    """Plain-argument factory over the registered sources (for configs): ``kind`` is a name in
+    :data:`DATA_SOURCES` (``"stdlib"``, ``"jsonl"``, ``"hf"``, ...).
 
     ``tokenizer`` is a spec for :func:`~dsv4.data.tokenizers.build_tokenizer` (``"byte"``, a local path) or a
     tokenizer object; ``chat_template_file`` reads the template text from a file. ``max_bytes``/``min_bytes``/
-    ``seed`` apply to the stdlib corpus only, ``split``/``cache_dir`` to ``hf`` only; ``max_documents`` to every kind.
+    ``seed`` apply to the stdlib corpus only, ``split``/``cache_dir`` to ``hf`` only; ``max_documents`` to every kind;
+    ``options``: source-specific keys (the built-ins take none).
     """
-    if kind not in DATA_KINDS:
-        raise ValueError(f"data kind {kind!r} is not one of {DATA_KINDS}")
+    source = DATA_SOURCES.get(kind)
+    options = dict(options or {})
+    unread = sorted(set(options) - set(source.options))
+    if unread:
+        raise ValueError(f"`data.options`: data kind {kind!r} does not read {unread} (it reads "
+                         f"{list(source.options) or 'no options'})")
     tok = build_tokenizer(tokenizer)
     if chat_template_file is not None:
         if chat_template is not None:
@@ -293,11 +372,7 @@ def build_documents(
         if not template_path.is_file():
             raise ValueError(f"chat_template_file {str(template_path)!r} is not a file")
         chat_template = template_path.read_text(encoding="utf-8")
-    if kind == "stdlib":
-        return stdlib_corpus(max_documents, max_bytes, min_bytes, seed, tokenizer=tok, root=path)
-    if path is None:
-        raise ValueError(f"data kind {kind!r} needs a `path`")
-    if kind == "jsonl":
-        return jsonl_documents(path, tok, text_key, messages_key, chat_template, max_documents=max_documents)
-    return hf_documents(path, split, tok, text_key, messages_key, chat_template, max_documents=max_documents,
-                        cache_dir=cache_dir)
+    return source.documents(SourceArgs(
+        kind=kind, path=path, tokenizer=tok, chat_template=chat_template, split=split, text_key=text_key,
+        messages_key=messages_key, max_documents=max_documents, max_bytes=max_bytes, min_bytes=min_bytes, seed=seed,
+        cache_dir=cache_dir, options=options))

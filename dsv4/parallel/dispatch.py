@@ -1,11 +1,13 @@
-"""Expert-parallel MoE token dispatchers, selected by ``dispatcher=``, and their start-up checks.
+"""Expert-parallel MoE token dispatchers, selected by ``dispatcher=``, their registry and start-up checks.
 
 Every dispatcher implements :class:`dsv4.model.dispatch.TokenDispatcher`::
 
     y [N, d] = dispatcher.run(experts, x [N, d], topk_ids [N, k] int64, topk_weights [N, k] fp32)
     y[n] = sum_j topk_weights[n, j] * expert_{topk_ids[n, j]}(x[n])      (fp32 accumulation, x.dtype out)
 
-for the ``N`` routed (non-padding) tokens of this rank, whatever rank holds the experts. The names:
+for the ``N`` routed (non-padding) tokens of this rank, whatever rank holds the experts. ``dispatcher=`` is
+``auto`` or a name registered in :data:`TOKEN_DISPATCHERS` (a :class:`DispatcherEntry` each; a new dispatcher is
+one module plus one registration, ``docs/extending.md``). The built-ins:
 
 * ``local``: :class:`~dsv4.model.dispatch.LocalDispatcher`, every expert on every rank (no EP).
 * ``alltoall``: :class:`AllToAllDispatcher`, variable-size all-to-all of the (token, expert) pairs to the experts'
@@ -16,6 +18,7 @@ for the ``N`` routed (non-padding) tokens of this rank, whatever rank holds the 
 * ``deepep``: :class:`DeepEPDispatcher`, DeepEP's normal (high-throughput) dispatch/combine kernels
   (``deep_ep.Buffer``, NVLink/RDMA). It needs CUDA and the ``deep_ep`` package; :func:`check_dispatcher_available`
   fails at start-up with what to install. HybridEP (``deep_ep.HybridEpBuffer``, a different API) is not supported.
+* ``auto`` (a policy, not an entry): ``local`` when ``ep == 1``, ``alltoall`` otherwise.
 
 EP groups: an EP group of size ``ep`` is a set of consecutive global ranks (``[0, 1], [2, 3]`` for world 4,
 ep 2; the ``("edp", "ep")`` mesh of ``dsv4.parallel.mesh``) that together hold all ``E`` experts; EP rank
@@ -32,7 +35,8 @@ statistics are counted on the source rank by ``MoEGate`` and are untouched here.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -50,10 +54,9 @@ from dsv4.distributed import (
 )
 from dsv4.model.dispatch import (ExpertGroup, LocalDispatcher, TokenDispatcher, expert_counts, sort_by_expert,
                                  weighted_sum)
+from dsv4.registry import Registry
 
-DISPATCHERS: tuple[str, ...] = ("local", "alltoall", "allgather", "deepep")
-_UNIFORM_TOKENS = frozenset({"allgather"})
-_NEEDS_DEEP_EP = frozenset({"deepep"})
+AUTO = "auto"  # the policy name (not an entry): see resolve_dispatcher
 # Names that once existed, with why they are gone (the error for them says so).
 _REMOVED = {
     "hybridep": "it ran the same deep_ep.Buffer kernels as 'deepep'; real HybridEP (deep_ep.HybridEpBuffer) is "
@@ -72,30 +75,53 @@ EPGroup = dist.ProcessGroup | DeviceMesh | None
 # --------------------------------------------------------------------------------------------------- registry
 
 
-def _check_name(name: str, valid: tuple[str, ...] = DISPATCHERS, what: str = "unknown MoE dispatcher") -> str:
-    """``name`` if it is one of ``valid``, else ``ValueError`` listing them (and why, for a removed name)."""
-    if name not in valid:
-        why = f". {name!r} was removed: {_REMOVED[name]}" if name in _REMOVED else ""
-        raise ValueError(f"{what} {name!r}; expected one of {', '.join(valid)}{why}")
-    return name
+def _runs_everywhere(device_type: str) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class DispatcherEntry:
+    """One registered MoE token dispatcher.
+
+    Attributes:
+        build: the dispatcher over an EP group (``build(ep_group)``, ``ep_group`` as in the module docstring).
+        needs_uniform_tokens: it wants the same token count on every rank (DSpark capture then pads every rank's
+            rows to the longest); the built dispatcher declares the same as its ``needs_uniform_tokens``.
+        check: fails at start-up, before any model is built, when the dispatcher cannot run on ``device_type``
+            (``RuntimeError`` naming every missing piece and what to install); returns None otherwise. It imports
+            no optional dependency (``importlib.util.find_spec`` is enough).
+        expert_parallel: it runs with a slice of the experts per rank (``ep >= 1``); False: every rank holds every
+            expert, so ``ep`` must be 1 and the experts are not sharded (``local``).
+    """
+
+    build: Callable[[EPGroup], TokenDispatcher]
+    needs_uniform_tokens: bool = False
+    check: Callable[[str], None] = _runs_everywhere
+    expert_parallel: bool = True
+
+
+TOKEN_DISPATCHERS: Registry[DispatcherEntry] = Registry("dispatcher", "MoE dispatcher", reserved=(AUTO,),
+                                                        removed=_REMOVED)
 
 
 def resolve_dispatcher(name: str, ep: int) -> str:
     """The dispatcher a run uses: ``auto`` is ``local`` without expert parallelism (``ep == 1``) and ``alltoall``
-    with it; other names are kept. ``local`` with ``ep > 1`` raises ValueError (it holds every expert)."""
-    if name == "auto":
+    with it; other names are kept. A dispatcher that is not ``expert_parallel`` (``local``) with ``ep > 1`` raises
+    ValueError (it holds every expert)."""
+    if TOKEN_DISPATCHERS.check(name, allow=(AUTO,)) == AUTO:
         return "local" if ep == 1 else "alltoall"
-    _check_name(name, ("auto", *DISPATCHERS), what="`dispatcher`: unknown MoE dispatcher")
-    if name == "local" and ep > 1:
-        raise ValueError(f"`dispatcher`=local keeps every expert on every rank and cannot run `ep`={ep}; use "
-                         "dispatcher=auto or alltoall (or allgather, deepep)")
+    if ep > 1 and not TOKEN_DISPATCHERS.get(name).expert_parallel:
+        first, *others = [n for n in TOKEN_DISPATCHERS if TOKEN_DISPATCHERS.get(n).expert_parallel]
+        alternatives = first + (f" (or {', '.join(others)})" if others else "")
+        raise ValueError(f"`dispatcher`={name} keeps every expert on every rank and cannot run `ep`={ep}; use "
+                         f"dispatcher=auto or {alternatives}")
     return name
 
 
 def dispatcher_needs_uniform_tokens(name: str) -> bool:
     """True when ``name`` wants the same token count on every rank (its dispatcher declares
     ``needs_uniform_tokens``; DSpark capture then pads every rank's rows to the longest)."""
-    return _check_name(name) in _UNIFORM_TOKENS
+    return TOKEN_DISPATCHERS.get(name).needs_uniform_tokens
 
 
 def check_dispatcher_available(name: str, device_type: str) -> None:
@@ -105,37 +131,24 @@ def check_dispatcher_available(name: str, device_type: str) -> None:
     package: ``RuntimeError`` naming every missing piece and what to install. Unknown names:
     ``ValueError`` listing the valid ones.
     """
-    _check_name(name)
-    if name not in _NEEDS_DEEP_EP:
-        return
-    problems = []
-    if device_type != "cuda":
-        problems.append(f"it runs on CUDA GPUs only (this run uses device_type={device_type!r})")
-    elif not torch.cuda.is_available():
-        problems.append("torch.cuda.is_available() is False")
-    if importlib.util.find_spec("deep_ep") is None:
-        problems.append("the `deep_ep` package is not installed")
-    if problems:
-        raise RuntimeError(
-            f"dispatcher={name!r} is not available: {'; '.join(problems)}. To use it, {DEEP_EP_INSTALL_HINT}."
-        )
+    TOKEN_DISPATCHERS.get(name).check(device_type)
 
 
 def build_dispatcher(name: str, ep_group: EPGroup = None) -> TokenDispatcher:
     """The dispatcher called ``name`` over ``ep_group`` (see the module docstring for ``ep_group``)."""
-    _check_name(name)
-    if name == "local":
-        if ep_group is not None and group_size(resolve_group(ep_group)) > 1:
-            raise ValueError(
-                "dispatcher='local' keeps every expert on every rank and cannot run expert parallelism "
-                f"(ep group of size {group_size(resolve_group(ep_group))}); use alltoall or allgather"
-            )
-        return LocalDispatcher()
-    if name == "alltoall":
-        return AllToAllDispatcher(ep_group)
-    if name == "allgather":
-        return AllGatherDispatcher(ep_group)
-    return DeepEPDispatcher(ep_group)
+    return TOKEN_DISPATCHERS.get(name).build(ep_group)
+
+
+def _build_local(ep_group: EPGroup = None) -> LocalDispatcher:
+    if ep_group is not None and group_size(resolve_group(ep_group)) > 1:
+        raise ValueError(
+            "dispatcher='local' keeps every expert on every rank and cannot run expert parallelism "
+            f"(ep group of size {group_size(resolve_group(ep_group))}); use alltoall or allgather"
+        )
+    return LocalDispatcher()
+
+
+TOKEN_DISPATCHERS.register("local", DispatcherEntry(build=_build_local, expert_parallel=False))
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -225,6 +238,9 @@ class AllToAllDispatcher(_GroupDispatcher):
         return weighted_sum(x.shape[0], token_idx, y_pairs, weights).to(x.dtype)
 
 
+TOKEN_DISPATCHERS.register("alltoall", DispatcherEntry(build=AllToAllDispatcher))
+
+
 # ------------------------------------------------------------------------------------------------- all-gather
 
 
@@ -293,7 +309,26 @@ class AllGatherDispatcher(_GroupDispatcher):
         return out[:n_tokens].to(x.dtype)
 
 
+TOKEN_DISPATCHERS.register("allgather", DispatcherEntry(
+    build=AllGatherDispatcher, needs_uniform_tokens=AllGatherDispatcher.needs_uniform_tokens))
+
+
 # ----------------------------------------------------------------------------------------------------- DeepEP
+
+
+def _deepep_check(device_type: str) -> None:
+    """DeepEP needs CUDA devices and the ``deep_ep`` package (found without importing it)."""
+    problems = []
+    if device_type != "cuda":
+        problems.append(f"it runs on CUDA GPUs only (this run uses device_type={device_type!r})")
+    elif not torch.cuda.is_available():
+        problems.append("torch.cuda.is_available() is False")
+    if importlib.util.find_spec("deep_ep") is None:
+        problems.append("the `deep_ep` package is not installed")
+    if problems:
+        raise RuntimeError(
+            f"dispatcher='deepep' is not available: {'; '.join(problems)}. To use it, {DEEP_EP_INSTALL_HINT}."
+        )
 
 
 class _DeepEPDispatch(torch.autograd.Function):
@@ -413,3 +448,8 @@ class DeepEPDispatcher(_GroupDispatcher):
         y_rows = weighted_sum(recv_x.shape[0], rows, y, recv_weights[rows, slots])  # fp32 [recv rows, d]
         combined = _DeepEPCombine.apply(y_rows.to(torch.bfloat16), buffer, state["handle"])
         return combined.to(x.dtype)
+
+
+TOKEN_DISPATCHERS.register("deepep", DispatcherEntry(build=DeepEPDispatcher, check=_deepep_check))
+
+DISPATCHERS: tuple[str, ...] = TOKEN_DISPATCHERS.names()  # the built-in names; TOKEN_DISPATCHERS lists every one

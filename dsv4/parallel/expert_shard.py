@@ -28,7 +28,7 @@ from torch import nn
 from dsv4.model.dispatch import TokenDispatcher
 from dsv4.model.moe import GroupedExperts, set_dispatcher
 from dsv4.distributed import all_gather_into, group_rank, group_size, resolve_group
-from dsv4.parallel.dispatch import EPGroup, build_dispatcher, check_dispatcher_available
+from dsv4.parallel.dispatch import TOKEN_DISPATCHERS, EPGroup, build_dispatcher, check_dispatcher_available
 
 
 
@@ -121,11 +121,11 @@ def unshard_experts(model: nn.Module, ep_group: EPGroup = None) -> int:
 def apply_expert_parallel(
     model: nn.Module, dispatcher: str, ep_group: EPGroup = None, device_type: str = "cpu"
 ) -> TokenDispatcher:
-    """Start-up check, shard the experts over ``ep_group`` (not for ``local``) and install the dispatcher on
-    every MoE layer of ``model``. Returns the dispatcher."""
+    """Start-up check, shard the experts over ``ep_group`` (only for an ``expert_parallel`` dispatcher: not for
+    ``local``) and install the dispatcher on every MoE layer of ``model``. Returns the dispatcher."""
     check_dispatcher_available(dispatcher, device_type)
     built = build_dispatcher(dispatcher, ep_group)
-    if dispatcher != "local":
+    if TOKEN_DISPATCHERS.get(dispatcher).expert_parallel:
         shard_experts(model, ep_group)
     set_dispatcher(model, built)
     return built

@@ -56,7 +56,8 @@ def model_config(model_cfg: Any) -> DSV4Config:
 
 @dataclass
 class DataConfig:
-    """Keyword arguments of :func:`dsv4.data.build_documents` (``kind``: stdlib | jsonl | hf), and ``overlong``:
+    """Keyword arguments of :func:`dsv4.data.build_documents` (``kind``: a name in :data:`dsv4.data.DATA_SOURCES`,
+    stdlib | jsonl | hf built in; ``options``: the keys only that source reads), and ``overlong``:
     what the packer does with a document longer than ``seq_len`` (:data:`dsv4.data.packer.OVERLONG`; the default
     ``truncate_left`` keeps a conversation's last turns, the ones with the answer; ``conf/data/stdlib.yaml`` splits
     its source files)."""
@@ -72,12 +73,14 @@ class DataConfig:
     max_bytes: Optional[int] = None
     min_bytes: int = 64
     seed: int = 0
+    options: Dict[str, Any] = field(default_factory=dict)
     overlong: str = "truncate_left"
 
 
 @dataclass
 class DispatcherConfig:
-    """MoE token dispatcher: auto (local when ep = 1, else alltoall) | local | alltoall | allgather | deepep."""
+    """MoE token dispatcher: auto (local when ep = 1, else alltoall) or a name in
+    :data:`dsv4.parallel.dispatch.TOKEN_DISPATCHERS` (local | alltoall | allgather | deepep built in)."""
 
     name: str = "auto"
 
