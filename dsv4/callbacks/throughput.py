@@ -2,7 +2,8 @@
 
 Reads only ``pl_module.last_step_stats`` (a :class:`dsv4.training.stats.StepStats` set by the LightningModule
 before the callbacks' ``on_train_batch_end``) and the device; without stats it does nothing. Each optimizer step
-(``stats.step``) is counted once.
+(``stats.step``) is counted once, with every row of its global batch (all micro-batches under gradient
+accumulation) and the wall time from its first micro-batch to its optimizer step.
 
 Metrics (averaged over the last ``window`` steps as ratios of sums, e.g. ``sum(real_tokens) / sum(step_time_s)``;
 the first ``warmup_steps`` steps seen are skipped):

@@ -8,7 +8,13 @@ this rank's share of the loss; FSDP sums the gradients over ranks. After the opt
 load-balancing bias is updated from the loads of all ranks (not under LoRA, whose base stays as it is, nor during
 the indexer warm-up), and ``last_step_stats`` is published for the callbacks. With ``model.indexer_loss_coeff > 0``
 the step also logs ``train/indexer_loss`` (the indexer's KL, a token mean like ``train/loss``, which includes it
-times the coefficient); during the first ``indexer_warmup_steps`` only that loss is backpropagated.
+times the coefficient); during the first ``indexer_warmup_steps`` only that loss is backpropagated. ``train/lr`` is
+the learning rate the optimizer step used.
+
+Gradient accumulation (``global_batch_size``: the Trainer's ``accumulate_grad_batches`` micro-batches per optimizer
+step) keeps the step one large batch: the loss is the token mean over every micro-batch of the step, its gradients
+those of all the rows in one batch (:meth:`DSV4LightningModule.training_step`), and the published ``StepStats``
+cover all of them.
 
 LoRA (``lora``, :mod:`dsv4.peft`): only the adapters are parameters that train; the optimizer sees only them, the
 strategy checkpoints only them, and ``on_train_end`` exports them in the PEFT format and / or the merged model.

@@ -31,8 +31,10 @@ def test_default_logger_is_offline_wandb_and_a_foreign_netrc_does_not_switch_it_
     (home / ".netrc").write_text("machine github.com\n  login someone\n  password not-a-wandb-key\n")
     (home / ".netrc").chmod(0o600)
     run = tmp_path / "run"
-    run_recipe(QUICK, run, env={"HOME": str(home), "WANDB_MODE": None, "WANDB_API_KEY": None,
-                                "NETRC": None}, timeout=300)
+    proc = run_recipe(QUICK, run, env={"HOME": str(home), "WANDB_MODE": None, "WANDB_API_KEY": None,
+                                       "NETRC": None}, timeout=300)
+    # stdout is not a terminal here: the plain text progress line of the last step is in the log
+    assert "step 2/2 | loss " in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
     runs = list((run / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, sorted(p.name for p in (run / "wandb").iterdir())
     summary = _offline_summary(run)
