@@ -19,11 +19,10 @@ Invariants:
 
 * a name is a non-empty string, registered at most once: registering a taken name raises ``ValueError`` (to
   replace an entry, ``unregister`` it first);
-* names in ``reserved`` (config values that are policies, not entries, such as ``auto``) and in ``removed``
-  (names that once existed) cannot be registered;
+* names in ``reserved`` (config values that are policies, not entries, such as ``auto``) cannot be registered;
 * ``names()`` is in registration order, the order error messages list and policies such as ``auto`` walk;
 * ``get``/``check`` of an unknown name raise ``ValueError`` naming the config key, the bad name and the valid
-  names (and, for a removed name, why it is gone); nothing else in the registry raises for an unknown name.
+  names; nothing else in the registry raises for an unknown name.
 
 Entries are whatever the extension point declares (a frozen dataclass each); an entry whose implementation needs
 an optional dependency imports it inside its own callables, so registering it never imports the dependency.
@@ -31,7 +30,7 @@ an optional dependency imports it inside its own callables, so registering it ne
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, Mapping, Sequence, TypeVar, overload
+from typing import Callable, Generic, Iterator, Sequence, TypeVar, overload
 
 E = TypeVar("E")
 
@@ -45,16 +44,13 @@ class Registry(Generic[E]):
         key: the config key whose value is a name here (``"dispatcher"``, ``"data.kind"``), named by every error.
         kind: what an entry is, in words (``"MoE dispatcher"``), for error messages.
         reserved: config values that are not entries (``("auto",)``): they cannot be registered.
-        removed: names that once existed -> why they are gone; asking for one says so, and it cannot be registered.
         unknown: the unknown-name message, a ``str.format`` template over ``key``, ``kind``, ``name``, ``choices``
             (the valid names joined by ", ") and ``names`` (the tuple); default :data:`DEFAULT_UNKNOWN`.
     """
 
-    def __init__(self, key: str, kind: str, *, reserved: Sequence[str] = (), removed: Mapping[str, str] | None = None,
-                 unknown: str = DEFAULT_UNKNOWN) -> None:
+    def __init__(self, key: str, kind: str, *, reserved: Sequence[str] = (), unknown: str = DEFAULT_UNKNOWN) -> None:
         self.key, self.kind, self.unknown = key, kind, unknown
         self.reserved = tuple(reserved)
-        self.removed = dict(removed or {})
         self._entries: dict[str, E] = {}
 
     # ------------------------------------------------------------------------------------------- registration
@@ -75,8 +71,6 @@ class Registry(Generic[E]):
             raise ValueError(f"`{self.key}`: {self.kind} {name!r} is already registered (unregister it first)")
         if name in self.reserved:
             raise ValueError(f"`{self.key}`: {name!r} is reserved (a policy over the registered {self.kind}s)")
-        if name in self.removed:
-            raise ValueError(f"`{self.key}`: {name!r} was removed and cannot be registered again: {self.removed[name]}")
         self._entries[name] = entry
         return entry
 
@@ -105,10 +99,8 @@ class Registry(Generic[E]):
         raise self._unknown(name, (*allow, *self.names()))
 
     def _unknown(self, name: object, valid: tuple[str, ...]) -> ValueError:
-        message = self.unknown.format(key=self.key, kind=self.kind, name=name, choices=", ".join(valid), names=valid)
-        if isinstance(name, str) and name in self.removed:
-            message += f". {name!r} was removed: {self.removed[name]}"
-        return ValueError(message)
+        return ValueError(self.unknown.format(key=self.key, kind=self.kind, name=name, choices=", ".join(valid),
+                                              names=valid))
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name in self._entries

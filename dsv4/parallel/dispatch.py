@@ -57,11 +57,6 @@ from dsv4.model.dispatch import (ExpertGroup, LocalDispatcher, TokenDispatcher, 
 from dsv4.registry import Registry
 
 AUTO = "auto"  # the policy name (not an entry): see resolve_dispatcher
-# Names that once existed, with why they are gone (the error for them says so).
-_REMOVED = {
-    "hybridep": "it ran the same deep_ep.Buffer kernels as 'deepep'; real HybridEP (deep_ep.HybridEpBuffer) is "
-                "not supported, use dispatcher=deepep",
-}
 
 DEEP_EP_INSTALL_HINT = (
     "install the DeepEP library (import name `deep_ep`, github.com/deepseek-ai/DeepEP): build it on a CUDA machine "
@@ -100,8 +95,7 @@ class DispatcherEntry:
     expert_parallel: bool = True
 
 
-TOKEN_DISPATCHERS: Registry[DispatcherEntry] = Registry("dispatcher", "MoE dispatcher", reserved=(AUTO,),
-                                                        removed=_REMOVED)
+TOKEN_DISPATCHERS: Registry[DispatcherEntry] = Registry("dispatcher", "MoE dispatcher", reserved=(AUTO,))
 
 
 def resolve_dispatcher(name: str, ep: int) -> str:

@@ -16,20 +16,6 @@ PAGES = {path.relative_to(REPO).as_posix(): path.read_text() for path in [REPO /
 CONF = REPO / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 
-# Paths of the layout issue 21 introduces (run spec, CP Protocol, dsv4/parallel/cp/, registries, dsv4/callbacks/),
-# named by the docs before every one of them has landed. Remove this whitelist once they exist.
-PENDING_PATHS = frozenset({
-    "dsv4/training/spec.py",
-    "dsv4/model/context_parallel.py",
-    "dsv4/parallel/cp/",
-    "dsv4/parallel/cp/context.py",
-    "dsv4/parallel/cp/collectives.py",
-    "dsv4/parallel/cp/layout.py",
-    "dsv4/parallel/cp/traffic.py",
-    "dsv4/parallel/cp/routes.py",
-    "dsv4/registry.py",
-    "dsv4/callbacks/",
-})
 
 # Sentences that narrate the code's past instead of stating what it does (git keeps the history).
 HISTORY_PATTERNS = [
@@ -55,8 +41,6 @@ PATH_ROOTS = r"(?:dsv4|benchmarks|tests|recipes|conf|docs|\.ci)"
 
 
 def _exists(path: str) -> bool:
-    if path in PENDING_PATHS or path.rstrip("/") + "/" in PENDING_PATHS:
-        return True
     target = REPO / path
     return target.is_dir() if path.endswith("/") else target.exists()
 
@@ -84,7 +68,7 @@ def test_architecture_table_lists_5_to_15_real_modules():
     modules = re.findall(r"^\| `([^`]+)` \|", section, re.M)
     assert 5 <= len(modules) <= 15, modules
     for path in modules:
-        assert path in PENDING_PATHS or (REPO / path).is_file(), path
+        assert (REPO / path).is_file(), path
 
 
 def test_readme_test_command_is_what_ci_runs():

@@ -48,20 +48,16 @@ def test_uniform_token_requirement():
     }
 
 
-def test_hybridep_is_removed_with_a_clear_error():
-    """``hybridep`` built the same deep_ep.Buffer path as ``deepep``; it is gone, and asking for it says so."""
-    for call in (lambda: resolve_dispatcher("hybridep", 2), lambda: build_dispatcher("hybridep"),
-                 lambda: check_dispatcher_available("hybridep", "cuda"),
-                 lambda: dispatcher_needs_uniform_tokens("hybridep")):
+def test_unknown_dispatcher_names_the_key_and_the_choices():
+    for call in (lambda: resolve_dispatcher("fast", 2), lambda: build_dispatcher("fast"),
+                 lambda: check_dispatcher_available("fast", "cuda"), lambda: dispatcher_needs_uniform_tokens("fast")):
         with pytest.raises(ValueError) as info:
             call()
         msg = str(info.value)
-        assert "unknown MoE dispatcher 'hybridep'; expected one of " in msg
-        assert all(name in msg for name in DISPATCHERS)
-        assert "'hybridep' was removed" in msg and "use dispatcher=deepep" in msg
-    with pytest.raises(ValueError, match=r"^`dispatcher`: unknown MoE dispatcher 'hybridep'; expected one of auto, "
-                                         r"local, alltoall, allgather, deepep\. "):
-        resolve_dispatcher("hybridep", 1)
+        assert "unknown MoE dispatcher 'fast'; expected one of " in msg and all(name in msg for name in DISPATCHERS)
+    with pytest.raises(ValueError, match=r"^`dispatcher`: unknown MoE dispatcher 'fast'; expected one of auto, "
+                                         r"local, alltoall, allgather, deepep$"):
+        resolve_dispatcher("fast", 1)
 
 
 def test_resolve_dispatcher():

@@ -39,8 +39,8 @@ def _compose(overrides):
         (["ep=3", "cp=2"], "`ep`=3 must divide dp x cp = 2"),
         (["ep=2", "model.n_routed_experts=9", "cp=2"], "`ep`=2 must divide model.n_routed_experts=9"),
         (["dispatcher=deepep"], "DeepEP"),
-        (["dispatcher.name=hybridep"], "`dispatcher`: unknown MoE dispatcher 'hybridep'; expected one of auto, local, "
-                                       "alltoall, allgather, deepep. 'hybridep' was removed"),
+        (["dispatcher.name=fast"], "`dispatcher`: unknown MoE dispatcher 'fast'; expected one of auto, local, "
+                                   "alltoall, allgather, deepep"),
         (["ep=2", "cp=2", "dispatcher=local"], "`dispatcher`=local keeps every expert on every rank and cannot run"),
         (["plan.device_memory_gib=-1"], "`plan.device_memory_gib` must be a positive number of GiB, got -1"),
         (["plan.only=maybe"], "`plan.only` must be true or false, got 'maybe'"),
@@ -83,11 +83,11 @@ def test_run_spec_names_the_bad_key(overrides, message):
     assert message in str(err.value)
 
 
-def test_removed_dispatcher_group_lists_the_options():
-    """``dispatcher=hybridep`` (removed, no conf/dispatcher/hybridep.yaml) fails while Hydra composes, listing the
-    dispatcher options; ``dispatcher.name=hybridep`` reaches :func:`~dsv4.training.spec.build_run_spec` (ValueError, case above)."""
-    with pytest.raises(Exception, match="Could not find 'dispatcher/hybridep'") as err:
-        _compose([*FAST, "dispatcher=hybridep"])
+def test_unknown_dispatcher_group_lists_the_options():
+    """``dispatcher=fast`` (no conf/dispatcher/fast.yaml) fails while Hydra composes, listing the dispatcher
+    options; ``dispatcher.name=fast`` reaches :func:`~dsv4.training.spec.build_run_spec` (ValueError, case above)."""
+    with pytest.raises(Exception, match="Could not find 'dispatcher/fast'") as err:
+        _compose([*FAST, "dispatcher=fast"])
     for name in ("auto", "local", "alltoall", "allgather", "deepep"):
         assert f"\t{name}\n" in str(err.value)
 
