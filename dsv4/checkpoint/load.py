@@ -18,7 +18,9 @@ Order of work (nothing is read before every check passed):
 Both layouts of :mod:`dsv4.checkpoint.layouts` load: the release's, and what transformers' ``save_pretrained``
 writes (read through :func:`~dsv4.checkpoint.layouts.release_view`; errors name the file's own keys). A checkpoint
 with no ``mtp.*`` key at all (every transformers directory) leaves the model's MTP depths as they were initialised
-and says so in a WARNING (``report.fresh`` lists them); one with some MTP keys must have them all.
+and says so in a WARNING (``report.fresh`` lists them); one with some MTP keys must have them all. A model whose
+config computes differently from the directory's ``config.json`` in what no shape shows (RoPE, YaRN, routing, norms,
+window, compress ratios) is refused after the key checks, naming each field (:func:`check_model_config`).
 
 Kept quantized targets (a LoRA model with ``peft.base_dtype=fp8``, :mod:`dsv4.peft`): a model tensor of dtype
 ``float8_e4m3fn`` (FP8 block) or ``int8`` (packed FP4) receives the checkpoint's bytes as they are and its scale
@@ -35,7 +37,9 @@ That is the order the recipe uses: build the full model, load this rank's keys, 
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -263,6 +267,7 @@ def load_hf_checkpoint(
                     "(%d tensors; num_nextn_predict_layers=0 builds none)", path, layout, mtp_depths, len(fresh))
     ranges = _expert_ranges(model, targets, ep_rank, ep_size)
     items, skipped = _check_and_plan(ckpt, targets, ranges, mtp_depths)
+    check_model_config(getattr(model, "config", None), path)
 
     by_file: dict[str, list[_Item]] = {}
     for it in items:
@@ -282,6 +287,48 @@ def load_hf_checkpoint(
     report.bytes_read = reader.bytes_read
     report.seconds = time.perf_counter() - start
     return report
+
+
+# Fields that change the model's numbers without changing any tensor's shape (shapes are checked per key).
+_NUMERIC_FIELDS = ("qk_rope_head_dim", "rope_theta", "compress_rope_theta", "scoring_func", "topk_method",
+                   "routed_scaling_factor", "norm_topk_prob", "swiglu_limit", "sliding_window", "hc_sinkhorn_iters",
+                   "hc_eps", "index_topk", "rms_norm_eps", "num_experts_per_tok", "hidden_act", "num_hash_layers")
+
+
+def _yarn(scaling) -> tuple | None:
+    if scaling is None:
+        return None
+    return (float(scaling["factor"]), float(scaling["original_max_position_embeddings"]),
+            float(scaling.get("beta_fast", 32.0)), float(scaling.get("beta_slow", 1.0)))
+
+
+def check_model_config(config, path: str) -> None:
+    """Refuse a model whose config computes differently from the checkpoint's ``config.json`` (both layouts): a
+    ``ValueError`` listing each field as ``model.<field>=<file's value>`` (the model's value beside it). Only what the
+    shape checks cannot see is compared: :data:`_NUMERIC_FIELDS`, YaRN (``rope_scaling``) and the compress ratio of
+    every layer the model builds. A directory without ``config.json`` is not compared; one whose config is
+    incomplete is not compared either, with a WARNING naming the missing field."""
+    from dsv4.checkpoint.hf_config import config_from_hf
+    from dsv4.config import DSV4Config
+
+    if not isinstance(config, DSV4Config) or not os.path.exists(os.path.join(path, "config.json")):
+        return
+    try:
+        file = config_from_hf(path, torch_dtype=config.torch_dtype,
+                              num_nextn_predict_layers=config.num_nextn_predict_layers)
+    except KeyError as err:
+        log.warning("%s: its config.json cannot be compared with the model's (%s); the model's config is used",
+                    path, err.args[0] if err.args else err)
+        return
+    diffs = [(k, getattr(file, k), getattr(config, k)) for k in _NUMERIC_FIELDS if getattr(file, k) != getattr(config, k)]
+    if _yarn(file.rope_scaling) != _yarn(config.rope_scaling):
+        diffs.append(("rope_scaling", file.rope_scaling, config.rope_scaling))
+    layers = range(config.num_hidden_layers + config.num_nextn_predict_layers)
+    if [file.ratio_for_layer(i) for i in layers] != [config.ratio_for_layer(i) for i in layers]:
+        diffs.append(("compress_ratios", file.compress_ratios, config.compress_ratios))
+    if diffs:
+        raise ValueError(f"{path}: config.json differs from the model's config in what the weights mean; set "
+                         + "; ".join(f"model.{k}={json.dumps(f)} (the model has {json.dumps(m)})" for k, f, m in diffs))
 
 
 def _load_item(reader: TensorReader, it: _Item, state: dict[str, torch.Tensor]) -> None:

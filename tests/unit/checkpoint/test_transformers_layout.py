@@ -2,6 +2,7 @@
 names), checked against transformers' own forward; and the config refusals (a field the model uses is read from the
 file or refused by name)."""
 
+import dataclasses
 import json
 import logging
 import subprocess
@@ -162,3 +163,16 @@ def test_in_memory_names_with_fused_experts_load_the_same(saved, tmp_path):
     for name, t in half.state_dict().items():
         if name.startswith("model.") and name.endswith(("experts.w1", "experts.w2", "experts.w3")):
             assert torch.equal(t[4:], b[name][4:]), name
+
+
+def test_a_model_that_computes_differently_from_the_file_is_refused(saved):
+    """What no shape shows (YaRN, the window, routing) must agree with config.json too: `model.checkpoint=` with a
+    preset that differs is refused naming each field and the file's value."""
+    _, path = saved
+    cfg = config_from_hf(path, attention_chunk_size=64)
+    other = DSV4ForCausalLM(dataclasses.replace(cfg, rope_scaling=None, sliding_window=32))
+    with pytest.raises(ValueError) as err:
+        load_hf_checkpoint(other, path)
+    assert "model.sliding_window=16 (the model has 32)" in str(err.value)
+    assert 'model.rope_scaling={"type": "yarn", "factor": 16.0' in str(err.value) and "(the model has null)" in str(
+        err.value)
