@@ -59,7 +59,6 @@ def _compose(overrides):
         (["checkpoint.every_n_steps=-1"], "`checkpoint.every_n_steps` must be >= 0, got -1"),
         (["model.checkpoint=/no/such/dir"], "`model.checkpoint`='/no/such/dir' is not a directory"),
         (["export.hf_dir=out", "export.dtype=fp7"], "`export.dtype`='fp7' must be one of"),
-        (["export.hf_dir=out", "ep=2", "cp=2", "dispatcher=alltoall"], "`export.hf_dir` / `export.adapter_dir` with ep > 1"),
         (["model.indexer_loss_coeff=-1"], "DSV4Config.indexer_loss_coeff: must be >= 0, got -1.0"),
         (["indexer_warmup_steps=5"], "`indexer_warmup_steps`=5 must be >= 0, and > 0 only with model.indexer_loss_coeff > 0"),
         (["peft=lora", "peft.rank=0"], "`peft.rank` must be an integer >= 1, got 0"),
@@ -132,6 +131,17 @@ def test_run_trains_writes_its_outputs_and_resumes(tmp_path, one_rank_group):
     lrs = _metric(run, "train/lr")
     assert [lrs[s] for s in (2, 3, 4)] == pytest.approx([3e-3 * f for f in expected])
     assert checkpoint_step(run / "checkpoints" / "last.ckpt") == 5
+
+
+def test_global_batch_size_sets_the_accumulation_of_the_run(tmp_path, one_rank_group):
+    """One rank, micro_batch_size 1, global_batch_size 3: one optimizer step reads 3 rows (the data position)."""
+    import torch
+
+    run_finetune(_compose([*FAST, "global_batch_size=3", "trainer.max_steps=1", "checkpoint.every_n_steps=0"]),
+                 tmp_path)
+    assert sorted(_losses(tmp_path)) == [0]  # one logged step
+    meta = torch.load(tmp_path / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=False)
+    assert meta["global_step"] == 1 and meta["DSV4DataModule"]["sampler"]["position"] == 3
 
 
 def test_resume_continues_the_same_wandb_run(tmp_path, one_rank_group, monkeypatch):
