@@ -13,11 +13,16 @@
 ``config.json`` (:func:`~dsv4.checkpoint.hf_config.config_to_hf`) has the release's fields, ``compress_ratios`` with
 one entry per MTP block after the backbone's.
 
-Tensors are converted one at a time and a shard is written as soon as it reaches ``max_shard_bytes``, so at
-most one shard of converted tensors is held. Routed experts are split back into ``ffn.experts.{e}.w{1,2,3}``.
-The model must hold every expert (call ``dsv4.parallel.expert_shard.unshard_experts`` first under EP) and full
-tensors (``DTensor`` parameters are gathered with ``full_tensor()``, a collective: call this on every rank and
-pass ``write=False`` on all but one).
+Any parallel layout (FSDP2 shards, EP expert slices, cp / dp): every rank of the group calls
+:func:`export_hf_checkpoint`. Every rank plans the same files from the metadata alone (:func:`converted_meta`, one
+shard per ``max_shard_bytes`` in export order, each file's header and offsets from
+:mod:`~dsv4.checkpoint.safetensors_write`) and gives each on-disk tensor a writer: a routed expert one of the ranks
+holding it, every other tensor the ranks in turn. Rank 0 creates the files; then every rank walks the tensors in
+the same order, gathers each (``full_tensor()``: a collective; a stacked expert tensor gives this rank's slice),
+converts the ones it writes and writes them at their offsets; rank 0 renames the files and writes the index and
+``config.json``. Peak extra memory: one gathered tensor (at most one FSDP unit) and its conversions, nothing per
+shard. The files are byte-identical to a one-process export of the same weights, and to what
+``safetensors.torch.save_file`` writes for each shard's tensors (``docs/checkpoints.md``).
 """
 
 from __future__ import annotations
@@ -25,16 +30,19 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from functools import partial
+from typing import Callable, Iterable, Iterator
 
 import torch
-from safetensors.torch import save_file
+import torch.distributed as dist
 from torch import nn
 
 from dsv4.checkpoint import keys as K
 from dsv4.checkpoint.hf_config import INDEX_FILE, write_hf_config
-from dsv4.checkpoint.quant import quantize_fp4_packed, quantize_fp8_block
-from dsv4.distributed import full_tensor
+from dsv4.checkpoint.quant import fp4_scale_shape, fp8_scale_shape, quantize_fp4_packed, quantize_fp8_block
+from dsv4.checkpoint.safetensors_write import TensorMeta, create_file, file_layout, write_tensor
+from dsv4.distributed import full_tensor, group_rank, group_size, is_initialized, resolve_group
+from dsv4.model.moe import GroupedExperts
 
 EXPORT_DTYPES = ("bfloat16", "float32", "quantized")
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
@@ -47,6 +55,7 @@ class ExportReport:
     total_size: int = 0
     num_tensors: int = 0
     weight_map: dict[str, str] = field(default_factory=dict)
+    keys_written: list[str] = field(default_factory=list)  # the on-disk tensors this rank wrote
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -92,6 +101,120 @@ def convert_for_export(hf_key: str, tensor: torch.Tensor, dtype: str) -> list[tu
     return [(hf_key, tensor.to(torch.bfloat16).contiguous())]
 
 
+@dataclass(frozen=True)
+class ExportSource:
+    """One state-dict tensor to export: its ``name``, (global) ``shape`` (a stacked expert tensor: this rank's
+    ``[E_local, ...]``), whether it is floating point, and ``fetch()`` -> the full tensor (for a stacked expert
+    tensor this rank's experts; a collective under FSDP: every rank fetches every source, in the same order)."""
+
+    name: str
+    shape: tuple[int, ...]
+    is_float: bool
+    fetch: Callable[[], torch.Tensor]
+
+
+def model_sources(model: nn.Module) -> list[ExportSource]:
+    """Every persistent tensor of ``model`` as it is."""
+    return [ExportSource(name, tuple(t.shape), t.is_floating_point(), partial(_full, t))
+            for name, t in model.state_dict().items()]
+
+
+def converted_meta(hf_key: str, shape: tuple[int, ...], is_float: bool, dtype: str) -> list[TensorMeta]:
+    """What :func:`convert_for_export` makes of a tensor of ``shape``, from the metadata alone."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
+    fmt = K.on_disk_format(hf_key)
+    if not is_float:
+        return [TensorMeta(hf_key, torch.int64, shape)]
+    if dtype == "float32" or fmt == "f32":
+        return [TensorMeta(hf_key, torch.float32, shape)]
+    if dtype == "quantized" and fmt in ("fp8", "fp4"):
+        if len(shape) != 2 or (fmt == "fp4" and shape[1] % 2):
+            raise ValueError(f"export: {hf_key} of shape {list(shape)} cannot be stored as {fmt} (2-D"
+                             f"{', even columns' if fmt == 'fp4' else ''})")
+        scale = K.scale_key_of_weight(hf_key)
+        if fmt == "fp8":
+            return [TensorMeta(hf_key, torch.float8_e4m3fn, shape),
+                    TensorMeta(scale, torch.float8_e8m0fnu, tuple(fp8_scale_shape(shape)))]
+        return [TensorMeta(hf_key, torch.int8, (shape[0], shape[1] // 2)),
+                TensorMeta(scale, torch.float8_e8m0fnu, tuple(fp4_scale_shape(shape)))]
+    return [TensorMeta(hf_key, torch.bfloat16, shape)]
+
+
+@dataclass
+class _Planned:
+    """One on-disk tensor before conversion: its source, expert row (global index) and the rank that writes it."""
+
+    source: int
+    hf_key: str
+    expert: int | None
+    writer: int
+    parts: list[TensorMeta]
+
+
+def expert_holders(model: nn.Module, group=None) -> dict[str, list[tuple[int, int]]]:
+    """``{GroupedExperts module name: [(expert_offset, num_local_experts) of each rank of group]}`` (a collective
+    when ``torch.distributed`` is initialised; ``group`` None: the world)."""
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    local = [(m.expert_offset, m.num_local_experts) for _, m in modules]
+    gathered = [local]
+    group = resolve_group(group) if is_initialized() else None
+    if is_initialized() and group_size(group) > 1:
+        gathered = [None] * group_size(group)
+        dist.all_gather_object(gathered, local, group=group)
+    return {name: [ranges[i] for ranges in gathered] for i, (name, _) in enumerate(modules)}
+
+
+def _expert_writers(name: str, num_experts: int, ranges: list[tuple[int, int]]) -> list[int]:
+    """The rank that writes each expert: one of its holders (spread over replicas)."""
+    writers = []
+    for e in range(num_experts):
+        holders = [r for r, (off, n) in enumerate(ranges) if off <= e < off + n]
+        if not holders:
+            missing = [x for x in range(num_experts) if not any(o <= x < o + n for o, n in ranges)]
+            raise ValueError(
+                f"export: experts {missing[0]}..{missing[-1]} of {name} ({num_experts} experts) are held by no rank "
+                f"(ranges {ranges}); export an expert-sharded model on all its EP ranks together, or call "
+                "unshard_experts(model, ep_group) first")
+        writers.append(holders[e % len(holders)])
+    return writers
+
+
+def _plan(model: nn.Module, sources: list[ExportSource], dtype: str, world: int, group) -> list[_Planned]:
+    holders = expert_holders(model, group)
+    planned: list[_Planned] = []
+    plain = 0
+    for i, src in enumerate(sources):
+        if K.is_stacked_expert(src.name):
+            module_name = src.name.rsplit(".", 1)[0]
+            module = model.get_submodule(module_name)
+            writers = _expert_writers(module_name, module.num_experts, holders[module_name])
+            for e in range(module.num_experts):
+                hf = K.ours_to_hf(src.name, e)
+                planned.append(_Planned(i, hf, e, writers[e], converted_meta(hf, src.shape[1:], src.is_float, dtype)))
+            continue
+        hf = K.ours_to_hf(src.name)
+        if hf is None:
+            raise KeyError(f"export: no on-disk name for state-dict key {src.name!r}")
+        planned.append(_Planned(i, hf, None, plain % world, converted_meta(hf, src.shape, src.is_float, dtype)))
+        plain += 1
+    return planned
+
+
+def _shards(planned: list[_Planned], max_shard_bytes: int) -> list[list[TensorMeta]]:
+    """On-disk tensors in export order, a new shard whenever the next one would pass ``max_shard_bytes``."""
+    shards: list[list[TensorMeta]] = [[]]
+    size = 0
+    for p in planned:
+        for meta in p.parts:
+            if shards[-1] and size + meta.nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(meta)
+            size += meta.nbytes
+    return shards if shards[-1] else []
+
+
 def export_hf_checkpoint(
     model: nn.Module,
     path: str,
@@ -99,54 +222,80 @@ def export_hf_checkpoint(
     dtype: str = "bfloat16",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     config=None,
-    write: bool = True,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    sources: list[ExportSource] | None = None,
+    group=None,
 ) -> ExportReport:
-    """Write ``model`` to ``path`` (see the module docstring). ``config`` defaults to ``model.config``;
-    ``tensors`` replaces ``model.state_dict()`` as the source (``dsv4.peft.merged_tensors`` for a merged LoRA
-    model)."""
+    """Write ``model`` to ``path`` (see the module docstring). ``config`` defaults to ``model.config``; the tensors
+    come from ``sources`` (``dsv4.peft.apply.merged_sources`` for a merged LoRA model), else the ``(state-dict name,
+    tensor)`` pairs of ``tensors`` (materialised first), else ``model.state_dict()``. Under ``torch.distributed``
+    every rank of ``group`` (default: the world) calls it with the same model structure."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
     config = config if config is not None else getattr(model, "config", None)
-    report = ExportReport(path=path)
-    if write:
-        os.makedirs(path, exist_ok=True)
-    pending: dict[str, torch.Tensor] = {}
-    pending_bytes = 0
-    temp_files: list[tuple[str, list[str]]] = []
-
-    def flush() -> None:
-        nonlocal pending, pending_bytes
-        if not pending:
-            return
-        name = f"shard-{len(temp_files):05d}.tmp"
-        if write:
-            save_file(pending, os.path.join(path, name), metadata={"format": "pt"})
-        temp_files.append((name, list(pending)))
-        pending, pending_bytes = {}, 0
-
-    for hf_key, tensor in iter_hf_tensors(model, tensors):
-        for key, t in convert_for_export(hf_key, tensor, dtype):
-            size = t.numel() * t.element_size()
-            if pending and pending_bytes + size > max_shard_bytes:
-                flush()
-            pending[key] = t
-            pending_bytes += size
-            report.total_size += size
+    if sources is None:
+        sources = model_sources(model) if tensors is None else [
+            ExportSource(name, tuple(t.shape), t.is_floating_point(), partial(lambda v: v, _full(t)))
+            for name, t in tensors]
+    distributed = is_initialized()
+    group = resolve_group(group) if distributed else None
+    rank, world = group_rank(group), group_size(group)
+    planned = _plan(model, sources, dtype, world, group)
+    shards = _shards(planned, max_shard_bytes)
+    n = len(shards)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    temps = [f"shard-{i:05d}.tmp" for i in range(n)]
+    layouts = [file_layout(metas, {"format": "pt"}) for metas in shards]
+    file_of = {meta.key: i for i, metas in enumerate(shards) for meta in metas}
+    report = ExportReport(path=path, files=names)
+    for i, metas in enumerate(shards):
+        for meta in metas:
+            report.weight_map[meta.key] = names[i]
+            report.total_size += meta.nbytes
             report.num_tensors += 1
-    flush()
 
-    n = len(temp_files)
-    for i, (tmp, keys) in enumerate(temp_files):
-        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        if write:
-            os.replace(os.path.join(path, tmp), os.path.join(path, final))
-        report.files.append(final)
-        report.weight_map.update({k: final for k in keys})
-    if write:
+    def barrier() -> None:
+        if distributed and world > 1:
+            dist.barrier(group=group)
+
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        for temp, layout in zip(temps, layouts):
+            create_file(os.path.join(path, temp), layout)
+    barrier()
+    fds: dict[int, int] = {}
+    try:
+        by_source: dict[int, list[_Planned]] = {}
+        for p in planned:
+            by_source.setdefault(p.source, []).append(p)
+        for i, src in enumerate(sources):
+            full = src.fetch().detach().cpu()  # every rank: a collective under FSDP
+            offset = model.get_submodule(src.name.rsplit(".", 1)[0]).expert_offset if K.is_stacked_expert(src.name) else 0
+            for p in by_source.get(i, []):
+                if p.writer != rank:
+                    continue
+                value = full if p.expert is None else full[p.expert - offset]
+                for meta, (key, t) in zip(p.parts, convert_for_export(p.hf_key, value, dtype), strict=True):
+                    if key != meta.key or t.dtype != meta.dtype or tuple(t.shape) != meta.shape:
+                        raise ValueError(f"export: {key} converted to {t.dtype} {list(t.shape)}, planned {meta.dtype} "
+                                         f"{list(meta.shape)} under {meta.key}")
+                    f = file_of[key]
+                    if f not in fds:
+                        fds[f] = os.open(os.path.join(path, temps[f]), os.O_WRONLY)
+                    write_tensor(fds[f], layouts[f], key, t, os.path.join(path, temps[f]))
+                    report.keys_written.append(key)
+            del full
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    barrier()
+    if rank == 0:
+        for temp, final in zip(temps, names):
+            os.replace(os.path.join(path, temp), os.path.join(path, final))
         with open(os.path.join(path, INDEX_FILE), "w") as f:
             json.dump({"metadata": {"total_size": report.total_size}, "weight_map": report.weight_map}, f, indent=2)
         if config is not None:
             torch_dtype = {"bfloat16": "bfloat16", "float32": "float32", "quantized": "bfloat16"}[dtype]
             write_hf_config(config, path, quantized=dtype == "quantized", torch_dtype=torch_dtype)
+    barrier()
     return report

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import math
 import re
+from functools import partial
 from typing import Iterator
 
 import torch
 from torch import Tensor, nn
 
 from dsv4.checkpoint import keys as K
+from dsv4.checkpoint.export import ExportSource, _full
 from dsv4.checkpoint.quant import dequantize, kept_format, logical_shape, quantize_kept
 from dsv4.model.moe import GroupedExperts
 from dsv4.peft.config import TARGET_MODULE_PATTERNS, LoRAConfig
@@ -114,6 +116,24 @@ def merged_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
                 yield name, module.merged_weight()
         elif leaf in LoRAGroupedExperts.WEIGHTS:
             yield name, module.merged_weight(leaf)
+
+
+def merged_sources(model: nn.Module) -> list[ExportSource]:
+    """:func:`merged_tensors` as export sources (``dsv4.checkpoint.export_hf_checkpoint(sources=...)``): each
+    merged weight is computed only when the export fetches it, one at a time."""
+    owners = {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAGroupedExperts))}
+    out: list[ExportSource] = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        module_name, _, leaf = name.rpartition(".")
+        module = owners.get(module_name)
+        if module is None:
+            out.append(ExportSource(name, tuple(tensor.shape), tensor.is_floating_point(), partial(_full, tensor)))
+        elif isinstance(module, LoRALinear):
+            if leaf == "weight":
+                out.append(ExportSource(name, logical_shape(tensor), True, module.merged_weight))
+        elif leaf in LoRAGroupedExperts.WEIGHTS:
+            out.append(ExportSource(name, logical_shape(tensor), True, partial(module.merged_weight, leaf)))
+    return out
 
 
 @torch.no_grad()

@@ -33,8 +33,8 @@ and :func:`load_peft_adapter` reads back.
 ``target_modules`` a regular expression over them; it applies only to dsv4.
 
 Both: ``peft_type`` LORA, ``r``, ``lora_alpha``, ``bias`` none, no rsLoRA, no fan-in-fan-out, readable by
-``peft.PeftConfig.from_pretrained``. :func:`export_peft_adapter` gathers full tensors (a collective under FSDP: call it
-on every rank, ``write`` on one). :func:`load_peft_adapter` reads either layout (told apart by the keys) into a LoRA
+``peft.PeftConfig.from_pretrained``. :func:`export_peft_adapter` gathers full tensors (a collective under FSDP and EP:
+call it on every rank, ``write`` on one; each routed expert's adapters come from an EP rank that holds it). :func:`load_peft_adapter` reads either layout (told apart by the keys) into a LoRA
 model built with the same rank and alpha, before FSDP wrapping; under EP each rank keeps its own experts. Every
 check (config, missing / unexpected keys, shapes, and for a transformers file that each ``gate_up_proj`` ``B`` is
 block-diagonal, i.e. a dsv4 adapter) runs before any adapter is written.
@@ -50,12 +50,13 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from dsv4.checkpoint import keys as K
 from dsv4.checkpoint.safetensors_io import CheckpointDir, TensorReader
-from dsv4.distributed import full_tensor
+from dsv4.distributed import full_tensor, group_size, is_initialized, resolve_group
 from dsv4.peft.config import TARGET_MODULE_PATTERNS, LoRAConfig
 from dsv4.peft.lora import LoRAGroupedExperts, LoRALinear
 
@@ -237,17 +238,11 @@ def transformers_to_release(tensors: dict[str, Tensor], rank: int, where: str = 
 def export_peft_adapter(model: nn.Module, path: str, lora: LoRAConfig, *, base_model: str | None = None,
                         write: bool = True, layout: str = "transformers") -> list[str]:
     """Write the adapters of ``model`` to ``path`` in the PEFT format, in ``layout`` (see the module docstring);
-    returns the keys written. The model must hold every expert (``unshard_experts`` first under EP)."""
+    returns the keys written. A collective under FSDP or EP (every rank calls it; ``write`` on one): each routed
+    expert's adapters come from a rank that holds it."""
     if layout not in ADAPTER_LAYOUTS:
         raise ValueError(f"adapter layout must be one of {ADAPTER_LAYOUTS}, got {layout!r}")
-    tensors: dict[str, Tensor] = {}
-    for key, param, row in _adapter_slots(model):
-        value = full_tensor(param).detach()
-        tensors[key] = (value if row is None else value[row]).float().cpu().contiguous()
-    for module in model.modules():
-        if isinstance(module, LoRAGroupedExperts) and module.rank and module.num_local_experts != module.num_experts:
-            raise ValueError("export_peft_adapter: the model holds a slice of the routed experts; call "
-                             "unshard_experts(model, ep_group) before exporting")
+    tensors = _full_adapters(model)
     if not tensors:
         raise ValueError("export_peft_adapter: the model has no LoRA adapters (apply_lora first)")
     if layout == "transformers":
@@ -258,6 +253,49 @@ def export_peft_adapter(model: nn.Module, path: str, lora: LoRAConfig, *, base_m
         with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
             json.dump(peft_config_dict(lora, base_model, layout), f, indent=2)
     return list(tensors)
+
+
+def _full_adapters(model: nn.Module) -> dict[str, Tensor]:
+    """Every adapter tensor in the release layout (fp32, CPU), in :func:`_adapter_slots`' order, with the routed
+    experts of every EP rank: each stacked adapter is gathered over the world, one tensor at a time, when the ranks
+    hold different experts."""
+    from dsv4.checkpoint.export import expert_holders
+
+    holders = expert_holders(model)
+    group = resolve_group(None) if is_initialized() else None
+    world = group_size(group)
+    tensors: dict[str, Tensor] = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, LoRALinear) and module.rank:
+            hf_module = K.ours_to_hf(f"{module_name}.weight")[: -len(".weight")]
+            for ab in "AB":
+                value = full_tensor(getattr(module, f"lora_{ab}")).detach()
+                tensors[f"{PREFIX}{hf_module}.lora_{ab}.weight"] = value.float().cpu().contiguous()
+        elif isinstance(module, LoRAGroupedExperts) and module.rank:
+            ranges = holders[module_name]
+            rows: dict[tuple[str, str], list[Tensor]] = {}
+            for name in module.WEIGHTS:
+                for ab in "AB":
+                    local = full_tensor(getattr(module, f"{name}_lora_{ab}")).detach().float().cpu().contiguous()
+                    pieces = [local]
+                    if world > 1 and any(r != (0, module.num_experts) for r in ranges):  # EP: the other ranks hold other experts
+                        pieces = [torch.empty_like(local) for _ in range(world)]
+                        dist.all_gather(pieces, local, group=group)
+                    rows[name, ab] = [_expert_row(pieces, ranges, e, module_name) for e in range(module.num_experts)]
+            for name in module.WEIGHTS:
+                for e in range(module.num_experts):
+                    hf = K.ours_to_hf(f"{module_name}.{name}", e)[: -len(".weight")]
+                    for ab in "AB":
+                        tensors[f"{PREFIX}{hf}.lora_{ab}.weight"] = rows[name, ab][e].clone()
+    return tensors
+
+
+def _expert_row(pieces: list[Tensor], ranges: list[tuple[int, int]], expert: int, module_name: str) -> Tensor:
+    for piece, (offset, count) in zip(pieces, ranges):
+        if offset <= expert < offset + count:
+            return piece[expert - offset]
+    raise ValueError(f"export_peft_adapter: expert {expert} of {module_name} is held by no rank (ranges {ranges}); "
+                     "export on all EP ranks together, or call unshard_experts(model, ep_group) first")
 
 
 @dataclass

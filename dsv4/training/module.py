@@ -110,8 +110,9 @@ class DSV4LightningModule(L.LightningModule):
             strategy.parallelize(self.model)
 
     def on_train_end(self) -> None:
-        """``export.adapter_dir``: the adapters in the PEFT format; ``export.hf_dir``: the trained model in the HF
-        layout (merged under LoRA). Every rank gathers, global rank 0 writes."""
+        """``export.adapter_dir``: the adapters in the PEFT format (every rank gathers, global rank 0 writes);
+        ``export.hf_dir``: the trained model in the HF layout (merged under LoRA), each rank writing the tensors it
+        owns (:func:`~dsv4.checkpoint.export_hf_checkpoint`), under any cp / dp / ep."""
         write = self.trainer.global_rank == 0
         if self.spec.export.adapter_dir:
             from dsv4.peft.peft_format import export_peft_adapter
@@ -124,11 +125,11 @@ class DSV4LightningModule(L.LightningModule):
             return
         from dsv4.checkpoint import export_hf_checkpoint
 
-        tensors = None
+        sources = None
         if self.lora is not None:
-            from dsv4.peft.apply import merged_tensors, requantization_loss
+            from dsv4.peft.apply import merged_sources, requantization_loss
 
-            tensors = merged_tensors(self.model)
+            sources = merged_sources(self.model)
             if self.spec.export.dtype == "quantized":
                 lost = requantization_loss(self.model)
                 if lost is not None and lost > 0.1:
@@ -137,8 +138,7 @@ class DSV4LightningModule(L.LightningModule):
                                 "adapter (export.adapter_dir)", 100 * lost)
                 elif lost is not None:
                     log.info("re-quantised merge keeps the LoRA update within %.1f%% (relative L2)", 100 * lost)
-        export_hf_checkpoint(self.model, self.spec.export.hf_dir, dtype=self.spec.export.dtype, write=write,
-                             tensors=tensors)
+        export_hf_checkpoint(self.model, self.spec.export.hf_dir, dtype=self.spec.export.dtype, sources=sources)
 
     def configure_optimizers(self):
         optimizer = self.spec.optimizer([p for p in self.parameters() if p.requires_grad])

@@ -300,9 +300,6 @@ def _export_spec(cfg: DictConfig, lora: LoRAConfig | None) -> ExportSpec:
 
         if export.dtype not in EXPORT_DTYPES:
             raise ValueError(f"`export.dtype`={export.dtype!r} must be one of {EXPORT_DTYPES}")
-    if (export.hf_dir or export.adapter_dir) and cfg.ep > 1:
-        raise ValueError("`export.hf_dir` / `export.adapter_dir` with ep > 1 are not supported yet (experts would "
-                         "need unsharding)")
     return export
 
 

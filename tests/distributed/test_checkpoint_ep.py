@@ -1,4 +1,7 @@
-"""2-rank expert-parallel checkpoint load: each rank reads only its own experts' keys (counted per rank).
+"""2-rank expert-parallel checkpoints: the load reads only each rank's own experts' keys (counted per rank); the
+export of a dp=2 x ep=2 FSDP2 model is byte-identical to the one-process export (end of the file).
+
+Load:
 
 The parent writes a synthetic release-format checkpoint (FP8 / FP4 tensors with known values, 3 shards). Each gloo
 rank builds the tiny model, EP-shards it over the default group (``shard_experts``), loads the checkpoint and
@@ -6,6 +9,9 @@ returns the on-disk keys it read plus its expert weights. Asserted: rank r read 
 experts [4r, 4r + 4) (weights and scales, backbone and MTP) plus every non-expert key, and its expert slices
 equal the known dequantised values.
 """
+
+import json
+import os
 
 import pytest
 import torch
@@ -52,3 +58,96 @@ def test_two_rank_ep_load_reads_only_own_experts(tmp_path):
         assert w2.shape[0] == 4
         for row in range(4):
             assert torch.equal(w2[row], expected[f"layers.2.ffn.experts.{4 * rank + row}.w2.weight"])
+
+
+# ---------------------------------------------------------------------------------------------- export under EP
+# One run of 2 gloo ranks: dp=2 x ep=2 with FSDP2 (the non-expert tensors are DTensors sharded over both ranks,
+# rank r holds experts [4r, 4r + 4)). Exported: the full model in every dtype, and a LoRA model (base kept in
+# FP8 / FP4, random adapters) merged and as a PEFT adapter. Oracle: the same weights exported by one process.
+LORA = dict(rank=4, alpha=8.0, base_dtype="fp8")
+DTYPES = ("bfloat16", "float32", "quantized")
+
+
+def _full_model():
+    from dsv4.config import DSV4Config
+    from dsv4.model import DSV4ForCausalLM
+
+    torch.manual_seed(3)
+    return DSV4ForCausalLM(DSV4Config.preset("tiny"))
+
+
+def _lora_model():
+    from dsv4.peft import LoRAConfig, adapter_state, apply_lora
+
+    model = _full_model()
+    apply_lora(model, LoRAConfig(**LORA))
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in adapter_state(model).values():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def _export_all(model, root, merged, write_adapter=True):
+    """Every export of ``model`` under ``root``; returns ``{dir: keys this rank wrote}``."""
+    from dsv4.checkpoint import export_hf_checkpoint
+    from dsv4.peft import LoRAConfig
+    from dsv4.peft.apply import merged_sources
+    from dsv4.peft.peft_format import export_peft_adapter
+
+    written = {}
+    if not merged:
+        for dtype in DTYPES:
+            report = export_hf_checkpoint(model, f"{root}/{dtype}", dtype=dtype, max_shard_bytes=400_000)
+            written[dtype] = report.keys_written
+        return written
+    report = export_hf_checkpoint(model, f"{root}/merged", dtype="bfloat16", sources=merged_sources(model),
+                                  max_shard_bytes=400_000)
+    written["merged"] = report.keys_written
+    export_peft_adapter(model, f"{root}/adapter", LoRAConfig(**LORA), write=write_adapter)
+    return written
+
+
+def _export_rank(rank, world_size, root):
+    from dsv4.parallel.expert_shard import shard_experts
+    from dsv4.parallel.mesh import ParallelDims, build_meshes
+    from dsv4.parallel.wrap import apply_fsdp
+
+    meshes = build_meshes(ParallelDims(world_size=world_size, ep=2), "cpu")
+    written = {}
+    for merged, build in ((False, _full_model), (True, _lora_model)):
+        model = build()
+        shard_experts(model, meshes.ep)
+        apply_fsdp(model, meshes)
+        written.update(_export_all(model, f"{root}/ep", merged, write_adapter=rank == 0))
+    return written
+
+
+def _files(directory):
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+def test_two_rank_ep_fsdp_export_is_byte_identical_to_one_process(tmp_path):
+    root = str(tmp_path)
+    _export_all(_full_model(), f"{root}/one", merged=False)
+    _export_all(_lora_model(), f"{root}/one", merged=True)
+    written = run_on_ranks(_export_rank, 2, (root,))
+    for name in (*DTYPES, "merged", "adapter"):
+        one, ep = _files(f"{root}/one/{name}"), _files(f"{root}/ep/{name}")
+        assert list(ep) == list(one) and len(one) >= (2 if name == "adapter" else 4), (name, list(one))
+        for file in one:
+            assert ep[file] == one[file], f"{name}/{file} differs from the one-process export"
+    # each rank wrote its own experts (and a share of the rest), every tensor exactly once
+    for name in (*DTYPES, "merged"):
+        keys = [set(w[name]) for w in written]
+        assert not keys[0] & keys[1] and len(keys[0] | keys[1]) == len(written[0][name]) + len(written[1][name])
+        index = json.load(open(f"{root}/one/{name}/model.safetensors.index.json"))["weight_map"]
+        assert keys[0] | keys[1] == set(index)
+        for rank in range(2):
+            experts = {int(k.split(".experts.")[1].split(".")[0]) for k in keys[rank] if ".experts." in k}
+            assert experts == set(range(4 * rank, 4 * rank + 4)), (name, rank, experts)
+            assert any(".experts." not in k for k in keys[rank])
