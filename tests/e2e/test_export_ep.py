@@ -1,0 +1,66 @@
+"""End-to-end: `export.hf_dir` / `export.adapter_dir` from expert-parallel runs of `recipes/finetune.py` (2 gloo ranks).
+
+* `dp=2 ep=2`, lr = 0, from a float32 checkpoint: the float32 export holds exactly the loaded weights (the routers'
+  load-balancing biases moved by one update, +-1e-3).
+* `cp=2 ep=2 peft=lora` (FP8 / FP4 base) with training: the merged export is byte-identical to the one-process
+  merged export of the same weights (the base checkpoint + the run's exported adapter, loaded in this process).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.e2e.helpers import FAST, run_recipe
+
+pytestmark = pytest.mark.e2e
+
+
+def _source(seed):
+    from dsv4.config import DSV4Config
+    from dsv4.model import DSV4ForCausalLM
+
+    torch.manual_seed(seed)
+    return DSV4ForCausalLM(DSV4Config.preset("tiny"))
+
+
+def test_dp2_ep2_export_holds_the_loaded_weights(tmp_path):
+    from dsv4.checkpoint import export_hf_checkpoint, load_model_from_hf
+
+    source = _source(7)
+    export_hf_checkpoint(source, tmp_path / "in", dtype="float32")
+    run_recipe([*FAST, "dp=2", "ep=2", "trainer.max_steps=1", "checkpoint.every_n_steps=0", "optim.lr=0",
+                f"model.checkpoint={tmp_path / 'in'}", f"export.hf_dir={tmp_path / 'out'}", "export.dtype=float32"],
+               tmp_path / "run")
+    theirs = load_model_from_hf(tmp_path / "out").state_dict()
+    assert theirs.keys() == source.state_dict().keys()
+    for name, ours in source.state_dict().items():
+        if name.endswith("e_score_correction_bias"):
+            torch.testing.assert_close((theirs[name] - ours).abs(), torch.full_like(ours, 1e-3))
+        else:
+            assert torch.equal(ours, theirs[name]), name
+
+
+def test_cp2_ep2_lora_merged_export_equals_the_one_process_export(tmp_path):
+    from dsv4.checkpoint import export_hf_checkpoint, load_hf_checkpoint
+    from dsv4.peft import LoRAConfig, apply_lora
+    from dsv4.peft.apply import merged_sources
+    from dsv4.peft.peft_format import load_peft_adapter
+
+    export_hf_checkpoint(_source(11), tmp_path / "base", dtype="quantized")
+    run_recipe([*FAST, "cp=2", "ep=2", "peft=lora", "peft.base_dtype=fp8", "peft.rank=4", "peft.alpha=8",
+                f"model.checkpoint={tmp_path / 'base'}", "optim.lr=1e-2", "trainer.max_steps=2",
+                "checkpoint.every_n_steps=0", f"export.adapter_dir={tmp_path / 'adapter'}", "export.merge=true",
+                f"export.hf_dir={tmp_path / 'merged'}", "export.dtype=float32"], tmp_path / "run")
+    model = _source(0)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, base_dtype="fp8"))
+    load_hf_checkpoint(model, str(tmp_path / "base"))
+    load_peft_adapter(model, str(tmp_path / "adapter"))
+    assert any(p.abs().max() > 0 for n, p in model.named_parameters() if n.endswith("lora_B"))  # it trained
+    export_hf_checkpoint(model, str(tmp_path / "one"), dtype="float32", sources=merged_sources(model))
+    names = sorted(os.listdir(tmp_path / "one"))
+    assert sorted(os.listdir(tmp_path / "merged")) == names
+    for name in names:
+        assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
