@@ -1,4 +1,6 @@
 """``python -m dsv4.checkpoint inspect DIR [--json]``: what a checkpoint directory holds, from the headers only.
+``python -m dsv4.checkpoint export RUN_DIR [--step N] --out DIR [--dtype ...]``: a run's DCP checkpoint -> the HF
+files ``export.hf_dir`` writes (:mod:`dsv4.checkpoint.convert`).
 
 Prints the layout (``release`` or ``transformers``, :mod:`dsv4.checkpoint.layouts`), the ``config.json`` summary and
 whether :func:`~dsv4.checkpoint.hf_config.config_from_hf` accepts it (else the refusal, naming the field), the
@@ -93,7 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("inspect", help="config, tensor count, dtypes and size, without loading weights")
     p.add_argument("dir")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    e = sub.add_parser("export", help="a run's distributed checkpoint -> HF safetensors (one CPU process)")
+    e.add_argument("run_dir", help="the run directory (or one of its *.ckpt directories)")
+    e.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: last.ckpt)")
+    e.add_argument("--out", required=True, help="the output directory")
+    e.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "quantized"))
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if args.command == "export":
+        return _export(args)
     try:
         info = inspect(args.dir)
     except (OSError, ValueError, KeyError) as e:  # a bad file or directory: one line naming it, no traceback
@@ -104,6 +114,19 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(info))
     else:
         _print_text(info)
+    return 0
+
+
+def _export(args) -> int:
+    from dsv4.checkpoint.convert import export_run
+
+    try:
+        report = export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype, progress=not args.no_progress)
+    except (OSError, ValueError, KeyError) as e:  # a bad checkpoint: one line naming the file, no traceback
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print("error: " + " ".join(str(msg).split()), file=sys.stderr)
+        return 2
+    print(f"wrote {report.num_tensors} tensors ({report.total_size} bytes) in {len(report.files)} file(s) to {args.out}")
     return 0
 
 

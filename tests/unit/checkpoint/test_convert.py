@@ -1,0 +1,77 @@
+"""``python -m dsv4.checkpoint export``: a run's DCP checkpoint -> the files the run's own ``export.hf_dir`` wrote.
+
+One in-process run (one rank, 1 step, checkpointed) exports bfloat16 at its end; the converter, in this
+process from ``last.ckpt``, must write the same bytes. Damaged checkpoints are refused naming the file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from dsv4.checkpoint.__main__ import main
+from dsv4.checkpoint.convert import export_run
+from dsv4.checkpoint.safetensors_io import CheckpointFormatError
+from dsv4.training.run import run_finetune
+from dsv4.training.schema import register_schema
+
+CONF = Path(__file__).resolve().parents[3] / "conf"
+FAST = ["seq_len=256", "logger=csv", "data.max_bytes=200000", "scheduler.warmup_steps=1", "callbacks=none"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    import torch.distributed as dist
+
+    root = tmp_path_factory.mktemp("convert")
+    env = dict(os.environ)
+    dist.init_process_group("gloo", init_method=f"file://{root / 'store'}", rank=0, world_size=1)
+    try:
+        register_schema()
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(config_name="finetune", overrides=[
+                *FAST, "trainer.max_steps=1", "checkpoint.every_n_steps=0", f"export.hf_dir={root / 'hf'}"])
+        (root / "run").mkdir()
+        run_finetune(cfg, root / "run")
+    finally:
+        dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(env)
+    return root
+
+
+def _files(directory):
+    return {name: (directory / name).read_bytes() for name in sorted(os.listdir(directory))}
+
+
+def test_converter_writes_the_runs_own_export(finished_run, tmp_path, capsys):
+    assert main(["export", str(finished_run / "run"), "--out", str(tmp_path / "out")]) == 0
+    want, got = _files(finished_run / "hf"), _files(tmp_path / "out")
+    assert list(got) == list(want) and len(want) >= 3
+    for name in want:
+        assert got[name] == want[name], name
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_converter_step_and_dtype(finished_run, tmp_path):
+    report = export_run(finished_run / "run", str(tmp_path), step=1, dtype="quantized")
+    assert any(k.endswith(".scale") for k in report.weight_map)
+    with pytest.raises(FileNotFoundError, match=r"step7\.ckpt: no such checkpoint directory .*step1\.ckpt"):
+        export_run(finished_run / "run", str(tmp_path / "x"), step=7)
+
+
+def test_damaged_checkpoint_names_the_file(finished_run, tmp_path, capsys):
+    ckpt = tmp_path / "last.ckpt"
+    shutil.copytree(finished_run / "run" / "checkpoints" / "last.ckpt", ckpt)
+    shard = next(p for p in sorted(ckpt.iterdir()) if p.suffix == ".distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(CheckpointFormatError, match=rf"{shard}: \d+ bytes, but .* lies at bytes .*: truncated"):
+        export_run(ckpt, str(tmp_path / "out"))
+    shard.unlink()
+    assert main(["export", str(ckpt), "--out", str(tmp_path / "out")]) == 2
+    assert f"error: {shard}: missing" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing written before the checks
