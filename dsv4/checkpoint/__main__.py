@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: last.ckpt)")
     e.add_argument("--out", required=True, help="the output directory")
     e.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "quantized"))
+    e.add_argument("--adapter", action="store_true", help="a LoRA run: write its PEFT adapter (export.adapter_dir)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.command == "export":
@@ -121,7 +122,8 @@ def _export(args) -> int:
     from dsv4.checkpoint.convert import export_run
 
     try:
-        report = export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype, progress=not args.no_progress)
+        report = export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype, progress=not args.no_progress,
+                            adapter=args.adapter)
     except (OSError, ValueError, KeyError) as e:  # a bad checkpoint: one line naming the file, no traceback
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print("error: " + " ".join(str(msg).split()), file=sys.stderr)

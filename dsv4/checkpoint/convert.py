@@ -1,6 +1,6 @@
 """A finished run's distributed (DCP) checkpoint -> the files ``export.hf_dir`` writes, in one CPU process.
 
-``python -m dsv4.checkpoint export RUN_DIR [--step N] --out DIR [--dtype bfloat16|float32|quantized]``
+``python -m dsv4.checkpoint export RUN_DIR [--step N] --out DIR [--dtype bfloat16|float32|quantized] [--adapter]``
 (:func:`export_run`): the checkpoint is ``RUN_DIR/checkpoints/step<N>.ckpt`` (``last.ckpt`` without ``--step``; a
 ``*.ckpt`` directory may be given as ``RUN_DIR``). The model config comes from its ``meta.pt``; the model is built
 on the meta device (no memory), and each tensor is read from the checkpoint only when the export writes it
@@ -12,9 +12,11 @@ Before anything is read, every tensor's chunks are checked against the checkpoin
 short ``*.distcp`` file, a missing key or a shape other than the model's is a :class:`CheckpointFormatError`
 (``ValueError``) naming the file or the key.
 
-Not yet: LoRA runs (``--adapter`` / ``--merge``: their checkpoints hold only the adapters), and checkpoints written
-with ``ep > 1``, whose routed-expert tensors hold one EP rank's experts only (refused, naming the key and the
-numbers; see ``docs/checkpoints.md``).
+A LoRA run's checkpoint holds only the adapters: ``--adapter`` writes them as ``export.adapter_dir`` does (the LoRA
+settings and the base's name from the run's ``resolved_config.yaml``), byte for byte. Not yet: ``--merge`` (the
+merged model, which needs the base streamed from ``model.checkpoint``), and checkpoints written with ``ep > 1``,
+whose routed-expert tensors hold one EP rank's experts only (refused, naming the key and the numbers; see
+``docs/checkpoints.md``).
 """
 
 from __future__ import annotations
@@ -110,8 +112,9 @@ def _config(ckpt: Path):
 
 
 def export_run(run_dir: str | os.PathLike, out: str, *, step: int | None = None, dtype: str = "bfloat16",
-               progress: bool = False, max_shard_bytes: int | None = None) -> ExportReport:
-    """Write the HF-format export of ``run_dir``'s checkpoint to ``out`` (see the module docstring)."""
+               progress: bool = False, max_shard_bytes: int | None = None, adapter: bool = False) -> ExportReport:
+    """Write the HF-format export of ``run_dir``'s checkpoint to ``out`` (see the module docstring); ``adapter``:
+    a LoRA run's PEFT adapter instead (what ``export.adapter_dir`` writes)."""
     from dsv4.model import DSV4ForCausalLM
     from dsv4.peft.lora import is_adapter_name
 
@@ -119,8 +122,12 @@ def export_run(run_dir: str | os.PathLike, out: str, *, step: int | None = None,
     config = _config(ckpt)
     tensors = DCPTensors(ckpt)
     if any(is_adapter_name(k) for k in tensors.entries if k.startswith(MODEL_PREFIX)):
-        raise ValueError(f"{ckpt}: a LoRA run's checkpoint (adapters only); --adapter / --merge are not supported "
-                         "yet: use export.adapter_dir / export.merge in the run")
+        if not adapter:
+            raise ValueError(f"{ckpt}: a LoRA run's checkpoint (adapters only): pass --adapter for the PEFT adapter "
+                             "(--merge, the merged model, is not supported yet: use export.merge in the run)")
+        return _export_adapter(ckpt, out, config, tensors)
+    if adapter:
+        raise ValueError(f"{ckpt}: --adapter needs a LoRA run's checkpoint; this one holds the full model")
     with torch.device("meta"):
         model = DSV4ForCausalLM(config)
     names = list(model.state_dict())
@@ -160,3 +167,64 @@ def export_run(run_dir: str | os.PathLike, out: str, *, step: int | None = None,
     finally:
         if bar is not None:
             bar.close()
+
+
+def _export_adapter(ckpt: Path, out: str, config, tensors: DCPTensors) -> ExportReport:
+    """A LoRA run's adapters (all in the checkpoint, small) -> ``export.adapter_dir``'s files. The LoRA settings
+    and the base's name come from the run's ``resolved_config.yaml``."""
+    from omegaconf import OmegaConf
+
+    from dsv4.model import DSV4ForCausalLM
+    from dsv4.peft.apply import apply_lora
+    from dsv4.peft.lora import LoRAGroupedExperts, LoRALinear
+    from dsv4.peft.peft_format import PREFIX, release_to_transformers, write_peft_adapter
+    from dsv4.training.schema import lora_config
+
+    resolved = ckpt.parent.parent / "resolved_config.yaml"
+    if not resolved.is_file():
+        raise CheckpointFormatError(f"{resolved}: missing (the run's peft settings are read there)")
+    cfg = OmegaConf.load(resolved)
+    lora = lora_config(cfg.peft)
+    if lora is None:
+        raise CheckpointFormatError(f"{resolved}: peft is none, but {ckpt} holds LoRA adapters")
+    with torch.device("meta"):
+        model = DSV4ForCausalLM(config)
+        apply_lora(model, lora)
+    wanted = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, LoRALinear) and module.rank:
+            wanted.update({f"{module_name}.lora_{ab}": getattr(module, f"lora_{ab}") for ab in "AB"})
+        elif isinstance(module, LoRAGroupedExperts) and module.rank:
+            wanted.update({f"{module_name}.{n}_lora_{ab}": getattr(module, f"{n}_lora_{ab}")
+                           for n in module.WEIGHTS for ab in "AB"})
+    for name, param in wanted.items():
+        key = MODEL_PREFIX + name
+        if key not in tensors.entries:
+            raise CheckpointFormatError(f"{ckpt}: {key} missing (peft.targets of {resolved} adapt it)")
+        got, want = tensors.shape(key), tuple(param.shape)
+        if got != want:
+            if ".experts." in name and got[1:] == want[1:] and got[0] < want[0]:
+                raise ValueError(f"{ckpt}: {key} holds {got[0]} of the {want[0]} routed experts: the checkpoint was "
+                                 "written with ep > 1, where each EP rank's experts share one name, so the others' "
+                                 "are not in it; export with export.adapter_dir in the run instead")
+            raise CheckpointFormatError(f"{ckpt}: {key} has shape {list(got)}, the model's {list(want)}")
+    tensors.check_files([MODEL_PREFIX + n for n in wanted])
+    release: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, LoRALinear) and module.rank:
+            hf = K.ours_to_hf(f"{module_name}.weight")[: -len(".weight")]
+            for ab in "AB":
+                release[f"{PREFIX}{hf}.lora_{ab}.weight"] = tensors.read(f"{MODEL_PREFIX}{module_name}.lora_{ab}").float()
+        elif isinstance(module, LoRAGroupedExperts) and module.rank:
+            for n in module.WEIGHTS:
+                stacks = {ab: tensors.read(f"{MODEL_PREFIX}{module_name}.{n}_lora_{ab}").float() for ab in "AB"}
+                for e in range(module.num_experts):
+                    hf = K.ours_to_hf(f"{module_name}.{n}", e)[: -len(".weight")]
+                    for ab in "AB":
+                        release[f"{PREFIX}{hf}.lora_{ab}.weight"] = stacks[ab][e].clone()
+    adapters = release_to_transformers(release)
+    write_peft_adapter(adapters, out, lora, cfg.model.get("checkpoint") or None, "transformers")
+    report = ExportReport(path=out, files=["adapter_model.safetensors", "adapter_config.json"])
+    report.num_tensors = len(adapters)
+    report.total_size = sum(t.numel() * t.element_size() for t in adapters.values())
+    return report

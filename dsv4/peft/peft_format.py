@@ -248,11 +248,17 @@ def export_peft_adapter(model: nn.Module, path: str, lora: LoRAConfig, *, base_m
     if layout == "transformers":
         tensors = release_to_transformers(tensors)
     if write:
-        os.makedirs(path, exist_ok=True)
-        save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
-            json.dump(peft_config_dict(lora, base_model, layout), f, indent=2)
+        write_peft_adapter(tensors, path, lora, base_model, layout)
     return list(tensors)
+
+
+def write_peft_adapter(tensors: dict[str, Tensor], path: str, lora: LoRAConfig, base_model: str | None,
+                       layout: str) -> None:
+    """``adapter_model.safetensors`` (``tensors``, already in ``layout``) and ``adapter_config.json`` in ``path``."""
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
+        json.dump(peft_config_dict(lora, base_model, layout), f, indent=2)
 
 
 def _full_adapters(model: nn.Module) -> dict[str, Tensor]:

@@ -22,18 +22,16 @@ CONF = Path(__file__).resolve().parents[3] / "conf"
 FAST = ["seq_len=256", "logger=csv", "data.max_bytes=200000", "scheduler.warmup_steps=1", "callbacks=none"]
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def _run(root, overrides):
     import torch.distributed as dist
 
-    root = tmp_path_factory.mktemp("convert")
     env = dict(os.environ)
     dist.init_process_group("gloo", init_method=f"file://{root / 'store'}", rank=0, world_size=1)
     try:
         register_schema()
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose(config_name="finetune", overrides=[
-                *FAST, "trainer.max_steps=1", "checkpoint.every_n_steps=0", f"export.hf_dir={root / 'hf'}"])
+                *FAST, "trainer.max_steps=1", "checkpoint.every_n_steps=0", *overrides])
         (root / "run").mkdir()
         run_finetune(cfg, root / "run")
     finally:
@@ -41,6 +39,12 @@ def finished_run(tmp_path_factory):
         os.environ.clear()
         os.environ.update(env)
     return root
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("convert")
+    return _run(root, [f"export.hf_dir={root / 'hf'}"])
 
 
 def _files(directory):
@@ -75,3 +79,20 @@ def test_damaged_checkpoint_names_the_file(finished_run, tmp_path, capsys):
     assert main(["export", str(ckpt), "--out", str(tmp_path / "out")]) == 2
     assert f"error: {shard}: missing" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # nothing written before the checks
+
+
+def test_converter_writes_a_lora_runs_adapter(tmp_path_factory, tmp_path):
+    """A LoRA run (every target, lr high enough that B moves): --adapter writes the run's export.adapter_dir."""
+    root = tmp_path_factory.mktemp("lora")
+    _run(root, ["peft=lora", "peft.rank=4", "peft.alpha=8", "optim.lr=1e-2", f"export.adapter_dir={root / 'adapter'}"])
+    with pytest.raises(ValueError, match="a LoRA run's checkpoint .*pass --adapter"):
+        export_run(root / "run", str(tmp_path / "x"))
+    assert main(["export", str(root / "run"), "--adapter", "--out", str(tmp_path / "out")]) == 0
+    want, got = _files(root / "adapter"), _files(tmp_path / "out")
+    assert list(got) == list(want) == ["adapter_config.json", "adapter_model.safetensors"]
+    for name in want:
+        assert got[name] == want[name], name
+    from safetensors.torch import load_file
+
+    trained = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert any(t.abs().max() > 0 for k, t in trained.items() if "lora_B" in k)  # B moved off its zero start
