@@ -4,7 +4,8 @@
 (:func:`export_run`): the checkpoint is ``RUN_DIR/checkpoints/step<N>.ckpt`` (``last.ckpt`` without ``--step``; a
 ``*.ckpt`` directory may be given as ``RUN_DIR``). The model config comes from its ``meta.pt``; the model is built
 on the meta device (no memory), and each tensor is read from the checkpoint only when the export writes it
-(``torch.distributed.checkpoint`` loads one key at a time), so peak memory is one tensor and its converted form.
+(``torch.distributed.checkpoint`` loads one key at a time), so peak memory is two copies of the largest tensor (the
+chunk deserialised, then copied into place) and its converted form (2.0x in ``benchmarks/checkpoint_export.py``).
 The files are byte-identical to the run's own ``export.hf_dir`` of the same step
 (``tests/unit/checkpoint/test_convert.py``).
 

@@ -268,8 +268,10 @@ def export_hf_checkpoint(
         by_source: dict[int, list[_Planned]] = {}
         for p in planned:
             by_source.setdefault(p.source, []).append(p)
-        for i, src in enumerate(sources):
-            full = src.fetch().detach().cpu()  # every rank: a collective under FSDP
+        def write_source(i: int, src: ExportSource) -> None:
+            """Fetch one source (every rank: a collective under FSDP) and write this rank's part of it; nothing
+            outlives the call, so the next fetch starts with no tensor of this one alive."""
+            full = src.fetch().detach().cpu()
             offset = model.get_submodule(src.name.rsplit(".", 1)[0]).expert_offset if K.is_stacked_expert(src.name) else 0
             for p in by_source.get(i, []):
                 if p.writer != rank:
@@ -284,7 +286,9 @@ def export_hf_checkpoint(
                         fds[f] = os.open(os.path.join(path, temps[f]), os.O_WRONLY)
                     write_tensor(fds[f], layouts[f], key, t, os.path.join(path, temps[f]))
                     report.keys_written.append(key)
-            del full
+
+        for i, src in enumerate(sources):
+            write_source(i, src)
     finally:
         for fd in fds.values():
             os.close(fd)

@@ -162,3 +162,17 @@ def test_dspark_capture_benchmark_reports_the_slot_ratio_and_the_token_bound():
     assert 1.0 <= value["dspark_capture_slot_ratio"] <= value["dspark_capture_row_bound"] \
         <= value["dspark_capture_token_bound"]
     assert value["dspark_capture_packed_speedup"] > 0
+
+
+def test_checkpoint_export_benchmark_stays_inside_the_stated_bound():
+    """The three ways (one process, 2 EP ranks, the DCP converter) write the same files (the script asserts it);
+    each export's extra memory stays near one converted tensor, the converter's under the two copies and a converted
+    one it states, and none comes near the model (about 10x the largest tensor here)."""
+    rows = {r["name"]: r for r in _run("checkpoint_export.py")}  # 669 MB: allocator noise small next to 64 MiB
+    assert set(rows) == {"checkpoint_export.one_process", "checkpoint_export.ep2_rank0", "checkpoint_export.ep2_rank1",
+                         "checkpoint_export.convert"}
+    for name in ("one_process", "ep2_rank0", "ep2_rank1"):
+        assert rows[f"checkpoint_export.{name}"]["value"] < 1.5, rows[f"checkpoint_export.{name}"]
+    assert rows["checkpoint_export.convert"]["value"] < 3, rows["checkpoint_export.convert"]
+    shape = rows["checkpoint_export.convert"]["shape"]
+    assert shape["model_bytes"] > 9 * shape["largest_tensor_fp32_bytes"]
