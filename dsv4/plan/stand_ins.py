@@ -23,13 +23,13 @@ import torch
 from dsv4.config import DSV4Config
 from dsv4.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from dsv4.model.chunk_summary import FIELD
-from dsv4.model.context_parallel import CPRoutes, ReadyRows
+from dsv4.model.context_parallel import ReadyRows
 from dsv4.model.dispatch import weighted_sum
 from dsv4.parallel.cp.layout import CPLayout
-from dsv4.parallel.cp.routes import plan_routes
+from dsv4.parallel.cp.routes import PlannedLayout
 
 
-class PlanCP:
+class PlanCP(PlannedLayout):
     """A ``CPContext`` stand-in for rank ``rank`` of ``size`` under ``balance`` (see the module docstring)."""
 
     def __init__(self, rank: int, size: int, balance: str = "none") -> None:
@@ -39,20 +39,6 @@ class PlanCP:
     @property
     def enabled(self) -> bool:
         return self.size > 1
-
-    @property
-    def chunks_per_rank(self) -> int:
-        return self.layout.chunks_per_rank
-
-    @property
-    def num_chunks(self) -> int:
-        return self.layout.num_chunks
-
-    def local_rows(self, batch: int) -> list[tuple[int, int]]:
-        return self.layout.local_rows(self.rank, batch)
-
-    def plan_routes(self, batch: int, length: int, continues, need) -> CPRoutes:
-        return plan_routes(self.layout, self.rank, batch, length, continues, need)
 
     def gather_rows(self, local: torch.Tensor, kind: str = "") -> torch.Tensor:
         """Every chunk's summary ``[B, V]`` from this rank's ``[R, 1]`` (:mod:`dsv4.model.chunk_summary`): on

@@ -80,3 +80,17 @@ def losses(run_dir: Path) -> dict[int, float]:
             if row.get("train/loss"):
                 out[int(row["step"])] = float(row["train/loss"])
     return out
+
+
+def assert_export_holds_the_loaded_weights(source: dict, exported: dict) -> None:
+    """A run with lr = 0 exports exactly the weights it loaded (state dicts, same keys): the load really happened on
+    every rank; the routers' load-balancing biases moved by exactly one update (+-1e-3), which is not an optimizer
+    step."""
+    import torch
+
+    assert exported.keys() == source.keys()
+    for name, ours in source.items():
+        if name.endswith("e_score_correction_bias"):
+            torch.testing.assert_close((exported[name] - ours).abs(), torch.full_like(ours, 1e-3))
+        else:
+            assert torch.equal(ours, exported[name]), name

@@ -8,7 +8,7 @@ import torch
 from dsv4.checkpoint import export_hf_checkpoint, load_model_from_hf
 from dsv4.config import DSV4Config
 from dsv4.model import DSV4ForCausalLM
-from tests.e2e.helpers import FAST, run_recipe
+from tests.e2e.helpers import FAST, assert_export_holds_the_loaded_weights, run_recipe
 
 pytestmark = pytest.mark.e2e
 
@@ -20,16 +20,7 @@ def test_load_then_train_then_export(tmp_path):
     run_recipe([*FAST, "cp=2", "trainer.max_steps=1", "checkpoint.every_n_steps=0", "optim.lr=0",
                 f"model.checkpoint={tmp_path / 'in'}", f"export.hf_dir={tmp_path / 'out'}", "export.dtype=float32"],
                tmp_path / "run")
-    trained = load_model_from_hf(tmp_path / "out")
-    # lr = 0: the exported weights are exactly the loaded ones (the load really happened, on every rank); the
-    # routers' load-balancing biases moved by exactly one update (+-1e-3), which is not an optimizer step
-    theirs = trained.state_dict()
-    assert theirs.keys() == source.state_dict().keys()
-    for name, ours in source.state_dict().items():
-        if name.endswith("e_score_correction_bias"):
-            torch.testing.assert_close((theirs[name] - ours).abs(), torch.full_like(ours, 1e-3))
-        else:
-            assert torch.equal(ours, theirs[name]), name
+    assert_export_holds_the_loaded_weights(source.state_dict(), load_model_from_hf(tmp_path / "out").state_dict())
 
 
 def test_model_checkpoint_reads_a_transformers_directory(tmp_path):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4.model.context_parallel import CPRoutes, ReadyRows
+from dsv4.model.context_parallel import ReadyRows
 from dsv4.parallel.cp.collectives import (
     HaloRoute,
     RowPlan,
@@ -32,13 +32,13 @@ from dsv4.parallel.cp.collectives import (
     start_halo_exchange,
 )
 from dsv4.parallel.cp.layout import CPLayout, check_balance
-from dsv4.parallel.cp.routes import plan_routes
+from dsv4.parallel.cp.routes import PlannedLayout
 from dsv4.parallel.cp.traffic import TrafficCounter
 from dsv4.distributed import GroupMember, ProcessGroup
 
 
 @dataclass
-class CPContext(GroupMember):
+class CPContext(PlannedLayout, GroupMember):
     """Context-parallel state handed to ``model.forward(..., cp=...)``.
 
     Args:
@@ -69,22 +69,6 @@ class CPContext(GroupMember):
     @property
     def enabled(self) -> bool:
         return self.size > 1
-
-    @property
-    def chunks_per_rank(self) -> int:
-        return self.layout.chunks_per_rank
-
-    @property
-    def num_chunks(self) -> int:
-        return self.layout.num_chunks
-
-    def local_rows(self, batch: int) -> list[tuple[int, int]]:
-        """``(whole row, chunk)`` of each of this rank's local rows for ``batch`` whole rows."""
-        return self.layout.local_rows(self.rank, batch)
-
-    def plan_routes(self, batch: int, length: int, continues, need) -> CPRoutes:
-        """This rank's routes of one forward (:func:`dsv4.parallel.cp.routes.plan_routes`)."""
-        return plan_routes(self.layout, self.rank, batch, length, continues, need)
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 1, kind: str = "all_gather") -> torch.Tensor:
         """Differentiable all-gather along ``dim`` (see :func:`dsv4.parallel.cp.collectives.all_gather`)."""

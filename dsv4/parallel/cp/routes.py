@@ -50,6 +50,32 @@ def preceding_transfers(starts: list[list[int]], layout_chunks: list[list[int]],
     return transfers, out_len
 
 
+class PlannedLayout:
+    """The layout half of :class:`~dsv4.model.context_parallel.ContextParallel`, for an object with ``layout``
+    (a :class:`CPLayout`) and ``rank``: the chunks it holds and its routes (shared by the runtime context and the
+    memory plan's stand-in, so both plan exactly the same exchanges)."""
+
+    layout: CPLayout
+    rank: int
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.layout.chunks_per_rank
+
+    @property
+    def num_chunks(self) -> int:
+        return self.layout.num_chunks
+
+    def local_rows(self, batch: int) -> list[tuple[int, int]]:
+        """``(whole row, chunk)`` of each of this rank's local rows for ``batch`` whole rows."""
+        return self.layout.local_rows(self.rank, batch)
+
+    def plan_routes(self, batch: int, length: int, continues: Sequence[Sequence[bool]],
+                    need: Mapping[int, Sequence[Sequence[int]]]) -> CPRoutes:
+        """This rank's routes of one forward (:func:`plan_routes`)."""
+        return plan_routes(self.layout, self.rank, batch, length, continues, need)
+
+
 def plan_routes(layout: CPLayout, rank: int, batch: int, length: int, continues: Sequence[Sequence[bool]],
                 need: Mapping[int, Sequence[Sequence[int]]]) -> CPRoutes:
     """Rank ``rank``'s :class:`~dsv4.model.context_parallel.CPRoutes` for ``batch`` whole rows of
