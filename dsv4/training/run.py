@@ -78,9 +78,13 @@ def _resume_path(spec: RunSpec, ckpt_dir: Path) -> str | None:
         complete = [d for d in ckpt_dir.glob("*.ckpt") if (d / "meta.pt").exists() and (d / ".metadata").exists()]
         if not complete:
             return None
-        newest = max(complete, key=lambda d: ((d / "meta.pt").stat().st_mtime, d.name == "last.ckpt"))
-        log.info("resuming from %s", newest)
-        return str(newest)
+        resume = str(max(complete, key=lambda d: ((d / "meta.pt").stat().st_mtime, d.name == "last.ckpt")))
+    if spec.parallel.ep > 1:
+        raise ValueError(
+            f"resuming from {resume} with ep={spec.parallel.ep} is not supported: a run's distributed checkpoint holds "
+            "the routed experts of one EP rank only (every EP rank saves its slice under the same name), so the other "
+            "ranks would load wrong experts. Start a new run (checkpoint.resume=none, or a new run directory)")
+    log.info("resuming from %s", resume)
     return resume
 
 
@@ -103,6 +107,8 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     from dsv4.training.module import DSV4LightningModule
     from dsv4.training.strategy import DSV4Strategy
 
+    ckpt_dir = output_dir / "checkpoints"
+    resume = _resume_path(spec, ckpt_dir)  # before any work: an unsupported resume is refused here
     L.seed_everything(spec.seed, workers=True, verbose=False)
     data = DSV4DataModule(source=dict(spec.data), seq_len=spec.seq_len, shard_multiple=spec.model.shard_multiple,
                           micro_batch_size=spec.micro_batch_size, cp_size=spec.parallel.chunks, seed=spec.seed,
@@ -114,9 +120,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
         return None
 
     log.info("compute dtype %s (fp32 master weights, optimizer state and gradient reduction)", spec.compute_dtype)
-    ckpt_dir = output_dir / "checkpoints"
     checkpointing = StepCheckpoint(ckpt_dir, spec.checkpoint.every_n_steps)
-    resume = _resume_path(spec, ckpt_dir)
     resume_step = checkpoint_step(resume) if resume else None  # the logs continue from this step
     logger = spec.logger(output_dir, resume_step=resume_step) if spec.logger is not None else False
     trainer = L.Trainer(strategy=DSV4Strategy.from_spec(spec), logger=logger,
