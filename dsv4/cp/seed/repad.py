@@ -31,7 +31,7 @@ import torch
 from dsv4.batch import IGNORE_INDEX
 from dsv4.cp.seed.seq_ids import _SEQ_LENS_PADDING_VALUE, _check_lengths, _pad_length
 from dsv4.distributed import all_reduce_max, reduce_device
-from dsv4.packing import DocumentTable, PackedSequenceLayout, build_layout, document_table
+from dsv4.packing import DocumentTable, document_table
 
 
 def primary_key(batch: dict) -> str:
@@ -231,26 +231,6 @@ class _Slots:
             out = values.reshape((-1,) + trailing).index_select(0, flat.view(-1)).view((self.batch, self.n) + trailing)
             return out.masked_fill_(mask.view(mask.shape + (1,) * len(trailing)), fill)
         return values.gather(1, index).masked_fill_(mask, fill)
-
-
-def plan_repad(
-    seq_lens: torch.Tensor,
-    seq_lens_padded: torch.Tensor | None,
-    *,
-    input_len: int,
-    labels: torch.Tensor | None,
-    cp_size: int,
-    pad_multiple: int,
-    sync_packed_length: bool = False,
-    sync_group=None,
-) -> tuple[PackedSequenceLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate the packed metadata; return ``(layout, real lengths [B, D], document count [B], D_max)``.
-
-    The layout maps the caller rows onto rows of ``T`` columns; nothing of the batch is modified.
-    """
-    plan = _plan(seq_lens, seq_lens_padded, input_len=input_len, labels=labels, cp_size=cp_size,
-                 pad_multiple=pad_multiple, sync_packed_length=sync_packed_length, sync_group=sync_group)
-    return build_layout(plan.docs, input_len, plan.total), plan.docs.lengths, plan.count, plan.d_max
 
 
 def _repad(
