@@ -263,8 +263,9 @@ def build_logger(cfg: DictConfig) -> LoggerFactory | None:
 
 
 def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> None:
+    dp = None  # known here only when the trainer config fixes the world size
     if world is not None:
-        ParallelDims(world_size=world, cp=cfg.cp, dp=cfg.dp, ep=cfg.ep).validate(config.n_routed_experts)
+        dp = ParallelDims(world_size=world, cp=cfg.cp, dp=cfg.dp, ep=cfg.ep).validate(config.n_routed_experts)
     elif cfg.cp < 1:
         raise ValueError(f"`cp` must be a positive integer, got {cfg.cp}")
     check_balance(cfg.cp_balance)
@@ -280,8 +281,7 @@ def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> N
     gbs = cfg.get("global_batch_size")
     if gbs is not None and gbs < 1:
         raise ValueError(f"`global_batch_size` must be >= 1 or null, got {gbs}")
-    if world is not None:
-        dp = ParallelDims(world_size=world, cp=cfg.cp, dp=cfg.dp, ep=cfg.ep).validate()
+    if dp is not None:
         accumulation_steps(gbs, cfg.micro_batch_size, dp)
 
 
