@@ -79,11 +79,6 @@ def _resume_path(spec: RunSpec, ckpt_dir: Path) -> str | None:
         if not complete:
             return None
         resume = str(max(complete, key=lambda d: ((d / "meta.pt").stat().st_mtime, d.name == "last.ckpt")))
-    if spec.parallel.ep > 1:
-        raise ValueError(
-            f"resuming from {resume} with ep={spec.parallel.ep} is not supported: a run's distributed checkpoint holds "
-            "the routed experts of one EP rank only (every EP rank saves its slice under the same name), so the other "
-            "ranks would load wrong experts. Start a new run (checkpoint.resume=none, or a new run directory)")
     log.info("resuming from %s", resume)
     return resume
 
@@ -108,7 +103,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     from dsv4.training.strategy import DSV4Strategy
 
     ckpt_dir = output_dir / "checkpoints"
-    resume = _resume_path(spec, ckpt_dir)  # before any work: an unsupported resume is refused here
+    resume = _resume_path(spec, ckpt_dir)
     L.seed_everything(spec.seed, workers=True, verbose=False)
     data = DSV4DataModule(source=dict(spec.data), seq_len=spec.seq_len, shard_multiple=spec.model.shard_multiple,
                           micro_batch_size=spec.micro_batch_size, cp_size=spec.parallel.chunks, seed=spec.seed,

@@ -11,9 +11,11 @@
   (:func:`dsv4.parallel.expert_shard.apply_expert_parallel`), then FSDP2 with summed gradients
   (:func:`dsv4.parallel.wrap.apply_fsdp`) in ``compute_dtype`` (FSDP2 mixed precision: fp32 master weights,
   optimizer state and gradient reduction; :func:`~dsv4.training.spec.compute_dtype_for` maps the trainer's precision).
-* Checkpoints: the parent's distributed (DCP) save/load of model and optimizer; loop, scheduler, data position and
-  RNG travel in ``meta.pt``. A LoRA model (:mod:`dsv4.peft`) saves and loads only its adapters (and the optimizer,
-  which holds nothing else): the frozen base comes from the model's own source (init seed or ``model.checkpoint``).
+* Checkpoints: distributed (DCP) save/load of model and optimizer; loop, scheduler, data position and RNG travel
+  in ``meta.pt``. Routed experts sliced over EP ranks are saved at their global shapes
+  (:mod:`dsv4.parallel.expert_state`), so every expert is in the checkpoint once and a checkpoint loads under any
+  layout. A LoRA model (:mod:`dsv4.peft`) saves and loads only its adapters (and the optimizer, which holds nothing
+  else): the frozen base comes from the model's own source (init seed or ``model.checkpoint``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from dsv4.parallel.cp import CPContext
 from dsv4.distributed import ProcessGroup
 from dsv4.parallel.expert_shard import apply_expert_parallel
+from dsv4.parallel.expert_state import ExpertStateLayout
 from dsv4.parallel.mesh import Meshes, ParallelDims, build_meshes
 from dsv4.parallel.wrap import apply_fsdp
 from dsv4.peft.apply import is_lora_model
@@ -67,6 +70,7 @@ class DSV4Strategy(ModelParallelStrategy):
         self.compute_dtype = compute_dtype
         self.meshes: Meshes | None = None
         self.parallel = ParallelState()
+        self._expert_layout: ExpertStateLayout | None | bool = False  # False: not looked at yet
 
     @classmethod
     def from_spec(cls, spec: RunSpec, **kwargs: Any) -> "DSV4Strategy":
@@ -106,18 +110,32 @@ class DSV4Strategy(ModelParallelStrategy):
             apply_expert_parallel(model, self.dispatcher, self.meshes.ep.get_group(), self.root_device.type)
         apply_fsdp(model, self.meshes, compute_dtype=self.compute_dtype)
 
-    # ------------------------------------------------------------------ LoRA: adapter-only checkpoints
+    # ------------------------------------------------------------------ distributed checkpoints
+    def _expert_state(self) -> ExpertStateLayout | None:
+        """The EP-sliced expert tensors of the model (None without expert parallelism): saved and loaded at their
+        global shapes (:mod:`dsv4.parallel.expert_state`)."""
+        if self._expert_layout is False:
+            self._expert_layout = ExpertStateLayout.of(self.model, self.meshes.experts)
+        return self._expert_layout
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's DCP state: FSDP shards, experts at global shapes; a LoRA model's adapters only."""
         state = super().lightning_module_state_dict()
         if self.model is not None and is_lora_model(self.model):
             state = {k: v for k, v in state.items() if is_adapter_name(k)}
-        return state
+        layout = self._expert_state()
+        return layout.model_state(state) if layout is not None else state
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        state = super().optimizer_state(optimizer)
+        layout = self._expert_state()
+        return layout.optimizer_state(state) if layout is not None else state
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """A LoRA model reads its adapters and the optimizer from the DCP checkpoint (the base is not in it);
-        anything else loads as the parent does. Returns the metadata (``meta.pt``) for the loops."""
-        if self.model is None or not is_lora_model(self.model):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        """Load the model (a LoRA model: its adapters; the frozen base comes from its own source) and the
+        optimizers from a DCP checkpoint directory, in place, under this run's layout (DCP reshards: a checkpoint
+        written with another dp, cp or ep loads). Every tensor's saved shape is checked against the model's first
+        (a ``ValueError`` naming the key and both shapes). Returns the metadata (``meta.pt``) for the loops."""
         from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_load
         from lightning.fabric.utilities.load import _METADATA_FILENAME
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -125,16 +143,49 @@ class DSV4Strategy(ModelParallelStrategy):
                                                              set_optimizer_state_dict)
 
         path = Path(self.broadcast(checkpoint_path))
-        if not path.is_dir():
-            raise ValueError(f"`checkpoint.resume`={str(path)!r}: a LoRA run resumes from its own DCP checkpoint "
-                             "directory (adapters + optimizer); start from a PEFT adapter with peft.adapter=DIR")
-        adapters = {k: v for k, v in get_model_state_dict(self.model).items() if is_adapter_name(k)}
-        _distributed_checkpoint_load({"state_dict": adapters}, path)
-        set_model_state_dict(self.model, adapters, options=StateDictOptions(strict=False))
+        lora = is_lora_model(self.model)
+        if not (path / _METADATA_FILENAME).is_file() or not (path / ".metadata").is_file():
+            hint = " (start from a PEFT adapter with peft.adapter=DIR)" if lora else ""
+            raise ValueError(f"`checkpoint.resume`={str(path)!r} is not a complete distributed checkpoint directory "
+                             f"(it needs {_METADATA_FILENAME} and .metadata){hint}")
+        layout = self._expert_state()
+        saved_shapes = _saved_shapes(path)
+
+        model_state = get_model_state_dict(self.model)
+        if lora:
+            model_state = {k: v for k, v in model_state.items() if is_adapter_name(k)}
+        on_disk = {"state_dict": layout.model_state(model_state) if layout is not None else model_state}
+        _check_shapes(path, on_disk, saved_shapes)
+        _distributed_checkpoint_load(on_disk, path)  # fills model_state's tensors in place (same storage)
+        set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=not lora))
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
-            state = {key: get_optimizer_state_dict(self.model, optimizer)}
-            _distributed_checkpoint_load(state, path)
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key],
+            optim_state = get_optimizer_state_dict(self.model, optimizer)
+            on_disk = {key: layout.optimizer_state(optim_state) if layout is not None else optim_state}
+            _check_shapes(path, on_disk, saved_shapes)
+            _distributed_checkpoint_load(on_disk, path)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state,
                                      options=StateDictOptions(cpu_offload=True))
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+
+def _saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The global shape of every tensor in the DCP checkpoint at ``path`` (from its ``.metadata``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k: tuple(v.size) for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def _check_shapes(path: Path, state: dict[str, Any], saved: dict[str, tuple[int, ...]], prefix: str = "") -> None:
+    """Every tensor of the nested ``state`` that the checkpoint holds has the saved global shape (DCP would fill
+    only the overlap of two shapes, silently)."""
+    for key, value in state.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            _check_shapes(path, value, saved, name)
+        elif isinstance(value, torch.Tensor) and value.dim() > 0 and name in saved:
+            if tuple(value.shape) != saved[name]:
+                raise ValueError(f"{path}: {name} is saved with shape {list(saved[name])}, this run's model has "
+                                 f"{list(value.shape)}; the checkpoint was written by a different model")

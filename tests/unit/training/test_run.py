@@ -176,29 +176,3 @@ def test_overlong_default_is_truncate_left_for_chat_data_and_split_for_the_bundl
     assert build_run_spec(_compose([*FAST, "data=jsonl", f"data.path={path}"])).overlong == "truncate_left"
     spec = build_run_spec(_compose(FAST))
     assert spec.overlong == "split" and "overlong" not in spec.data  # not a keyword of the document source
-
-
-def test_an_expert_parallel_run_refuses_to_resume(tmp_path):
-    """A distributed checkpoint of an ep > 1 run holds one EP rank's experts only: resuming it is refused (naming
-    the checkpoint and ep) instead of loading wrong experts on the other ranks; ep = 1 resumes it."""
-    import torch
-
-    from dsv4.config import DSV4Config
-    from dsv4.training.run import _resume_path
-    from dsv4.training.spec import CheckpointSpec, ParallelSpec, RunSpec
-
-    ckpt = tmp_path / "checkpoints" / "step2.ckpt"
-    ckpt.mkdir(parents=True)
-    (ckpt / "meta.pt").write_bytes(b"")
-    (ckpt / ".metadata").write_bytes(b"")
-
-    def spec(ep, resume="auto"):
-        return RunSpec(DSV4Config.preset("tiny"), optimizer=torch.optim.SGD, parallel=ParallelSpec(cp=1, ep=ep),
-                       checkpoint=CheckpointSpec(resume=resume))
-
-    assert _resume_path(spec(1), ckpt.parent) == str(ckpt)
-    for resume in ("auto", str(ckpt)):
-        with pytest.raises(ValueError, match=f"resuming from {ckpt} with ep=2 is not supported"):
-            _resume_path(spec(2, resume), ckpt.parent)
-    assert _resume_path(spec(2, "none"), ckpt.parent) is None
-    assert _resume_path(spec(2), tmp_path / "empty") is None
