@@ -1,6 +1,7 @@
 """A finished run's distributed (DCP) checkpoint -> the files ``export.hf_dir`` writes, in one CPU process.
 
-``python -m dsv4.checkpoint export RUN_DIR [--step N] --out DIR [--dtype bfloat16|float32|quantized] [--adapter]``
+``python -m dsv4.checkpoint export RUN_DIR [--step N] --out DIR [--dtype bfloat16|float32|quantized] [--adapter]
+[--merge]``
 (:func:`export_run`): the checkpoint is ``RUN_DIR/checkpoints/step<N>.ckpt`` (``last.ckpt`` without ``--step``; a
 ``*.ckpt`` directory may be given as ``RUN_DIR``). The model config comes from its ``meta.pt``; the model is built
 on the meta device (no memory), and each tensor is read from the checkpoint only when the export writes it
@@ -14,10 +15,14 @@ short ``*.distcp`` file, a missing key or a shape other than the model's is a :c
 (``ValueError``) naming the file or the key.
 
 A LoRA run's checkpoint holds only the adapters: ``--adapter`` writes them as ``export.adapter_dir`` does (the LoRA
-settings and the base's name from the run's ``resolved_config.yaml``), byte for byte. Not yet: ``--merge`` (the
-merged model, which needs the base streamed from ``model.checkpoint``), and checkpoints written with ``ep > 1``,
-whose routed-expert tensors hold one EP rank's experts only (refused, naming the key and the numbers; see
-``docs/checkpoints.md``).
+settings and the base's name from the run's ``resolved_config.yaml``), byte for byte. ``--merge`` writes the merged
+model (``export.merge`` with ``export.hf_dir``), byte for byte, with the base streamed from the run's
+``model.checkpoint`` one block at a time (:class:`_BlockLoader`): peak memory is one transformer block of the base in
+the format the run keeps it in, plus one merged tensor.
+
+Checkpoints of expert-parallel runs hold every routed expert at its global shape (:mod:`dsv4.parallel.expert_state`)
+and convert like any other; a routed-expert tensor holding fewer experts than the model is refused, naming the key
+and the numbers.
 """
 
 from __future__ import annotations
@@ -113,55 +118,61 @@ def _config(ckpt: Path):
 
 
 def export_run(run_dir: str | os.PathLike, out: str, *, step: int | None = None, dtype: str = "bfloat16",
-               progress: bool = False, max_shard_bytes: int | None = None, adapter: bool = False) -> ExportReport:
-    """Write the HF-format export of ``run_dir``'s checkpoint to ``out`` (see the module docstring); ``adapter``:
-    a LoRA run's PEFT adapter instead (what ``export.adapter_dir`` writes)."""
+               progress: bool = False, max_shard_bytes: int | None = None, adapter: bool = False,
+               merge: bool = False) -> ExportReport:
+    """Write the HF-format export of ``run_dir``'s checkpoint to ``out`` (see the module docstring). A LoRA run:
+    ``adapter`` writes its PEFT adapter (``export.adapter_dir``), ``merge`` the merged model."""
     from dsv4.model import DSV4ForCausalLM
     from dsv4.peft.lora import is_adapter_name
 
+    if adapter and merge:
+        raise ValueError("--adapter and --merge: choose one (the PEFT adapter, or the merged model)")
     ckpt = find_checkpoint(run_dir, step)
     config = _config(ckpt)
     tensors = DCPTensors(ckpt)
     if any(is_adapter_name(k) for k in tensors.entries if k.startswith(MODEL_PREFIX)):
-        if not adapter:
-            raise ValueError(f"{ckpt}: a LoRA run's checkpoint (adapters only): pass --adapter for the PEFT adapter "
-                             "(--merge, the merged model, is not supported yet: use export.merge in the run)")
-        return _export_adapter(ckpt, out, config, tensors)
-    if adapter:
-        raise ValueError(f"{ckpt}: --adapter needs a LoRA run's checkpoint; this one holds the full model")
+        if adapter:
+            return _export_adapter(ckpt, out, config, tensors)
+        if merge:
+            return _export_merged(ckpt, out, config, tensors, dtype, progress, max_shard_bytes)
+        raise ValueError(f"{ckpt}: a LoRA run's checkpoint (adapters only): pass --adapter for the PEFT adapter or "
+                         "--merge for the merged model")
+    if adapter or merge:
+        raise ValueError(f"{ckpt}: --{'adapter' if adapter else 'merge'} needs a LoRA run's checkpoint; this one "
+                         "holds the full model")
     with torch.device("meta"):
         model = DSV4ForCausalLM(config)
-    names = list(model.state_dict())
+    state = model.state_dict()
+    names = list(state)
     missing = [MODEL_PREFIX + n for n in names if MODEL_PREFIX + n not in tensors.entries]
     if missing:
         raise CheckpointFormatError(f"{ckpt}: {len(missing)} model tensors missing from the checkpoint, e.g. "
                                     f"{missing[:3]}")
-    state = model.state_dict()
     for name in names:
-        key, want = MODEL_PREFIX + name, tuple(state[name].shape)
-        got = tensors.shape(key)
-        if got != want:
-            if K.is_stacked_expert(name) and got[1:] == want[1:] and got[0] < want[0]:
-                raise ValueError(f"{ckpt}: {key} holds {got[0]} of the {want[0]} routed experts: the checkpoint was "
-                                 "written with ep > 1, where each EP rank's experts share one name, so the others' "
-                                 "are not in it; export with export.hf_dir in the run instead")
-            raise CheckpointFormatError(f"{ckpt}: {key} has shape {list(got)}, the model's {list(want)}")
+        _check_shape(ckpt, tensors, MODEL_PREFIX + name, tuple(state[name].shape), K.is_stacked_expert(name))
     tensors.check_files([MODEL_PREFIX + n for n in names])
+    sources = [ExportSource(n, tensors.shape(MODEL_PREFIX + n), tensors.dtype(MODEL_PREFIX + n).is_floating_point,
+                            lambda k=MODEL_PREFIX + n: tensors.read(k)) for n in names]
+    return _export_sources(model, out, config, sources, dtype, ckpt, progress, max_shard_bytes)
 
+
+def _export_sources(model, out: str, config, sources: list[ExportSource], dtype: str, ckpt: Path, progress: bool,
+                    max_shard_bytes: int | None) -> ExportReport:
+    """``export_hf_checkpoint`` of ``sources``, with a progress bar over the tensors when asked."""
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(names), unit="tensor", desc=f"export {ckpt.name}")
+        bar = tqdm(total=len(sources), unit="tensor", desc=f"export {ckpt.name}")
 
-    def fetch(key: str) -> torch.Tensor:
-        t = tensors.read(key)
-        if bar is not None:
-            bar.update(1)
-        return t
+        def counted(fetch):
+            def run() -> torch.Tensor:
+                t = fetch()
+                bar.update(1)
+                return t
+            return run
 
-    sources = [ExportSource(n, tensors.shape(MODEL_PREFIX + n), tensors.dtype(MODEL_PREFIX + n).is_floating_point,
-                            lambda k=MODEL_PREFIX + n: fetch(k)) for n in names]
+        sources = [ExportSource(s.name, s.shape, s.is_float, counted(s.fetch)) for s in sources]
     kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     try:
         return export_hf_checkpoint(model, out, dtype=dtype, config=config, sources=sources, **kwargs)
@@ -170,15 +181,23 @@ def export_run(run_dir: str | os.PathLike, out: str, *, step: int | None = None,
             bar.close()
 
 
-def _export_adapter(ckpt: Path, out: str, config, tensors: DCPTensors) -> ExportReport:
-    """A LoRA run's adapters (all in the checkpoint, small) -> ``export.adapter_dir``'s files. The LoRA settings
-    and the base's name come from the run's ``resolved_config.yaml``."""
+def _check_shape(ckpt: Path, tensors: DCPTensors, key: str, want: tuple[int, ...], expert: bool) -> None:
+    got = tensors.shape(key)
+    if got == want:
+        return
+    if expert and got[1:] == want[1:] and got[0] < want[0]:
+        raise ValueError(f"{ckpt}: {key} holds {got[0]} of the {want[0]} routed experts (one expert-parallel rank's "
+                         "slice): not a complete checkpoint of this model")
+    raise CheckpointFormatError(f"{ckpt}: {key} has shape {list(got)}, the model's {list(want)}")
+
+
+def _lora_run(ckpt: Path, config):
+    """The LoRA settings and resolved config of the run that wrote ``ckpt`` (its ``resolved_config.yaml``), and
+    its model on the meta device with the adapters applied; the adapters' checkpoint keys are checked."""
     from omegaconf import OmegaConf
 
     from dsv4.model import DSV4ForCausalLM
     from dsv4.peft.apply import apply_lora
-    from dsv4.peft.lora import LoRAGroupedExperts, LoRALinear
-    from dsv4.peft.peft_format import PREFIX, release_to_transformers, write_peft_adapter
     from dsv4.training.schema import lora_config
 
     resolved = ckpt.parent.parent / "resolved_config.yaml"
@@ -191,25 +210,104 @@ def _export_adapter(ckpt: Path, out: str, config, tensors: DCPTensors) -> Export
     with torch.device("meta"):
         model = DSV4ForCausalLM(config)
         apply_lora(model, lora)
-    wanted = {}
-    for module_name, module in model.named_modules():
-        if isinstance(module, LoRALinear) and module.rank:
-            wanted.update({f"{module_name}.lora_{ab}": getattr(module, f"lora_{ab}") for ab in "AB"})
-        elif isinstance(module, LoRAGroupedExperts) and module.rank:
-            wanted.update({f"{module_name}.{n}_lora_{ab}": getattr(module, f"{n}_lora_{ab}")
-                           for n in module.WEIGHTS for ab in "AB"})
-    for name, param in wanted.items():
+    return cfg, lora, model
+
+
+def _check_adapters(ckpt: Path, tensors: DCPTensors, model, resolved_name: str) -> list[str]:
+    """The adapter parameter names of ``model``, each in the checkpoint at the model's shape."""
+    from dsv4.peft.lora import is_adapter_name
+
+    names = [n for n, _ in model.named_parameters() if is_adapter_name(n)]
+    shapes = dict(model.named_parameters())
+    for name in names:
         key = MODEL_PREFIX + name
         if key not in tensors.entries:
-            raise CheckpointFormatError(f"{ckpt}: {key} missing (peft.targets of {resolved} adapt it)")
-        got, want = tensors.shape(key), tuple(param.shape)
-        if got != want:
-            if ".experts." in name and got[1:] == want[1:] and got[0] < want[0]:
-                raise ValueError(f"{ckpt}: {key} holds {got[0]} of the {want[0]} routed experts: the checkpoint was "
-                                 "written with ep > 1, where each EP rank's experts share one name, so the others' "
-                                 "are not in it; export with export.adapter_dir in the run instead")
-            raise CheckpointFormatError(f"{ckpt}: {key} has shape {list(got)}, the model's {list(want)}")
-    tensors.check_files([MODEL_PREFIX + n for n in wanted])
+            raise CheckpointFormatError(f"{ckpt}: {key} missing (peft.targets of {resolved_name} adapt it)")
+        _check_shape(ckpt, tensors, key, tuple(shapes[name].shape), ".experts." in name)
+    tensors.check_files([MODEL_PREFIX + n for n in names])
+    return names
+
+
+class _BlockLoader:
+    """The tensors of a meta-device LoRA model, materialised on the CPU one block at a time: the base from the
+    run's ``model.checkpoint`` (in the format the run keeps it: :func:`~dsv4.checkpoint.load.load_hf_checkpoint`
+    with ``only`` the block's names), the adapters from the DCP checkpoint. A block is a backbone or MTP
+    transformer layer, or everything else (embedding, norms, head). ``fetch(source)`` makes the source's block the
+    one on the CPU (the previous one goes back to the meta device) and returns ``source.fetch()``."""
+
+    def __init__(self, model, base: str, tensors: DCPTensors) -> None:
+        self.model, self.base, self.tensors = model, base, tensors
+        layers = [f"model.layers.{i}." for i in range(len(model.model.layers))]
+        layers += [f"mtp.layers.{i}." for i in range(len(model.mtp.layers))] if hasattr(model, "mtp") else []
+        self.blocks: dict[str, list[str]] = {}
+        for name in model.state_dict(keep_vars=True):
+            self.blocks.setdefault(next((p for p in layers if name.startswith(p)), ""), []).append(name)
+        self.current: str | None = None
+
+    def _block_of(self, name: str) -> str:
+        return next((b for b in self.blocks if b and name.startswith(b)), "")
+
+    def _place(self, names: list[str], device: str) -> None:
+        from torch import nn
+
+        for name in names:
+            module_name, _, leaf = name.rpartition(".")
+            module = self.model.get_submodule(module_name)
+            old = getattr(module, leaf)
+            new = torch.empty_like(old, device=device)
+            if isinstance(old, nn.Parameter):
+                setattr(module, leaf, nn.Parameter(new, requires_grad=old.requires_grad))
+            else:
+                module.register_buffer(leaf, new)
+
+    def fetch(self, source: ExportSource) -> torch.Tensor:
+        from dsv4.checkpoint.load import load_hf_checkpoint
+        from dsv4.peft.lora import is_adapter_name
+
+        block = self._block_of(source.name)
+        if block != self.current:
+            if self.current is not None:
+                self._place(self.blocks[self.current], "meta")
+            names = self.blocks[block]
+            self._place(names, "cpu")
+            report = load_hf_checkpoint(self.model, self.base, only=set(names).__contains__)
+            if report.fresh:
+                raise ValueError(f"{self.base}: the run's model.checkpoint holds no MTP weights (the run initialised "
+                                 "them from its seed); export the merged model with export.merge in the run")
+            with torch.no_grad():
+                for name in names:
+                    if is_adapter_name(name):
+                        self.model.get_parameter(name).copy_(self.tensors.read(MODEL_PREFIX + name))
+            self.current = block
+        return source.fetch()
+
+
+def _export_merged(ckpt: Path, out: str, config, tensors: DCPTensors, dtype: str, progress: bool,
+                   max_shard_bytes: int | None) -> ExportReport:
+    """A LoRA run's merged model (``export.merge`` with ``export.hf_dir``): base + alpha/r B A, streamed by block."""
+    from dsv4.peft.apply import merged_sources
+
+    cfg, _, model = _lora_run(ckpt, config)
+    base = cfg.model.get("checkpoint") or None
+    if base is None:
+        raise ValueError(f"{ckpt}: --merge reads the base weights from the run's model.checkpoint, and this run has "
+                         "none (its base is a random initialisation); export with export.merge in the run")
+    if not Path(base).is_dir():
+        raise FileNotFoundError(f"{base}: the run's model.checkpoint (the base --merge reads) is not a directory")
+    _check_adapters(ckpt, tensors, model, str(ckpt.parent.parent / "resolved_config.yaml"))
+    loader = _BlockLoader(model, str(base), tensors)
+    sources = [ExportSource(s.name, s.shape, s.is_float, lambda s=s: loader.fetch(s)) for s in merged_sources(model)]
+    return _export_sources(model, out, config, sources, dtype, ckpt, progress, max_shard_bytes)
+
+
+def _export_adapter(ckpt: Path, out: str, config, tensors: DCPTensors) -> ExportReport:
+    """A LoRA run's adapters (all in the checkpoint, small) -> ``export.adapter_dir``'s files. The LoRA settings
+    and the base's name come from the run's ``resolved_config.yaml``."""
+    from dsv4.peft.lora import LoRAGroupedExperts, LoRALinear
+    from dsv4.peft.peft_format import PREFIX, release_to_transformers, write_peft_adapter
+
+    cfg, lora, model = _lora_run(ckpt, config)
+    _check_adapters(ckpt, tensors, model, str(ckpt.parent.parent / "resolved_config.yaml"))
     release: dict[str, torch.Tensor] = {}
     for module_name, module in model.named_modules():
         if isinstance(module, LoRALinear) and module.rank:

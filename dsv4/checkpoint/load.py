@@ -42,6 +42,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -121,7 +122,8 @@ def _expert_ranges(
 
 
 def _check_and_plan(
-    ckpt: CheckpointDir, targets: dict[str, torch.Tensor], ranges: dict[str, tuple[int, int, int, int]], mtp_depths: int
+    ckpt: CheckpointDir, targets: dict[str, torch.Tensor], ranges: dict[str, tuple[int, int, int, int]], mtp_depths: int,
+    left_out: set[str] = frozenset(),
 ) -> tuple[list[_Item], list[str]]:
     items: list[_Item] = []
     skipped: list[str] = []
@@ -137,6 +139,9 @@ def _check_and_plan(
             skipped.append(key)
             continue
         mapped = K.hf_to_ours(key)
+        if mapped is not None and mapped.name in left_out:
+            skipped.append(key)
+            continue
         if mapped is None or mapped.name not in targets:
             unexpected.append(key)
             continue
@@ -247,14 +252,21 @@ def load_hf_checkpoint(
     ep_rank: int | None = None,
     ep_size: int | None = None,
     mtp_depths: int | None = None,
+    only: Callable[[str], bool] | None = None,
 ) -> LoadReport:
     """Fill ``model``'s parameters and persistent buffers from the checkpoint directory ``path``; returns a
-    :class:`LoadReport`. See the module docstring for the checks, the EP behaviour and the streaming order."""
+    :class:`LoadReport`. See the module docstring for the checks, the EP behaviour and the streaming order.
+    ``only``: fill just the state-dict names it accepts (the checkpoint's keys of the other model tensors are
+    skipped, not read; the rest of the model may stay on the meta device); the checks cover the accepted ones."""
     start = time.perf_counter()
     ckpt, layout = release_view(CheckpointDir.open(path))
     state = model.state_dict(keep_vars=True)
     kept_scales = {kept_scale_name(n) for n, t in state.items() if kept_format(t)}
     targets = {n: t for n, t in state.items() if n not in kept_scales and not n.endswith(_ADAPTER_SUFFIXES)}
+    left_out: set[str] = set()
+    if only is not None:
+        left_out = {n for n in targets if not only(n)}
+        targets = {n: t for n, t in targets.items() if n not in left_out}
     if mtp_depths is None:
         mtp = getattr(model, "mtp", None)
         mtp_depths = len(mtp.layers) if mtp is not None and hasattr(mtp, "layers") else 0
@@ -266,7 +278,7 @@ def load_hf_checkpoint(
         log.warning("%s (%s layout) holds no MTP weights: the %d MTP depth(s) keep their fresh initialisation "
                     "(%d tensors; num_nextn_predict_layers=0 builds none)", path, layout, mtp_depths, len(fresh))
     ranges = _expert_ranges(model, targets, ep_rank, ep_size)
-    items, skipped = _check_and_plan(ckpt, targets, ranges, mtp_depths)
+    items, skipped = _check_and_plan(ckpt, targets, ranges, mtp_depths, left_out)
     check_model_config(getattr(model, "config", None), path)
 
     by_file: dict[str, list[_Item]] = {}

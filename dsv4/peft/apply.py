@@ -120,20 +120,36 @@ def merged_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
 
 def merged_sources(model: nn.Module) -> list[ExportSource]:
     """:func:`merged_tensors` as export sources (``dsv4.checkpoint.export_hf_checkpoint(sources=...)``): each
-    merged weight is computed only when the export fetches it, one at a time."""
+    merged weight is computed only when the export fetches it, one at a time, from the tensors ``model`` holds at
+    that moment (:func:`merged_weight_of`)."""
     owners = {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAGroupedExperts))}
     out: list[ExportSource] = []
     for name, tensor in model.state_dict(keep_vars=True).items():
         module_name, _, leaf = name.rpartition(".")
         module = owners.get(module_name)
         if module is None:
-            out.append(ExportSource(name, tuple(tensor.shape), tensor.is_floating_point(), partial(_full, tensor)))
-        elif isinstance(module, LoRALinear):
-            if leaf == "weight":
-                out.append(ExportSource(name, logical_shape(tensor), True, module.merged_weight))
-        elif leaf in LoRAGroupedExperts.WEIGHTS:
-            out.append(ExportSource(name, logical_shape(tensor), True, partial(module.merged_weight, leaf)))
+            out.append(ExportSource(name, tuple(tensor.shape), tensor.is_floating_point(),
+                                    partial(merged_weight_of, model, name)))
+        elif _is_merged_leaf(module, leaf):
+            out.append(ExportSource(name, logical_shape(tensor), True, partial(merged_weight_of, model, name)))
     return out
+
+
+def _is_merged_leaf(module: nn.Module, leaf: str) -> bool:
+    return ((isinstance(module, LoRALinear) and leaf == "weight")
+            or (isinstance(module, LoRAGroupedExperts) and leaf in LoRAGroupedExperts.WEIGHTS))
+
+
+def merged_weight_of(model: nn.Module, name: str) -> Tensor:
+    """The plain model's tensor ``name`` (a state-dict name of ``model``): an adapted weight merged with its
+    adapter (fp32), any other tensor whole (an FSDP shard is gathered)."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if isinstance(module, LoRALinear) and _is_merged_leaf(module, leaf):
+        return module.merged_weight()
+    if isinstance(module, LoRAGroupedExperts) and _is_merged_leaf(module, leaf):
+        return module.merged_weight(leaf)
+    return _full(getattr(module, leaf))
 
 
 @torch.no_grad()

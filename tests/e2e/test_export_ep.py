@@ -58,3 +58,28 @@ def test_cp2_ep2_lora_merged_export_equals_the_one_process_export(tmp_path):
     assert sorted(os.listdir(tmp_path / "merged")) == names
     for name in names:
         assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
+def test_cp2_ep2_checkpoint_resumes_on_the_same_trajectory_and_converts(tmp_path):
+    """A `cp=2 ep=2` full fine-tune checkpointed at step 2 (each EP rank's experts at their global place):
+    `python -m dsv4.checkpoint export` of it writes the run's own `export.hf_dir` byte for byte, and the run resumed
+    to step 3 logs the losses of an uninterrupted 3-step run (a checkpoint missing one EP rank's experts or their
+    AdamW moments would change step 3)."""
+    from dsv4.checkpoint.__main__ import main
+    from tests.e2e.helpers import losses
+
+    common = [*(a for a in FAST if not a.startswith("scheduler.")), "cp=2", "ep=2", "scheduler=constant", "optim.lr=1e-2", "checkpoint.every_n_steps=0",
+              "export.dtype=float32"]
+    cut, whole = tmp_path / "cut", tmp_path / "whole"
+    run_recipe([*common, "trainer.max_steps=2", f"export.hf_dir={tmp_path / 'hf'}"], cut)
+    assert main(["export", str(cut), "--dtype", "float32", "--no-progress", "--out", str(tmp_path / "out")]) == 0
+    names = sorted(os.listdir(tmp_path / "hf"))
+    assert sorted(os.listdir(tmp_path / "out")) == names and len(names) >= 3
+    for name in names:
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+    proc = run_recipe([*common, "trainer.max_steps=3"], cut)  # resumes from cut/checkpoints/last.ckpt (step 2)
+    assert "resuming from" in proc.stdout + proc.stderr
+    run_recipe([*common, "trainer.max_steps=3"], whole)
+    resumed, uninterrupted = losses(cut), losses(whole)
+    assert sorted(uninterrupted) == [0, 1, 2] or sorted(uninterrupted) == [1, 2, 3]
+    assert resumed == uninterrupted

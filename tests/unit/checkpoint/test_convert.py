@@ -81,12 +81,26 @@ def test_damaged_checkpoint_names_the_file(finished_run, tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # nothing written before the checks
 
 
-def test_converter_writes_a_lora_runs_adapter(tmp_path_factory, tmp_path):
-    """A LoRA run (every target, lr high enough that B moves): --adapter writes the run's export.adapter_dir."""
+def test_converter_writes_a_lora_runs_adapter_and_merged_model(tmp_path_factory, tmp_path):
+    """A LoRA run from a base checkpoint kept in FP8 / FP4 (every target, lr high enough that B moves): --adapter
+    writes the run's export.adapter_dir and --merge its export.hf_dir with export.merge, byte for byte (the base
+    streamed from the run's model.checkpoint one block at a time)."""
+    import torch
+
+    from dsv4.checkpoint import export_hf_checkpoint
+    from dsv4.config import DSV4Config
+    from dsv4.model import DSV4ForCausalLM
+
     root = tmp_path_factory.mktemp("lora")
-    _run(root, ["peft=lora", "peft.rank=4", "peft.alpha=8", "optim.lr=1e-2", f"export.adapter_dir={root / 'adapter'}"])
-    with pytest.raises(ValueError, match="a LoRA run's checkpoint .*pass --adapter"):
+    torch.manual_seed(11)
+    export_hf_checkpoint(DSV4ForCausalLM(DSV4Config.preset("tiny")), str(root / "base"), dtype="quantized")
+    _run(root, ["peft=lora", "peft.rank=4", "peft.alpha=8", "peft.base_dtype=fp8", "optim.lr=1e-2",
+                f"model.checkpoint={root / 'base'}", f"export.adapter_dir={root / 'adapter'}", "export.merge=true",
+                f"export.hf_dir={root / 'merged'}", "export.dtype=float32"])
+    with pytest.raises(ValueError, match="a LoRA run's checkpoint .*pass --adapter .* or --merge"):
         export_run(root / "run", str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="choose one"):
+        export_run(root / "run", str(tmp_path / "x"), adapter=True, merge=True)
     assert main(["export", str(root / "run"), "--adapter", "--out", str(tmp_path / "out")]) == 0
     want, got = _files(root / "adapter"), _files(tmp_path / "out")
     assert list(got) == list(want) == ["adapter_config.json", "adapter_model.safetensors"]
@@ -96,3 +110,14 @@ def test_converter_writes_a_lora_runs_adapter(tmp_path_factory, tmp_path):
 
     trained = load_file(tmp_path / "out" / "adapter_model.safetensors")
     assert any(t.abs().max() > 0 for k, t in trained.items() if "lora_B" in k)  # B moved off its zero start
+
+    assert main(["export", str(root / "run"), "--merge", "--dtype", "float32", "--out", str(tmp_path / "merged")]) == 0
+    want, got = _files(root / "merged"), _files(tmp_path / "merged")
+    assert list(got) == list(want) and len(want) >= 3
+    for name in want:
+        assert got[name] == want[name], name
+
+
+def test_merge_needs_the_runs_base_checkpoint(finished_run, tmp_path, capsys):
+    assert main(["export", str(finished_run / "run"), "--merge", "--out", str(tmp_path / "out")]) == 2
+    assert "--merge needs a LoRA run's checkpoint; this one holds the full model" in capsys.readouterr().err
