@@ -3,7 +3,10 @@
 * `dp=2 ep=2`, lr = 0, from a float32 checkpoint: the float32 export holds exactly the loaded weights (the routers'
   load-balancing biases moved by one update, +-1e-3).
 * `cp=2 ep=2 peft=lora` (FP8 / FP4 base) with training: the merged export is byte-identical to the one-process
-  merged export of the same weights (the base checkpoint + the run's exported adapter, loaded in this process).
+  merged export of the same weights (the base checkpoint + the run's exported adapter, loaded in this process), and
+  the converter turns the run's checkpoint into the same adapter and merged files.
+* `cp=2 ep=2` full fine-tune: the converter writes the run's own export from its checkpoint, and a resume follows
+  the uninterrupted trajectory.
 """
 
 from __future__ import annotations
@@ -58,6 +61,15 @@ def test_cp2_ep2_lora_merged_export_equals_the_one_process_export(tmp_path):
     assert sorted(os.listdir(tmp_path / "merged")) == names
     for name in names:
         assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    # the converter, from the run's ep=2 checkpoint (every expert's adapters at their global place): the same files
+    from dsv4.checkpoint.__main__ import main
+
+    for flag, want in (("--adapter", "adapter"), ("--merge", "merged")):
+        out = tmp_path / f"converted-{want}"
+        assert main(["export", str(tmp_path / "run"), flag, "--dtype", "float32", "--no-progress", "--out", str(out)]) == 0
+        assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / want))
+        for name in os.listdir(out):
+            assert (out / name).read_bytes() == (tmp_path / want / name).read_bytes(), (flag, name)
 
 
 def test_cp2_ep2_checkpoint_resumes_on_the_same_trajectory_and_converts(tmp_path):
