@@ -1,30 +1,87 @@
 """Distributed checkpoints of a run: every ``checkpoint.every_n_steps`` steps and always at the last step.
 
 :class:`StepCheckpoint` is Lightning's ``ModelCheckpoint`` (``step<N>.ckpt`` every ``every_n_steps`` optimizer
-steps plus ``last.ckpt``) that also saves when the run reaches ``trainer.max_steps``, whatever the interval, so no
-trained step is lost. :func:`checkpoint_step` reads the optimizer step a checkpoint directory was saved at (its
-``meta.pt``) without loading any tensor.
+steps, ``last.ckpt`` a symbolic link to the newest) that also saves when the run reaches ``trainer.max_steps``,
+whatever the interval, so no trained step is lost. Retention: once a ``step<N>.ckpt`` is complete, global rank 0
+deletes the periodic checkpoints beyond the newest ``keep_last``, except those of steps divisible by
+``keep_every_n_steps`` and the one ``last.ckpt`` names; each deletion is logged.
+
+A checkpoint directory is complete when it holds ``meta.pt`` and DCP's ``.metadata``. Every rank writes into
+``<name>.partial`` and global rank 0 renames it into place only after all ranks finished
+(:meth:`dsv4.training.strategy.DSV4Strategy.save_checkpoint`), so a save interrupted at any point leaves no
+``*.ckpt`` that looks complete: :func:`complete_checkpoints` lists what a resume may use.
+:func:`checkpoint_step` reads the optimizer step a checkpoint directory was saved at (its ``meta.pt``) without
+loading any tensor.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+log = logging.getLogger(__name__)
+
 META_FILE = "meta.pt"
+PARTIAL_SUFFIX = ".partial"
+_STEP_NAME = re.compile(r"^step(\d+)\.ckpt$")
+
+
+def is_complete(path: str | Path) -> bool:
+    """``path`` is a checkpoint directory every rank finished writing (``meta.pt`` and DCP's ``.metadata``)."""
+    path = Path(path)
+    return (path / META_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def complete_checkpoints(ckpt_dir: str | Path) -> tuple[list[Path], list[Path]]:
+    """The complete ``*.ckpt`` directories of ``ckpt_dir`` and the incomplete ones (a save interrupted before its
+    rename leaves ``*.ckpt.partial``, never a ``*.ckpt``; a dangling ``last.ckpt`` link counts as incomplete)."""
+    complete, incomplete = [], []
+    for path in sorted(Path(ckpt_dir).glob("*.ckpt*")):
+        if path.name.endswith(".ckpt") and is_complete(path):
+            complete.append(path)
+        elif path.name.endswith((".ckpt", ".ckpt" + PARTIAL_SUFFIX)):
+            incomplete.append(path)
+    return complete, incomplete
 
 
 class StepCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint(dirpath, filename="step{step}", save_last=True, every_n_train_steps=every_n_steps)`` that
-    also checkpoints the step that reaches ``trainer.max_steps`` (``every_n_steps`` 0: only that one)."""
+    """``ModelCheckpoint(dirpath, filename="step{step}", save_last="link", every_n_train_steps=every_n_steps)``
+    that also checkpoints the step that reaches ``trainer.max_steps`` (``every_n_steps`` 0: only that one) and keeps
+    the newest ``keep_last`` periodic checkpoints (None: all) plus those of steps divisible by
+    ``keep_every_n_steps``."""
 
-    def __init__(self, dirpath: str | Path, every_n_steps: int) -> None:
-        super().__init__(dirpath=str(dirpath), filename="step{step}", save_last=True, save_top_k=-1,
+    def __init__(self, dirpath: str | Path, every_n_steps: int, keep_last: int | None = 3,
+                 keep_every_n_steps: int | None = None) -> None:
+        super().__init__(dirpath=str(dirpath), filename="step{step}", save_last="link", save_top_k=-1,
                          every_n_train_steps=max(int(every_n_steps), 0),
                          save_on_train_epoch_end=False, auto_insert_metric_name=False,
                          enable_version_counter=False)  # a resumed run overwrites last.ckpt, never last-v1.ckpt
+        self.keep_last, self.keep_every_n_steps = keep_last, keep_every_n_steps
+        self._retained_step: int | None = None
+
+    def retain(self, trainer: Any) -> list[Path]:
+        """Delete (global rank 0) the complete periodic checkpoints beyond the newest ``keep_last``, except
+        milestones (``keep_every_n_steps``) and the target of ``last.ckpt``; returns what was deleted."""
+        removed: list[Path] = []
+        if self.keep_last is not None and trainer.is_global_zero:
+            root = Path(self.dirpath)
+            last = root / "last.ckpt"
+            pinned = last.resolve() if last.exists() else None
+            steps = sorted((int(m.group(1)), p) for p in root.glob("step*.ckpt")
+                           if (m := _STEP_NAME.match(p.name)) and not p.is_symlink() and is_complete(p))
+            for step, path in steps[: max(len(steps) - self.keep_last, 0)]:
+                if (self.keep_every_n_steps and step % self.keep_every_n_steps == 0) or path.resolve() == pinned:
+                    continue
+                shutil.rmtree(path)
+                removed.append(path)
+                log.info("checkpoint retention: deleted %s (checkpoint.keep_last=%d)", path, self.keep_last)
+        trainer.strategy.barrier("dsv4-checkpoint-retention")
+        return removed
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -33,6 +90,9 @@ class StepCheckpoint(ModelCheckpoint):
             candidates = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
+        if self._last_global_step_saved == trainer.global_step and self._retained_step != trainer.global_step:
+            self._retained_step = trainer.global_step
+            self.retain(trainer)
 
 
 def checkpoint_step(path: str | Path) -> int | None:

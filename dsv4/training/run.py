@@ -71,14 +71,21 @@ def _write_objective(output_dir: Path, value: float | None) -> None:
 
 
 def _resume_path(spec: RunSpec, ckpt_dir: Path) -> str | None:
+    from dsv4.training.checkpointing import META_FILE, complete_checkpoints, is_complete
+
     resume = spec.checkpoint.resume
     if resume == "none":
         return None
-    if resume == "auto":  # the newest COMPLETE checkpoint: a job killed while saving leaves a partial one
-        complete = [d for d in ckpt_dir.glob("*.ckpt") if (d / "meta.pt").exists() and (d / ".metadata").exists()]
+    if resume == "auto":  # the newest COMPLETE checkpoint: a save that was killed leaves none that looks complete
+        complete, incomplete = complete_checkpoints(ckpt_dir)
+        for path in incomplete:
+            log.warning("not resuming from %s: incomplete (a save interrupted before every rank finished)", path)
         if not complete:
             return None
-        resume = str(max(complete, key=lambda d: ((d / "meta.pt").stat().st_mtime, d.name == "last.ckpt")))
+        resume = str(max(complete, key=lambda d: ((d / META_FILE).stat().st_mtime, d.name == "last.ckpt")))
+    elif not is_complete(resume):
+        raise ValueError(f"`checkpoint.resume`={resume!r} is not a complete distributed checkpoint directory "
+                         f"(it needs {META_FILE} and .metadata)")
     log.info("resuming from %s", resume)
     return resume
 
@@ -115,7 +122,8 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
         return None
 
     log.info("compute dtype %s (fp32 master weights, optimizer state and gradient reduction)", spec.compute_dtype)
-    checkpointing = StepCheckpoint(ckpt_dir, spec.checkpoint.every_n_steps)
+    checkpointing = StepCheckpoint(ckpt_dir, spec.checkpoint.every_n_steps, keep_last=spec.checkpoint.keep_last,
+                                   keep_every_n_steps=spec.checkpoint.keep_every_n_steps)
     resume_step = checkpoint_step(resume) if resume else None  # the logs continue from this step
     logger = spec.logger(output_dir, resume_step=resume_step) if spec.logger is not None else False
     trainer = L.Trainer(strategy=DSV4Strategy.from_spec(spec), logger=logger,

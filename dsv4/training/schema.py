@@ -88,10 +88,13 @@ class DispatcherConfig:
 @dataclass
 class CheckpointConfig:
     """``every_n_steps``: distributed checkpoint cadence (0 = only at the end); ``resume``: ``auto`` (the run
-    dir's newest complete checkpoint, if any), ``none``, or a checkpoint directory."""
+    dir's newest complete checkpoint, if any), ``none``, or a checkpoint directory; ``keep_last``: periodic
+    checkpoints kept (null: all); ``keep_every_n_steps``: periodic checkpoints of these steps are always kept."""
 
     every_n_steps: int = 50
     resume: str = "auto"
+    keep_last: Optional[int] = 3
+    keep_every_n_steps: Optional[int] = None
 
 
 @dataclass

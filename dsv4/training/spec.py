@@ -114,10 +114,13 @@ class ExportSpec:
 @dataclass(frozen=True)
 class CheckpointSpec:
     """``every_n_steps``: distributed checkpoint cadence (0 = only at the end); ``resume``: ``auto`` | ``none`` | a
-    checkpoint directory."""
+    checkpoint directory; ``keep_last``: how many periodic ``step<N>.ckpt`` to keep (None: all);
+    ``keep_every_n_steps``: periodic checkpoints of steps divisible by it are always kept (None: none)."""
 
     every_n_steps: int = 50
     resume: str = "auto"
+    keep_last: int | None = 3
+    keep_every_n_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -339,6 +342,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
     overlong = data.pop("overlong", "split")
     from dsv4.data.packer import OVERLONG
 
+    _checkpoint_spec(cfg.checkpoint)  # validated before any other work
     if overlong not in OVERLONG:
         raise ValueError(f"`data.overlong`={overlong!r} must be one of {', '.join(OVERLONG)}")
     optimizer, scheduler = build_optimization(cfg)
@@ -358,6 +362,18 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         max_steps=int(trainer.get("max_steps", 100)), dry_run=bool(cfg.dry_run),
         data=MappingProxyType(data), overlong=overlong, trainer=MappingProxyType(trainer),
         callbacks=callbacks, logger=logger, plan=plan, export=export,
-        checkpoint=CheckpointSpec(every_n_steps=cfg.checkpoint.every_n_steps, resume=cfg.checkpoint.resume),
+        checkpoint=_checkpoint_spec(cfg.checkpoint),
         resolved=MappingProxyType(resolved),
     )
+
+
+def _checkpoint_spec(ckpt: Any) -> CheckpointSpec:
+    """The ``checkpoint`` group as a :class:`CheckpointSpec`; a count below 1 is refused, naming its key."""
+    keep_last, keep_every = ckpt.get("keep_last", 3), ckpt.get("keep_every_n_steps")
+    for key, value in (("keep_last", keep_last), ("keep_every_n_steps", keep_every)):
+        if value is not None and int(value) < 1:
+            raise ValueError(f"`checkpoint.{key}`={value} must be at least 1 (or null: "
+                             f"{'keep every periodic checkpoint' if key == 'keep_last' else 'no milestones'})")
+    return CheckpointSpec(every_n_steps=int(ckpt.every_n_steps), resume=ckpt.resume,
+                          keep_last=None if keep_last is None else int(keep_last),
+                          keep_every_n_steps=None if keep_every is None else int(keep_every))

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from dsv4.parallel.mesh import Meshes, ParallelDims, build_meshes
 from dsv4.parallel.wrap import apply_fsdp
 from dsv4.peft.apply import is_lora_model
 from dsv4.peft.lora import is_adapter_name
+from dsv4.training.checkpointing import PARTIAL_SUFFIX
 from dsv4.training.spec import RunSpec
 
 
@@ -131,6 +133,21 @@ class DSV4Strategy(ModelParallelStrategy):
         layout = self._expert_state()
         return layout.optimizer_state(state) if layout is not None else state
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """Write the DCP checkpoint into ``<filepath>.partial`` on every rank, then (global rank 0, after every rank
+        finished) rename it to ``filepath``, replacing an older one. A save killed at any point leaves ``filepath``
+        either as it was or complete, never half-written (:mod:`dsv4.training.checkpointing`)."""
+        path = Path(self.broadcast(str(filepath)))
+        partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        if self.global_rank == 0 and partial.exists():
+            shutil.rmtree(partial)  # left by a save that was killed
+        self.barrier("dsv4-checkpoint-start")
+        super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
+        self.barrier("dsv4-checkpoint-written")
+        if self.global_rank == 0:
+            _replace_directory(partial, path)
+        self.barrier("dsv4-checkpoint-committed")
+
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the model (a LoRA model: its adapters; the frozen base comes from its own source) and the
         optimizers from a DCP checkpoint directory, in place, under this run's layout (DCP reshards: a checkpoint
@@ -167,6 +184,21 @@ class DSV4Strategy(ModelParallelStrategy):
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state,
                                      options=StateDictOptions(cpu_offload=True))
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+
+def _replace_directory(new: Path, path: Path) -> None:
+    """Put directory ``new`` at ``path`` (a link or file there is removed; an old directory is moved aside first
+    and deleted after, so ``path`` is at every moment absent, the old checkpoint or the new one)."""
+    old = path.with_name(path.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        path.rename(old)
+    new.rename(path)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def _saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:

@@ -176,3 +176,60 @@ def test_overlong_default_is_truncate_left_for_chat_data_and_split_for_the_bundl
     assert build_run_spec(_compose([*FAST, "data=jsonl", f"data.path={path}"])).overlong == "truncate_left"
     spec = build_run_spec(_compose(FAST))
     assert spec.overlong == "split" and "overlong" not in spec.data  # not a keyword of the document source
+
+
+def test_keep_last_leaves_the_newest_periodic_checkpoints_and_last(tmp_path, one_rank_group):
+    """5 periodic saves with keep_last=2: exactly step4, step5 and last.ckpt (a link to step5) remain; a milestone
+    (keep_every_n_steps=2) survives; no *.partial is left behind."""
+    run = tmp_path / "run"
+    run.mkdir()
+    run_finetune(_compose([*FAST, "trainer.max_steps=5", "checkpoint.every_n_steps=1", "checkpoint.keep_last=2",
+                           "checkpoint.keep_every_n_steps=2"]), run)
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step2.ckpt", "step4.ckpt", "step5.ckpt"]
+    assert (ckpts / "last.ckpt").is_symlink() and (ckpts / "last.ckpt").resolve() == (ckpts / "step5.ckpt").resolve()
+    assert checkpoint_step(ckpts / "last.ckpt") == 5
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("keep_last", 0, r"`checkpoint.keep_last`=0 must be at least 1"),
+    ("keep_every_n_steps", -5, r"`checkpoint.keep_every_n_steps`=-5 must be at least 1"),
+])
+def test_checkpoint_counts_are_checked(key, value, message):
+    from dsv4.training.spec import build_run_spec
+
+    with pytest.raises(ValueError, match=message):
+        build_run_spec(_compose([*FAST, f"checkpoint.{key}={value}"]))
+
+
+def test_resume_never_picks_an_incomplete_checkpoint(tmp_path, caplog):
+    """A save killed before every rank finished leaves `<name>.partial` (never renamed) or a `*.ckpt` without its
+    metadata: resume=auto takes the newest complete one and logs why it skipped the others; an explicit
+    resume=<incomplete dir> is refused naming the files it needs."""
+    import logging
+    import os
+    import time
+
+    import torch
+
+    from dsv4.config import DSV4Config
+    from dsv4.training.run import _resume_path
+    from dsv4.training.spec import CheckpointSpec, RunSpec
+
+    ckpts = tmp_path / "checkpoints"
+    for name, files in (("step2.ckpt", ("meta.pt", ".metadata")), ("step4.ckpt", (".metadata",)),
+                        ("step4.ckpt.partial", ("meta.pt", ".metadata"))):
+        (ckpts / name).mkdir(parents=True)
+        for f in files:
+            (ckpts / name / f).write_bytes(b"x")
+    later = time.time() + 10
+    os.utime(ckpts / "step4.ckpt.partial" / "meta.pt", (later, later))
+
+    def spec(resume):
+        return RunSpec(DSV4Config.preset("tiny"), optimizer=torch.optim.SGD, checkpoint=CheckpointSpec(resume=resume))
+
+    with caplog.at_level(logging.WARNING):
+        assert _resume_path(spec("auto"), ckpts) == str(ckpts / "step2.ckpt")
+    assert "not resuming from" in caplog.text and "step4.ckpt.partial" in caplog.text and "step4.ckpt:" in caplog.text
+    with pytest.raises(ValueError, match=r"step4.ckpt'? is not a complete distributed checkpoint .*meta.pt and .metadata"):
+        _resume_path(spec(str(ckpts / "step4.ckpt")), ckpts)
