@@ -46,8 +46,9 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 300.0) -> list:
-    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)``; return results by rank."""
+def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 1200.0) -> list:
+    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)``; return results by rank. ``timeout``
+    (seconds without a result) is a safety net against a hung rank, not a performance bound."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     store_dir = tempfile.TemporaryDirectory(prefix="dsv4-ranks-")

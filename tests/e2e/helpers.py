@@ -56,7 +56,7 @@ def recipe_env(port: int) -> dict[str, str]:
     return env
 
 
-def run_recipe(args: list[str], run_dir: Path | None = None, timeout: float = 600, check: bool = True,
+def run_recipe(args: list[str], run_dir: Path | None = None, timeout: float = 1800, check: bool = True,
                script: str = "recipes/finetune.py", env: dict[str, str | None] | None = None,
                ) -> subprocess.CompletedProcess:
     """Run ``script`` with ``args``; ``env`` entries override the test environment (None removes a variable)."""

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
     ],
 )
 def test_bad_config_fails_before_start(tmp_path, overrides, message):
-    proc = run_recipe([*FAST, *overrides], tmp_path / "run", check=False, timeout=120)
+    proc = run_recipe([*FAST, *overrides], tmp_path / "run", check=False)
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr, (proc.stdout[-2000:], proc.stderr[-3000:])
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -28,7 +28,7 @@ def test_bad_config_fails_before_start(tmp_path, overrides, message):
 def test_bad_jsonl_line_names_file_and_line(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"text": "def f():\\n    return 1\\n"}\n{not json}\n')
-    proc = run_recipe([*FAST, "data=jsonl", f"data.path={data}"], tmp_path / "run", check=False, timeout=120)
+    proc = run_recipe([*FAST, "data=jsonl", f"data.path={data}"], tmp_path / "run", check=False)
     assert proc.returncode != 0
     assert f"{data}:2" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -37,6 +37,6 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path):
 def test_empty_dataset_is_refused(tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text("")
-    proc = run_recipe([*FAST, "data=jsonl", f"data.path={data}"], tmp_path / "run", check=False, timeout=120)
+    proc = run_recipe([*FAST, "data=jsonl", f"data.path={data}"], tmp_path / "run", check=False)
     assert proc.returncode != 0
     assert "empty" in proc.stderr.lower() or "no documents" in proc.stderr.lower(), proc.stderr[-3000:]

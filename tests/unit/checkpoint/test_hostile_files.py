@@ -238,7 +238,7 @@ def test_inspect_subprocess_prints_no_traceback(tmp_path):
     for case in ("length_2**60", "index_parent"):
         path, file = _bad_dir(tmp_path, case)
         proc = subprocess.run([sys.executable, "-m", "dsv4.checkpoint", "inspect", path], capture_output=True,
-                              text=True, cwd=ROOT, timeout=300)
+                              text=True, cwd=ROOT, timeout=1800)
         lines = (proc.stdout + proc.stderr).strip().splitlines()
         assert proc.returncode != 0, case
         assert len(lines) == 1 and "Traceback" not in lines[0] and file in lines[0], (case, proc.stdout, proc.stderr)
