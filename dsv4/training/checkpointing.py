@@ -8,7 +8,8 @@ deletes the periodic checkpoints beyond the newest ``keep_last``, except those o
 
 A checkpoint directory is complete when it holds ``meta.pt`` and DCP's ``.metadata``. Every rank writes into
 ``<name>.partial`` and global rank 0 renames it into place only after all ranks finished
-(:meth:`dsv4.training.strategy.DSV4Strategy.save_checkpoint`), so a save interrupted at any point leaves no
+(:mod:`dsv4.training.checkpoint_writer`; with ``checkpoint.async_save`` in the background, committed by the next
+save or the end of training), so a save interrupted at any point leaves no
 ``*.ckpt`` that looks complete: :func:`complete_checkpoints` lists what a resume may use.
 :func:`checkpoint_step` reads the optimizer step a checkpoint directory was saved at (its ``meta.pt``) without
 loading any tensor.
@@ -24,10 +25,9 @@ from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-log = logging.getLogger(__name__)
+from dsv4.training.checkpoint_writer import META_FILE, PARTIAL_SUFFIX
 
-META_FILE = "meta.pt"
-PARTIAL_SUFFIX = ".partial"
+log = logging.getLogger(__name__)
 _STEP_NAME = re.compile(r"^step(\d+)\.ckpt$")
 
 
@@ -82,6 +82,14 @@ class StepCheckpoint(ModelCheckpoint):
                 log.info("checkpoint retention: deleted %s (checkpoint.keep_last=%d)", path, self.keep_last)
         trainer.strategy.barrier("dsv4-checkpoint-retention")
         return removed
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """Commit an asynchronous save still in flight, then apply the retention to it."""
+        super().on_train_end(trainer, pl_module)
+        finish = getattr(trainer.strategy, "finish_checkpoint", None)
+        if finish is not None:
+            finish()
+        self.retain(trainer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

@@ -89,12 +89,14 @@ class DispatcherConfig:
 class CheckpointConfig:
     """``every_n_steps``: distributed checkpoint cadence (0 = only at the end); ``resume``: ``auto`` (the run
     dir's newest complete checkpoint, if any), ``none``, or a checkpoint directory; ``keep_last``: periodic
-    checkpoints kept (null: all); ``keep_every_n_steps``: periodic checkpoints of these steps are always kept."""
+    checkpoints kept (null: all); ``keep_every_n_steps``: periodic checkpoints of these steps are always kept;
+    ``async_save``: write in the background, the step waits only for the host copy."""
 
     every_n_steps: int = 50
     resume: str = "auto"
     keep_last: Optional[int] = 3
     keep_every_n_steps: Optional[int] = None
+    async_save: bool = True
 
 
 @dataclass

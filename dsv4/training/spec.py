@@ -115,12 +115,14 @@ class ExportSpec:
 class CheckpointSpec:
     """``every_n_steps``: distributed checkpoint cadence (0 = only at the end); ``resume``: ``auto`` | ``none`` | a
     checkpoint directory; ``keep_last``: how many periodic ``step<N>.ckpt`` to keep (None: all);
-    ``keep_every_n_steps``: periodic checkpoints of steps divisible by it are always kept (None: none)."""
+    ``keep_every_n_steps``: periodic checkpoints of steps divisible by it are always kept (None: none);
+    ``async_save``: write in the background (the step waits only for the host copy)."""
 
     every_n_steps: int = 50
     resume: str = "auto"
     keep_last: int | None = 3
     keep_every_n_steps: int | None = None
+    async_save: bool = True
 
 
 @dataclass(frozen=True)
@@ -376,4 +378,5 @@ def _checkpoint_spec(ckpt: Any) -> CheckpointSpec:
                              f"{'keep every periodic checkpoint' if key == 'keep_last' else 'no milestones'})")
     return CheckpointSpec(every_n_steps=int(ckpt.every_n_steps), resume=ckpt.resume,
                           keep_last=None if keep_last is None else int(keep_last),
-                          keep_every_n_steps=None if keep_every is None else int(keep_every))
+                          keep_every_n_steps=None if keep_every is None else int(keep_every),
+                          async_save=bool(ckpt.get("async_save", True)))

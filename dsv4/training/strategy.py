@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from dsv4.parallel.mesh import Meshes, ParallelDims, build_meshes
 from dsv4.parallel.wrap import apply_fsdp
 from dsv4.peft.apply import is_lora_model
 from dsv4.peft.lora import is_adapter_name
-from dsv4.training.checkpointing import PARTIAL_SUFFIX
+from dsv4.training.checkpoint_writer import CheckpointWriter
 from dsv4.training.spec import RunSpec
 
 
@@ -64,7 +63,8 @@ class DSV4Strategy(ModelParallelStrategy):
     ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``)."""
 
     def __init__(self, cp: int = 1, dp: int = -1, ep: int = 1, dispatcher: str = "local",
-                 compute_dtype: torch.dtype = torch.float32, cp_balance: str = "none", **kwargs: Any) -> None:
+                 compute_dtype: torch.dtype = torch.float32, cp_balance: str = "none", async_save: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
         self.cp_size, self._dp, self.ep_size = cp, dp, ep
         self.cp_balance = cp_balance
@@ -73,13 +73,15 @@ class DSV4Strategy(ModelParallelStrategy):
         self.meshes: Meshes | None = None
         self.parallel = ParallelState()
         self._expert_layout: ExpertStateLayout | None | bool = False  # False: not looked at yet
+        self.async_save = async_save
+        self._writer: CheckpointWriter | None = None
 
     @classmethod
     def from_spec(cls, spec: RunSpec, **kwargs: Any) -> "DSV4Strategy":
         """The strategy of a resolved run: its parallel dims, CP layout, dispatcher and compute dtype."""
         p = spec.parallel
         return cls(cp=p.cp, dp=p.dp, ep=p.ep, cp_balance=p.cp_balance, dispatcher=spec.dispatcher,
-                   compute_dtype=spec.compute_dtype, **kwargs)
+                   compute_dtype=spec.compute_dtype, async_save=spec.checkpoint.async_save, **kwargs)
 
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)  # skip the parent's hard-coded ("data_parallel", "tensor_parallel") mesh
@@ -121,32 +123,50 @@ class DSV4Strategy(ModelParallelStrategy):
         return self._expert_layout
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's DCP state: FSDP shards, experts at global shapes; a LoRA model's adapters only."""
-        state = super().lightning_module_state_dict()
+        """The model's DCP state: FSDP shards, experts at global shapes; a LoRA model's adapters only. Offloaded
+        to the host for a synchronous save; an asynchronous one leaves the copy to DCP's staging (one copy)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=not self.async_save))
         if self.model is not None and is_lora_model(self.model):
             state = {k: v for k, v in state.items() if is_adapter_name(k)}
         layout = self._expert_state()
         return layout.model_state(state) if layout is not None else state
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        state = super().optimizer_state(optimizer)
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        state = get_optimizer_state_dict(self.model, optimizer,
+                                         options=StateDictOptions(cpu_offload=not self.async_save))
         layout = self._expert_state()
         return layout.optimizer_state(state) if layout is not None else state
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """Write the DCP checkpoint into ``<filepath>.partial`` on every rank, then (global rank 0, after every rank
-        finished) rename it to ``filepath``, replacing an older one. A save killed at any point leaves ``filepath``
-        either as it was or complete, never half-written (:mod:`dsv4.training.checkpointing`)."""
+        """Write the model and optimizer shards (DCP) and ``meta.pt`` atomically to ``filepath``, in the background
+        with ``async_save`` (:class:`~dsv4.training.checkpoint_writer.CheckpointWriter`)."""
+        if storage_options is not None:
+            raise TypeError("DSV4Strategy.save_checkpoint(..., storage_options=...) is not supported")
         path = Path(self.broadcast(str(filepath)))
-        partial = path.with_name(path.name + PARTIAL_SUFFIX)
-        if self.global_rank == 0 and partial.exists():
-            shutil.rmtree(partial)  # left by a save that was killed
-        self.barrier("dsv4-checkpoint-start")
-        super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
-        self.barrier("dsv4-checkpoint-written")
-        if self.global_rank == 0:
-            _replace_directory(partial, path)
-        self.barrier("dsv4-checkpoint-committed")
+        state = {"state_dict": checkpoint.pop("state_dict"),
+                 **{f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}}
+        self.checkpoint_writer.save(state, checkpoint if self.global_rank == 0 else None, path)
+
+    @property
+    def checkpoint_writer(self) -> CheckpointWriter:
+        if self._writer is None:
+            group = None
+            if self.async_save and torch.distributed.is_initialized():
+                group = torch.distributed.new_group(backend="gloo")  # DCP's background coordination only
+            self._writer = CheckpointWriter(self.global_rank, self.barrier, self.async_save, group)
+        return self._writer
+
+    def finish_checkpoint(self) -> None:
+        """Wait for an asynchronous save in flight and commit it (every rank)."""
+        if self._writer is not None:
+            self._writer.finish()
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the model (a LoRA model: its adapters; the frozen base comes from its own source) and the
@@ -159,6 +179,7 @@ class DSV4Strategy(ModelParallelStrategy):
                                                              get_optimizer_state_dict, set_model_state_dict,
                                                              set_optimizer_state_dict)
 
+        self.finish_checkpoint()
         path = Path(self.broadcast(checkpoint_path))
         lora = is_lora_model(self.model)
         if not (path / _METADATA_FILENAME).is_file() or not (path / ".metadata").is_file():
@@ -184,21 +205,6 @@ class DSV4Strategy(ModelParallelStrategy):
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state,
                                      options=StateDictOptions(cpu_offload=True))
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
-
-
-def _replace_directory(new: Path, path: Path) -> None:
-    """Put directory ``new`` at ``path`` (a link or file there is removed; an old directory is moved aside first
-    and deleted after, so ``path`` is at every moment absent, the old checkpoint or the new one)."""
-    old = path.with_name(path.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.is_dir():
-        path.rename(old)
-    new.rename(path)
-    if old.exists():
-        shutil.rmtree(old)
 
 
 def _saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
