@@ -77,7 +77,7 @@ class DataConfig:
     seed: int = 0
     options: Dict[str, Any] = field(default_factory=dict)
     overlong: str = "truncate_left"
-    val: Optional[Dict[str, Any]] = None
+    val: Any = None  # a mapping of source keys, or null
     val_fraction: Optional[float] = None
 
 
