@@ -95,7 +95,7 @@ TRAIN = _rows((200, 90, 170, 60, 130, 220, 100), seed=0)
 HELD_OUT = _rows((210, 40, 150, 250, 120), seed=1)
 
 
-def _fit(spec, validate, steps, **kwargs):
+def _fit(spec, validate, steps, train=TRAIN, **kwargs):
     torch.manual_seed(0)
     module = DSV4LightningModule(spec, val_data=(
         (lambda: DataLoader(ValidationShard(HELD_OUT, micro_batch_size=2), batch_size=2,
@@ -104,12 +104,13 @@ def _fit(spec, validate, steps, **kwargs):
 
     class Record(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(trainer.callback_metrics["train/loss"]))
+            value = trainer.callback_metrics.get("train/loss")  # under accumulation: after a step's last micro-batch
+            losses.append(None if value is None else float(value))
 
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=DSV4Strategy(), max_steps=steps,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Record()], **kwargs)
-    trainer.fit(module, train_dataloaders=DataLoader(TRAIN, batch_size=1, collate_fn=TokenBatch.stack))
+    trainer.fit(module, train_dataloaders=DataLoader(train, batch_size=1, collate_fn=TokenBatch.stack))
     return module, losses
 
 
@@ -149,6 +150,23 @@ def test_validating_leaves_the_training_trajectory_and_the_router_biases_as_they
     ours, theirs = checked.model.state_dict(), plain.model.state_dict()
     for name, value in plain.model.state_dict().items():
         assert torch.equal(ours[name], theirs[name]), name  # weights and e_score_correction_bias
+
+
+def test_under_accumulation_the_schedule_counts_optimizer_steps_across_epochs(one_rank_group, tmp_path):
+    """7 micro-batches per epoch, 2 per optimizer step: the epoch's 4th step holds one. Validation after steps 2, 4
+    and 5 (the last) falls on micro-batches 4, 7 and 9, which no fixed count of training batches describes."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    spec = RunSpec(CONFIG, optimizer=functools.partial(torch.optim.SGD, lr=1e-3), max_steps=5,
+                   validation=ValidationSpec(fraction=0.5, every_n_steps=2, limit_batches=1))
+    seven = _rows((200, 150, 170, 180, 130, 220, 210), seed=2)  # one document per row
+    assert len(seven) == 7
+    module, losses = _fit(spec, True, 5, train=seven, accumulate_grad_batches=2,
+                          logger=CSVLogger(tmp_path, name="csv", version=""))
+    assert len(losses) == 9 and module.last_validation.step == 5
+    with open(tmp_path / "csv" / "metrics.csv") as f:
+        rows = [int(r["step"]) for r in csv.DictReader(f) if r.get("val/loss")]
+    assert rows == [1, 3, 4]
 
 
 # ------------------------------------------------------------------ the best checkpoint and resume
