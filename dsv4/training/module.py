@@ -19,9 +19,10 @@ cover all of them.
 Validation (``val_data``: the held-out rows, ``spec.validation``): after the optimizer steps
 :func:`~dsv4.training.validation.validation_due` names, the module evaluates them in eval mode without gradients
 (:func:`~dsv4.training.validation.evaluate_token_loss`, the training forward under CP) and logs ``val/loss`` once
-(global rank 0, every logger), in the row of the step it follows (the row of that step's ``train/loss``); ``last_validation`` holds the result for the checkpoint callback. It runs after the
-step's bias update and statistics and leaves the training state as it was: no expert load is counted (eval mode), no
-RNG is drawn, the CP traffic counters are reset afterwards, and the step's gradients (already applied) are freed first.
+(global rank 0, every logger), in the row of the step it follows (the row of that step's ``train/loss``);
+``last_validation`` holds the result for the checkpoint callback. It runs after the step's bias update and statistics
+and leaves the training state as it was: no expert load is counted (eval mode), no RNG is drawn, the CP traffic
+counters are reset afterwards, and the step's gradients (already applied) are freed first.
 
 LoRA (``lora``, :mod:`dsv4.peft`): only the adapters are parameters that train; the optimizer sees only them, the
 strategy checkpoints only them, and ``on_train_end`` exports them in the PEFT format and / or the merged model.
