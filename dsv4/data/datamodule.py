@@ -17,12 +17,14 @@ from dsv4.batch import TokenBatch
 from dsv4.data.dataset import DistributedPackedSampler, build_packed_dataset
 from dsv4.data.packer import PackedRows
 from dsv4.data.sources import build_documents
+from dsv4.data.validation import ValidationShard, split_documents
 
 
 class DSV4DataModule(L.LightningDataModule):
     """Args: ``source`` (keyword arguments of :func:`~dsv4.data.sources.build_documents`), ``seq_len``,
     ``shard_multiple`` (the model's), ``micro_batch_size``, ``cp_size``, ``seed``, ``pad_id``, ``overlong``
-    (documents longer than a row, :data:`~dsv4.data.packer.OVERLONG`)."""
+    (documents longer than a row, :data:`~dsv4.data.packer.OVERLONG`); ``val_source`` / ``val_fraction`` (at most
+    one): the held-out data (see the module docstring)."""
 
     def __init__(
         self,
@@ -35,6 +37,8 @@ class DSV4DataModule(L.LightningDataModule):
         pad_id: int = 0,
         shuffle: bool = True,
         overlong: str = "split",
+        val_source: dict[str, Any] | None = None,
+        val_fraction: float | None = None,
     ) -> None:
         super().__init__()
         self.source = dict(source)
@@ -44,16 +48,44 @@ class DSV4DataModule(L.LightningDataModule):
         self.dataset: PackedRows | None = None
         self.sampler: DistributedPackedSampler | None = None
         self._pending_state: dict | None = None
+        if val_source is not None and val_fraction is not None:
+            raise ValueError("`data.val` and `data.val_fraction` are both set: hold out documents of the training "
+                             "source or read a second source, not both")
+        self.val_source = dict(val_source) if val_source is not None else None
+        self.val_fraction = val_fraction
+        self.val_dataset: PackedRows | None = None
+        self._val_documents: list | None = None
+        self._dp = (0, 1)  # (dp rank, dp size), set in setup
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether held-out data is configured."""
+        return self.val_source is not None or self.val_fraction is not None
+
+    def _pack(self, documents: list) -> PackedRows:
+        return build_packed_dataset(documents, self.seq_len, self.shard_multiple, pad_id=self.pad_id,
+                                    cp_size=self.cp_size, overlong=self.overlong)
 
     def build_dataset(self) -> PackedRows:
-        """Tokenize and pack (validates the data: raises before training starts)."""
+        """Tokenize and pack (validates the data: raises before training starts); with ``val_fraction`` the
+        held-out documents are left out."""
         if self.dataset is None:
             documents = build_documents(**self.source)
-            self.dataset = build_packed_dataset(
-                documents, self.seq_len, self.shard_multiple, pad_id=self.pad_id, cp_size=self.cp_size,
-                overlong=self.overlong,
-            )
+            if self.val_fraction is not None:
+                documents, self._val_documents = split_documents(documents, self.val_fraction, self.seed)
+            self.dataset = self._pack(documents)
         return self.dataset
+
+    def build_val_dataset(self) -> PackedRows | None:
+        """The packed held-out rows (None without validation data); raises on bad data like :meth:`build_dataset`."""
+        if self.val_dataset is None and self.has_validation:
+            if self.val_source is not None:
+                documents = build_documents(**self.val_source)
+            else:
+                self.build_dataset()
+                documents = self._val_documents
+            self.val_dataset = self._pack(documents)
+        return self.val_dataset
 
     def setup(self, stage: str | None = None) -> None:
         dataset = self.build_dataset()
@@ -61,6 +93,8 @@ class DSV4DataModule(L.LightningDataModule):
         if self.trainer is not None:
             kwargs = self.trainer.strategy.distributed_sampler_kwargs or {}
             dp_rank, dp_size = kwargs.get("rank", 0), kwargs.get("num_replicas", 1)
+        self._dp = (dp_rank, dp_size)
+        self.build_val_dataset()
         self.sampler = DistributedPackedSampler(len(dataset), dp_rank, dp_size, seed=self.seed, shuffle=self.shuffle)
         if self._pending_state is not None:
             self.sampler.load_state_dict(self._pending_state)
@@ -71,6 +105,16 @@ class DSV4DataModule(L.LightningDataModule):
             self.dataset, batch_size=self.micro_batch_size, sampler=self.sampler, collate_fn=TokenBatch.stack,
             num_workers=0, drop_last=True,
         )
+
+    def validation_dataloader(self) -> DataLoader:
+        """This dp rank's held-out rows in order, in micro-batches (the same count on every rank). Not Lightning's
+        ``val_dataloader`` hook: the module runs it itself after optimizer steps (:mod:`dsv4.training.validation`)."""
+        rows = self.build_val_dataset()
+        if rows is None:
+            raise ValueError("no validation data: set data.val_fraction or data.val")
+        shard = ValidationShard(rows, *self._dp, micro_batch_size=self.micro_batch_size)
+        return DataLoader(shard, batch_size=self.micro_batch_size, shuffle=False, collate_fn=TokenBatch.stack,
+                          num_workers=0)
 
     def state_dict(self) -> dict[str, Any]:
         if self.sampler is None:

@@ -6,6 +6,11 @@ whatever the interval, so no trained step is lost. Retention: once a ``step<N>.c
 deletes the periodic checkpoints beyond the newest ``keep_last``, except those of steps divisible by
 ``keep_every_n_steps`` and the one ``last.ckpt`` names; each deletion is logged.
 
+With ``best_of="val/loss"`` (``checkpoint.monitor``) it also keeps ``best.ckpt``: after a validation whose
+``val/loss`` is lower than every earlier one it saves the run there (a distributed checkpoint like the others,
+written by every rank), before the step's ``step<N>.ckpt`` / ``last.ckpt``, so those hold the new best score too.
+The best score, step and path are part of the callback's state in every checkpoint and come back on resume.
+
 A checkpoint directory is complete when it holds ``meta.pt`` and DCP's ``.metadata``. Every rank writes into
 ``<name>.partial`` and global rank 0 renames it into place only after all ranks finished
 (:mod:`dsv4.training.checkpoint_writer`; with ``checkpoint.async_save`` in the background, committed by the next
@@ -28,6 +33,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from dsv4.training.checkpoint_writer import META_FILE, PARTIAL_SUFFIX
 
 log = logging.getLogger(__name__)
+BEST_NAME = "best.ckpt"
 _STEP_NAME = re.compile(r"^step(\d+)\.ckpt$")
 
 
@@ -51,18 +57,56 @@ def complete_checkpoints(ckpt_dir: str | Path) -> tuple[list[Path], list[Path]]:
 
 class StepCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint(dirpath, filename="step{step}", save_last="link", every_n_train_steps=every_n_steps)``
-    that also checkpoints the step that reaches ``trainer.max_steps`` (``every_n_steps`` 0: only that one) and keeps
+    that also checkpoints the step that reaches ``trainer.max_steps`` (``every_n_steps`` 0: only that one), keeps
     the newest ``keep_last`` periodic checkpoints (None: all) plus those of steps divisible by
-    ``keep_every_n_steps``."""
+    ``keep_every_n_steps`` and, with ``best_of`` (``"val/loss"``), keeps ``best.ckpt`` (see the module docstring).
+    It reads the validation from the module's ``last_validation``
+    (:class:`~dsv4.training.validation.ValidationResult`), fresh when its step is the trainer's ``global_step``.
+    Invariant: ``best_score`` is the lowest ``val/loss`` of the run's trajectory so far, ``best_step`` its step,
+    ``best_path`` the checkpoint saved then (None before the first validation)."""
 
     def __init__(self, dirpath: str | Path, every_n_steps: int, keep_last: int | None = 3,
-                 keep_every_n_steps: int | None = None) -> None:
+                 keep_every_n_steps: int | None = None, best_of: str | None = None) -> None:
         super().__init__(dirpath=str(dirpath), filename="step{step}", save_last="link", save_top_k=-1,
                          every_n_train_steps=max(int(every_n_steps), 0),
                          save_on_train_epoch_end=False, auto_insert_metric_name=False,
                          enable_version_counter=False)  # a resumed run overwrites last.ckpt, never last-v1.ckpt
         self.keep_last, self.keep_every_n_steps = keep_last, keep_every_n_steps
         self._retained_step: int | None = None
+        if best_of not in (None, "val/loss"):
+            raise ValueError(f"`checkpoint.monitor`={best_of!r} must be null or val/loss")
+        self.best_of = best_of
+        self.best_score: float | None = None
+        self.best_step: int | None = None
+        self.best_path: str | None = None
+        self._judged_step: int | None = None  # the step whose validation was compared (once, not per micro-batch)
+
+    def _keep_best(self, trainer: Any, pl_module: Any) -> None:
+        """Save ``best.ckpt`` when this step's validation is the lowest so far (decided on rank 0, every rank saves)."""
+        result = getattr(pl_module, "last_validation", None)
+        if self.best_of is None or result is None or result.step != trainer.global_step:
+            return
+        if result.step == self._judged_step:
+            return
+        self._judged_step = result.step
+        better = result.loss == result.loss and (self.best_score is None or result.loss < self.best_score)
+        if not trainer.strategy.broadcast(better, src=0):
+            return
+        self.best_score, self.best_step = float(result.loss), int(result.step)
+        self.best_path = str(Path(self.dirpath) / BEST_NAME)
+        trainer.save_checkpoint(self.best_path)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(),
+                "best": {"monitor": self.best_of, "score": self.best_score, "step": self.best_step,
+                         "path": self.best_path}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        best = state.pop("best", None) or {}
+        super().load_state_dict(state)
+        if self.best_of is not None and best.get("monitor") == self.best_of:
+            self.best_score, self.best_step, self.best_path = best["score"], best["step"], best["path"]
 
     def retain(self, trainer: Any) -> list[Path]:
         """Delete (global rank 0) the complete periodic checkpoints beyond the newest ``keep_last``, except
@@ -92,6 +136,7 @@ class StepCheckpoint(ModelCheckpoint):
         self.retain(trainer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._keep_best(trainer, pl_module)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         final = trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step
         if final and not self._should_skip_saving_checkpoint(trainer):

@@ -16,6 +16,14 @@ step) keeps the step one large batch: the loss is the token mean over every micr
 those of all the rows in one batch (:meth:`DSV4LightningModule.training_step`), and the published ``StepStats``
 cover all of them.
 
+Validation (``val_data``: the held-out rows, ``spec.validation``): after the optimizer steps
+:func:`~dsv4.training.validation.validation_due` names, the module evaluates them in eval mode without gradients
+(:func:`~dsv4.training.validation.evaluate_token_loss`, the training forward under CP) and logs ``val/loss`` once
+(global rank 0, every logger), in the row of the step it follows (the row of that step's ``train/loss``);
+``last_validation`` holds the result for the checkpoint callback. It runs after the step's bias update and statistics
+and leaves the training state as it was: no expert load is counted (eval mode), no RNG is drawn, the CP traffic
+counters are reset afterwards, and the step's gradients (already applied) are freed first.
+
 LoRA (``lora``, :mod:`dsv4.peft`): only the adapters are parameters that train; the optimizer sees only them, the
 strategy checkpoints only them, and ``on_train_end`` exports them in the PEFT format and / or the merged model.
 
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable, Iterable
 
 import lightning as L
 import torch
@@ -43,6 +52,7 @@ from dsv4.training.stats import StepStats, batch_statistics, document_flops, ste
 from dsv4.training.spec import RunSpec
 from dsv4.training.step import forward_outputs
 from dsv4.training.strategy import DSV4Strategy, ParallelState
+from dsv4.training.validation import ValidationResult, batch_limit, evaluate_token_loss, validation_due
 
 log = logging.getLogger("dsv4")
 
@@ -55,12 +65,15 @@ class DSV4LightningModule(L.LightningModule):
     router-bias update; only adapters train) and ``lora_adapter`` (a PEFT adapter to start from), ``export`` (what
     to write at the end of training) and ``indexer_warmup_steps`` (with ``indexer_loss_coeff > 0`` the first steps
     train only the indexer on its KL loss, :mod:`dsv4.model.indexer_loss`; the main model and the router biases stay
-    as they are).
+    as they are). ``val_data``: a callable returning this dp rank's held-out batches (e.g.
+    :meth:`~dsv4.data.datamodule.DSV4DataModule.validation_dataloader`; None: no validation).
     """
 
-    def __init__(self, spec: RunSpec) -> None:
+    def __init__(self, spec: RunSpec, val_data: Callable[[], Iterable[TokenBatch]] | None = None) -> None:
         super().__init__()
         self.spec = spec
+        self.val_data = val_data
+        self.last_validation: ValidationResult | None = None
         self.config = spec.model
         self.lora = spec.lora
         self.model: DSV4ForCausalLM | None = None
@@ -270,6 +283,33 @@ class DSV4LightningModule(L.LightningModule):
             world_size=self.trainer.world_size, step_time_s=time.perf_counter() - self._step_start,
             cp_traffic=traffic,
         )
+        step = self.trainer.global_step + 1
+        if self.val_data is not None and validation_due(step, self.spec.validation.every_n_steps, self.spec.max_steps):
+            self.validate(step)
+
+    def validate(self, step: int) -> ValidationResult:
+        """Evaluate the held-out rows after optimizer step ``step`` (see the module docstring); log ``val/loss``."""
+        for param in self.parameters():  # applied by the optimizer step; the next step starts from zero anyway
+            param.grad = None
+        loader = self.val_data()
+        limit = batch_limit(len(loader), self.spec.validation.limit_batches) if hasattr(loader, "__len__") else None
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            loss, tokens = evaluate_token_loss(self.model, loader, self.parallel, self.config.shard_multiple,
+                                               self.device, limit)
+        finally:
+            self.model.train(was_training)
+        if self.parallel.cp is not None:
+            self.parallel.cp.traffic.reset()
+        self.last_validation = ValidationResult(step=step, loss=loss, tokens=tokens)
+        # to the loggers directly, once: a value self.log-ged in a training hook would be repeated in later rows
+        self.trainer.callback_metrics["val/loss"] = torch.tensor(loss)
+        if self.trainer.global_rank == 0:
+            for logger in self.trainer.loggers:  # the row of the step it follows (0-based, like train/loss)
+                logger.log_metrics({"val/loss": loss}, step=step - 1)
+            log.info("step %d: val/loss %.4f over %d held-out tokens", step, loss, tokens)
+        return self.last_validation
 
     # ------------------------------------------------------------------ checkpoint extras
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -4,9 +4,9 @@ Order matters for users: everything that can be wrong with the config (:func:`ds
 or the data is checked in the launching process before Lightning starts the other ranks, and nothing is written
 before the checks pass. Everything after reads the :class:`~dsv4.training.spec.RunSpec`.
 
-A ``-m`` sweep runs every job as its own single-run command (see :func:`run_sweep_job`); the job's objective (its
-last ``train/loss``) comes back through ``objective.json`` in its run directory, so sweepers such as Optuna get a
-number for every trial.
+A ``-m`` sweep runs every job as its own single-run command (see :func:`run_sweep_job`); the job's objective (the
+last logged value of ``objective``: ``train/loss`` of the last step, or ``val/loss`` of the validation after it)
+comes back through ``objective.json`` in its run directory, so sweepers such as Optuna get a number for every trial.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from dsv4.training.spec import RunSpec, build_run_spec
 log = logging.getLogger("dsv4")
 
 OBJECTIVE_FILE = "objective.json"
-OBJECTIVE_METRIC = "train/loss"
 
 
 _LAUNCH_ENV = frozenset({"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
@@ -66,8 +65,8 @@ def read_objective(output_dir: Path) -> float | None:
     return None if value is None else float(value)
 
 
-def _write_objective(output_dir: Path, value: float | None) -> None:
-    (output_dir / OBJECTIVE_FILE).write_text(json.dumps({"metric": OBJECTIVE_METRIC, "value": value}))
+def _write_objective(output_dir: Path, metric: str, value: float | None) -> None:
+    (output_dir / OBJECTIVE_FILE).write_text(json.dumps({"metric": metric, "value": value}))
 
 
 def _resume_path(spec: RunSpec, ckpt_dir: Path) -> str | None:
@@ -91,7 +90,7 @@ def _resume_path(spec: RunSpec, ckpt_dir: Path) -> str | None:
 
 
 def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
-    """Resolve the run, then train; returns the objective (the last ``train/loss``) for sweepers."""
+    """Resolve the run, then train; returns the objective (the last ``spec.objective``) for sweepers."""
     output_dir = Path(output_dir)
     spec = build_run_spec(cfg)
     if is_multirun_job() and not os.environ.get("DSV4_SWEEP_CHILD"):
@@ -114,16 +113,24 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     L.seed_everything(spec.seed, workers=True, verbose=False)
     data = DSV4DataModule(source=dict(spec.data), seq_len=spec.seq_len, shard_multiple=spec.model.shard_multiple,
                           micro_batch_size=spec.micro_batch_size, cp_size=spec.parallel.chunks, seed=spec.seed,
-                          overlong=spec.overlong)
+                          overlong=spec.overlong,
+                          val_source=dict(spec.validation.source) if spec.validation.source is not None else None,
+                          val_fraction=spec.validation.fraction)
     dataset = data.build_dataset()  # tokenizes and packs: bad data fails here, before any rank starts
     log.info("%s", dataset.stats.summary())
+    val_rows = data.build_val_dataset()
+    if val_rows is not None:
+        log.info("validation %s", val_rows.stats.summary())
     if spec.dry_run:
         log.info("dry run: %d packed rows of %d tokens; %s", len(dataset), spec.seq_len, dataset.stats.as_dict())
+        if val_rows is not None:
+            log.info("dry run: %d held-out rows; %s", len(val_rows), val_rows.stats.as_dict())
         return None
 
     log.info("compute dtype %s (fp32 master weights, optimizer state and gradient reduction)", spec.compute_dtype)
     checkpointing = StepCheckpoint(ckpt_dir, spec.checkpoint.every_n_steps, keep_last=spec.checkpoint.keep_last,
-                                   keep_every_n_steps=spec.checkpoint.keep_every_n_steps)
+                                   keep_every_n_steps=spec.checkpoint.keep_every_n_steps,
+                                   best_of=spec.checkpoint.monitor)
     resume_step = checkpoint_step(resume) if resume else None  # the logs continue from this step
     logger = spec.logger(output_dir, resume_step=resume_step) if spec.logger is not None else False
     trainer = L.Trainer(strategy=DSV4Strategy.from_spec(spec), logger=logger,
@@ -135,11 +142,15 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
         OmegaConf.save(OmegaConf.create(dict(spec.resolved)), output_dir / "resolved_config.yaml")
     if logger:
         logger.log_hyperparams(dict(spec.resolved))
-    trainer.fit(DSV4LightningModule(spec), datamodule=data, ckpt_path=resume)
-    loss = trainer.callback_metrics.get(OBJECTIVE_METRIC)
-    objective = float(loss) if isinstance(loss, torch.Tensor) else None
+    module = DSV4LightningModule(spec, val_data=data.validation_dataloader if data.has_validation else None)
+    trainer.fit(module, datamodule=data, ckpt_path=resume)
+    if spec.objective == "val/loss":
+        objective = module.last_validation.loss if module.last_validation is not None else None
+    else:
+        loss = trainer.callback_metrics.get(spec.objective)
+        objective = float(loss) if isinstance(loss, torch.Tensor) else None
     if trainer.global_rank == 0:
-        _write_objective(output_dir, objective)
+        _write_objective(output_dir, spec.objective, objective)
         if isinstance(logger, WandbLogger):
             import wandb
 

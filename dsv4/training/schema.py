@@ -60,7 +60,9 @@ class DataConfig:
     stdlib | jsonl | hf built in; ``options``: the keys only that source reads), and ``overlong``:
     what the packer does with a document longer than ``seq_len`` (:data:`dsv4.data.packer.OVERLONG`; the default
     ``truncate_left`` keeps a conversation's last turns, the ones with the answer; ``conf/data/stdlib.yaml`` splits
-    its source files)."""
+    its source files). Held-out data, at most one of: ``val``, source keys that override the training source's for a
+    second source (e.g. ``{path: val.jsonl}``), or ``val_fraction``, the share of the documents held out by seed
+    (:mod:`dsv4.data.validation`)."""
 
     kind: str = "stdlib"
     path: Optional[str] = None
@@ -75,6 +77,8 @@ class DataConfig:
     seed: int = 0
     options: Dict[str, Any] = field(default_factory=dict)
     overlong: str = "truncate_left"
+    val: Any = None  # a mapping of source keys, or null
+    val_fraction: Optional[float] = None
 
 
 @dataclass
@@ -90,13 +94,15 @@ class CheckpointConfig:
     """``every_n_steps``: distributed checkpoint cadence (0 = only at the end); ``resume``: ``auto`` (the run
     dir's newest complete checkpoint, if any), ``none``, or a checkpoint directory; ``keep_last``: periodic
     checkpoints kept (null: all); ``keep_every_n_steps``: periodic checkpoints of these steps are always kept;
-    ``async_save``: write in the background, the step waits only for the host copy."""
+    ``async_save``: write in the background, the step waits only for the host copy; ``monitor``: ``val/loss`` also
+    keeps ``best.ckpt`` (the lowest one), null: no best checkpoint."""
 
     every_n_steps: int = 50
     resume: str = "auto"
     keep_last: Optional[int] = 3
     keep_every_n_steps: Optional[int] = None
     async_save: bool = True
+    monitor: Optional[str] = None
 
 
 @dataclass
@@ -150,6 +156,8 @@ class FinetuneConfig:
     dry_run: bool = False
     bias_update_rate: float = 1e-3
     indexer_warmup_steps: int = 0
+    # the metric a sweep job reports (objective.json): train/loss (last step) | val/loss (validation after it)
+    objective: str = "train/loss"
     model: ModelConfig = field(default_factory=ModelConfig)
     peft: PeftGroupConfig = field(default_factory=PeftGroupConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -116,13 +116,38 @@ class CheckpointSpec:
     """``every_n_steps``: distributed checkpoint cadence (0 = only at the end); ``resume``: ``auto`` | ``none`` | a
     checkpoint directory; ``keep_last``: how many periodic ``step<N>.ckpt`` to keep (None: all);
     ``keep_every_n_steps``: periodic checkpoints of steps divisible by it are always kept (None: none);
-    ``async_save``: write in the background (the step waits only for the host copy)."""
+    ``async_save``: write in the background (the step waits only for the host copy); ``monitor``: ``val/loss``
+    also keeps ``best.ckpt``, the checkpoint of the lowest one (None: no best checkpoint)."""
 
     every_n_steps: int = 50
     resume: str = "auto"
     keep_last: int | None = 3
     keep_every_n_steps: int | None = None
     async_save: bool = True
+    monitor: str | None = None
+
+
+MONITORS = ("val/loss",)
+OBJECTIVES = ("train/loss", "val/loss")
+
+
+@dataclass(frozen=True)
+class ValidationSpec:
+    """Held-out data and when to evaluate it. ``source``: the keywords of a second document source
+    (``data.val`` over the training source's keys), or ``fraction``: the share of the training source's documents
+    held out (``data.val_fraction``); at most one is set, neither = no validation. ``every_n_steps``
+    (``trainer.val_check_interval``): evaluate after every that many optimizer steps, and always after the last one
+    (None: after the last one only); ``limit_batches`` (``trainer.limit_val_batches``): each dp rank evaluates at
+    most that many micro-batches (an int) or that fraction of them (a float in (0, 1], at least one)."""
+
+    source: Mapping[str, Any] | None = None
+    fraction: float | None = None
+    every_n_steps: int | None = None
+    limit_batches: int | float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.source is not None or self.fraction is not None
 
 
 @dataclass(frozen=True)
@@ -159,6 +184,8 @@ class RunSpec:
     plan: PlanOptions = field(default_factory=PlanOptions)
     export: ExportSpec = field(default_factory=ExportSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    validation: ValidationSpec = field(default_factory=ValidationSpec)
+    objective: str = "train/loss"  # the metric a sweep job reports (OBJECTIVES)
     # the composed config with every model value spelled out (for the record)
     resolved: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
@@ -308,6 +335,72 @@ def _export_spec(cfg: DictConfig, lora: LoRAConfig | None) -> ExportSpec:
     return export
 
 
+# the keys of the data group that name a document source (data.val may override them; the tokenizer is the
+# training one, so the two losses count the same tokens)
+_VAL_SOURCE_KEYS = ("kind", "path", "split", "text_key", "messages_key", "chat_template_file", "max_documents",
+                    "max_bytes", "min_bytes", "seed", "options")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validation_spec(data: dict[str, Any], trainer: dict[str, Any], max_steps: int) -> ValidationSpec:
+    """Pop ``val`` / ``val_fraction`` from the data group and ``val_check_interval`` / ``limit_val_batches`` from
+    the trainer keywords (the schedule is dsv4's, in optimizer steps) and check them."""
+    val, fraction = data.pop("val", None), data.pop("val_fraction", None)
+    every, limit = trainer.pop("val_check_interval", None), trainer.pop("limit_val_batches", None)
+    if val is not None and fraction is not None:
+        raise ValueError(f"`data.val` and `data.val_fraction`={fraction} are both set: hold out documents of the "
+                         "training source (data.val_fraction) or read a second source (data.val), not both")
+    source = None
+    if fraction is not None:
+        from dsv4.data.validation import check_val_fraction
+
+        fraction = check_val_fraction(fraction)
+    if val is not None:
+        if not isinstance(val, dict):
+            raise ValueError(f"`data.val`={val!r} must be a mapping of source keys, e.g. data.val={{path:val.jsonl}}")
+        unknown = sorted(set(val) - set(_VAL_SOURCE_KEYS))
+        if unknown:
+            raise KeyError(f"`data.val.{unknown[0]}` cannot be set: data.val overrides the training source's keys "
+                           f"{list(_VAL_SOURCE_KEYS)} (the tokenizer and data.overlong are the training ones)")
+        source = {**data, **val}
+    enabled = source is not None or fraction is not None
+    if every is not None:
+        if not _is_int(every) or every < 1:
+            raise ValueError(f"`trainer.val_check_interval`={every!r} must be a whole number of optimizer steps >= 1")
+        if not enabled:
+            raise ValueError(f"`trainer.val_check_interval`={every} needs held-out data: set data.val_fraction or "
+                             "data.val")
+    if limit is not None:
+        fractional = isinstance(limit, float) and 0.0 < limit <= 1.0
+        if not fractional and not (_is_int(limit) and limit >= 1):
+            raise ValueError(f"`trainer.limit_val_batches`={limit!r} must be a number of micro-batches >= 1 or a "
+                             "fraction in (0, 1]")
+        if not enabled:
+            raise ValueError(f"`trainer.limit_val_batches`={limit} needs held-out data: set data.val_fraction or "
+                             "data.val")
+    if enabled and every is None and max_steps < 1:
+        raise ValueError(f"validation with `trainer.max_steps`={max_steps} needs `trainer.val_check_interval` (it "
+                         "otherwise runs after the last step, which is not known)")
+    return ValidationSpec(source=MappingProxyType(source) if source is not None else None, fraction=fraction,
+                          every_n_steps=every, limit_batches=limit)
+
+
+def _check_monitor_and_objective(cfg: DictConfig, validation: ValidationSpec) -> tuple[str | None, str]:
+    monitor = cfg.checkpoint.get("monitor")
+    if monitor is not None and monitor not in MONITORS:
+        raise ValueError(f"`checkpoint.monitor`={monitor!r} must be null or one of {list(MONITORS)}")
+    objective = cfg.get("objective", "train/loss")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"`objective`={objective!r} must be one of {list(OBJECTIVES)}")
+    for key, value in (("checkpoint.monitor", monitor), ("objective", objective)):
+        if value == "val/loss" and not validation.enabled:
+            raise ValueError(f"`{key}`=val/loss needs held-out data: set data.val_fraction or data.val")
+    return monitor, objective
+
+
 def build_run_spec(cfg: DictConfig) -> RunSpec:
     """Resolve and validate the composed config (see the module docstring); nothing is written."""
     from dsv4.model.attention_backend import resolve_attention_backend
@@ -347,6 +440,9 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
     _checkpoint_spec(cfg.checkpoint)  # validated before any other work
     if overlong not in OVERLONG:
         raise ValueError(f"`data.overlong`={overlong!r} must be one of {', '.join(OVERLONG)}")
+    max_steps = int(trainer.get("max_steps", 100))
+    validation = _validation_spec(data, trainer, max_steps)
+    monitor, objective = _check_monitor_and_objective(cfg, validation)
     optimizer, scheduler = build_optimization(cfg)
     callbacks = tuple(build_callbacks(cfg))
     plan = plan_options(cfg.get("plan"))
@@ -361,15 +457,16 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.get("global_batch_size"),
         seed=cfg.seed,
         bias_update_rate=cfg.bias_update_rate, indexer_warmup_steps=cfg.indexer_warmup_steps,
-        max_steps=int(trainer.get("max_steps", 100)), dry_run=bool(cfg.dry_run),
+        max_steps=max_steps, dry_run=bool(cfg.dry_run),
         data=MappingProxyType(data), overlong=overlong, trainer=MappingProxyType(trainer),
         callbacks=callbacks, logger=logger, plan=plan, export=export,
-        checkpoint=_checkpoint_spec(cfg.checkpoint),
+        checkpoint=_checkpoint_spec(cfg.checkpoint, monitor),
+        validation=validation, objective=objective,
         resolved=MappingProxyType(resolved),
     )
 
 
-def _checkpoint_spec(ckpt: Any) -> CheckpointSpec:
+def _checkpoint_spec(ckpt: Any, monitor: str | None = None) -> CheckpointSpec:
     """The ``checkpoint`` group as a :class:`CheckpointSpec`; a count below 1 is refused, naming its key."""
     keep_last, keep_every = ckpt.get("keep_last", 3), ckpt.get("keep_every_n_steps")
     for key, value in (("keep_last", keep_last), ("keep_every_n_steps", keep_every)):
@@ -379,4 +476,4 @@ def _checkpoint_spec(ckpt: Any) -> CheckpointSpec:
     return CheckpointSpec(every_n_steps=int(ckpt.every_n_steps), resume=ckpt.resume,
                           keep_last=None if keep_last is None else int(keep_last),
                           keep_every_n_steps=None if keep_every is None else int(keep_every),
-                          async_save=bool(ckpt.get("async_save", True)))
+                          async_save=bool(ckpt.get("async_save", True)), monitor=monitor)
