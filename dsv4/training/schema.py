@@ -60,11 +60,13 @@ class DataConfig:
     stdlib | jsonl | hf built in; ``options``: the keys only that source reads), and ``overlong``:
     what the packer does with a document longer than ``seq_len`` (:data:`dsv4.data.packer.OVERLONG`; the default
     ``truncate_left`` keeps a conversation's last turns, the ones with the answer; ``conf/data/stdlib.yaml`` splits
-    its source files)."""
+    its source files). ``tokenizer=auto``: the tokenizer of ``model.checkpoint``, else byte
+    (:mod:`dsv4.data.defaults`); ``cache_dir``: where prepared datasets are kept (null: tokenize in memory at every
+    start), ``num_proc``: tokenizing processes (null: min(8, CPUs)), see :mod:`dsv4.data.prepared`."""
 
     kind: str = "stdlib"
     path: Optional[str] = None
-    tokenizer: str = "byte"
+    tokenizer: str = "auto"
     split: str = "train"
     text_key: str = "text"
     messages_key: str = "messages"
@@ -75,6 +77,8 @@ class DataConfig:
     seed: int = 0
     options: Dict[str, Any] = field(default_factory=dict)
     overlong: str = "truncate_left"
+    cache_dir: Optional[str] = None
+    num_proc: Optional[int] = None
 
 
 @dataclass
