@@ -112,8 +112,9 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     L.seed_everything(spec.seed, workers=True, verbose=False)
     data = DSV4DataModule(source=dict(spec.data), seq_len=spec.seq_len, shard_multiple=spec.model.shard_multiple,
                           micro_batch_size=spec.micro_batch_size, cp_size=spec.parallel.chunks, seed=spec.seed,
-                          overlong=spec.overlong)
-    dataset = data.build_dataset()  # tokenizes and packs: bad data fails here, before any rank starts
+                          overlong=spec.overlong, cache_dir=spec.data_cache_dir, num_proc=spec.data_num_proc)
+    dataset = data.build_dataset()  # tokenizes and packs (or maps the prepared copy): bad data fails here, before
+    # any rank starts; Lightning's ranks re-run this and map the copy the launching process prepared
     log.info("%s", dataset.stats.summary())
     if spec.dry_run:
         log.info("dry run: %d packed rows of %d tokens; %s", len(dataset), spec.seq_len, dataset.stats.as_dict())
