@@ -12,9 +12,12 @@ CORPUS = ("Be brief. 2+2? and 3+3? add again 4 6 weather? Paris sunny Sunny. <to
           'name="get_weather" string="true" false {} [] hello world the quick brown fox\n' + DSML)
 
 JINJA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-                  "{% else %}<｜Assistant｜>{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+                  "{% elif m['role'] == 'system' %}{{ m['content'] }}{% else %}<｜Assistant｜>"
+                  "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+                  "{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
                   "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}")
-"""A prefix-stable template in the Hugging Face style (reads ``bos_token`` / ``eos_token``)."""
+"""A prefix-stable template in the Hugging Face style (reads ``bos_token`` / ``eos_token``; renders an assistant
+message's ``reasoning_content`` inside ``<think>...</think>``)."""
 
 
 def write_tokenizer_dir(directory: Path, *, chat_template: str | None = None, vocab_size: int = 200,

@@ -10,6 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from dsv4.data import HFTokenizer, chat_segments, tokenize_chat
+from dsv4.data.datamodule import DSV4DataModule
 from dsv4.data.deepseek_v4_chat import SPECIAL_TOKENS
 from dsv4.data.tokenizers import single_id
 from dsv4.training.schema import register_schema
@@ -84,12 +85,26 @@ def test_real_tokenizer_masks_exactly_the_assistant_turns(tmp_path):
     assert ids.count(single_id(tok, E)) == 2 and mask[ids.index(single_id(tok, E))]
 
 
-def test_tokenizer_config_template_renders_with_its_special_tokens(tmp_path):
+def test_tokenizer_config_template_multi_turn_reasoning_by_hand(tmp_path):
+    """The chat_template of a real tokenizer's tokenizer_config.json, rendered with its bos / eos tokens: the
+    supervised segments are exactly the assistant messages (reasoning included), the role header is not."""
     tok = HFTokenizer(write_tokenizer_dir(tmp_path / "ckpt", chat_template=JINJA_TEMPLATE))
     assert tok.chat_template == JINJA_TEMPLATE and tok.template_vars["eos_token"] == E
-    ids, mask = tokenize_chat(REASONING_CHAT[1:3], tok, tok.chat_template, template_vars=tok.template_vars)
-    assert ids == tok.encode(B) + tok.encode(f"{U}2+2?") + tok.encode(A) + tok.encode(f"4{E}")
-    assert [i for i, m in zip(ids, mask) if m] == tok.encode(f"4{E}")
+    segments = chat_segments(REASONING_CHAT, tok.chat_template, template_vars=tok.template_vars)
+    assert segments == [
+        (B, False),
+        ("Be brief.", False),
+        (f"{U}2+2?", False),
+        (A, False),
+        (f"<think>add</think>4{E}", True),
+        (f"{U}and 3+3?", False),
+        (A, False),
+        (f"<think>add again</think>6{E}", True),
+    ]
+    ids, mask = tokenize_chat(REASONING_CHAT, tok, tok.chat_template, template_vars=tok.template_vars)
+    assert ids == [i for text, _ in segments for i in tok.encode(text)]
+    assert [i for i, m in zip(ids, mask) if m] == tok.encode(f"<think>add</think>4{E}") + tok.encode(
+        f"<think>add again</think>6{E}")
 
 
 @pytest.mark.parametrize("template, expected", [(None, "deepseek_v4"), (JINJA_TEMPLATE, JINJA_TEMPLATE)])
@@ -102,6 +117,10 @@ def test_checkpoint_tokenizer_and_template_are_the_default(tmp_path, template, e
     spec = build_run_spec(_compose(["seq_len=256", f"model.checkpoint={ckpt}", "data=jsonl", f"data.path={data}"]))
     assert spec.data["tokenizer"] == str(ckpt) and spec.data["chat_template"] == expected
     assert "chat_template_file" not in spec.data
+    module = DSV4DataModule(source=dict(spec.data), seq_len=spec.seq_len, shard_multiple=spec.model.shard_multiple,
+                            overlong=spec.overlong, cache_dir=str(tmp_path / "cache"), num_proc=1)
+    labels = module.build_dataset()[0].labels[0]
+    assert labels[labels != -100].tolist() == HFTokenizer(ckpt).encode(f"4{E}")  # the answer and its end only
     plain = build_run_spec(_compose(["seq_len=256", "data=jsonl", f"data.path={data}"]))
     assert (plain.data["tokenizer"], plain.data["chat_template"]) == ("byte", None)  # the tiny model: bytes
 
