@@ -102,17 +102,20 @@ class HFTokenizer:
             except Exception as exc:  # tokenizers raises a bare Exception on malformed files
                 raise ValueError(f"HFTokenizer: cannot read tokenizer file {str(json_file)!r}: {exc}") from exc
         self.directory = json_file.parent
+        self._config_cache: dict | None = None
         self.pad_id = self._resolve_pad_id(pad_token, json_file)
 
     def _config(self) -> dict:
-        """``tokenizer_config.json`` beside the tokenizer ({} without one)."""
-        config = self.directory / "tokenizer_config.json"
-        if not config.is_file():
-            return {}
-        try:
-            return json.loads(config.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"HFTokenizer: {str(config)!r} is not valid JSON: {exc}") from exc
+        """``tokenizer_config.json`` beside the tokenizer ({} without one), read once."""
+        if self._config_cache is None:
+            config = self.directory / "tokenizer_config.json"
+            self._config_cache = {}
+            if config.is_file():
+                try:
+                    self._config_cache = json.loads(config.read_text(encoding="utf-8"))
+                except (OSError, json.JSONDecodeError) as exc:
+                    raise ValueError(f"HFTokenizer: {str(config)!r} is not valid JSON: {exc}") from exc
+        return self._config_cache
 
     @property
     def chat_template(self) -> str | None:
