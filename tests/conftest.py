@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 # Triton kernels run on CPU tensors under Triton's interpreter; set before anything imports triton (Lightning and
 # torch import it, and Triton reads the setting once). On a GPU, TRITON_INTERPRET=0 tests the compiled kernels.
@@ -14,6 +15,8 @@ import torch  # noqa: E402
 from dsv4.cp import SimulatedMesh  # noqa: E402
 
 os.environ.setdefault("WANDB_MODE", "offline")
+# prepared datasets (data.cache_dir) of every test and every recipe a test starts go to a fresh temporary directory
+os.environ["DSV4_DATA_CACHE"] = tempfile.mkdtemp(prefix="dsv4-test-data-")
 
 
 FakeMesh = SimulatedMesh  # short name used across the tests

@@ -5,6 +5,10 @@
     sampler = DistributedPackedSampler(len(dataset), dp_rank, dp_size, seed=0)
     loader = DataLoader(dataset, batch_size=2, sampler=sampler, collate_fn=TokenBatch.stack)
 
+The same rows prepared once on disk and memory-mapped by every later start: :func:`dsv4.data.prepared.prepare_dataset`
+(``python -m dsv4.data prepare``). The tokenizer and chat template a run uses by default (the model checkpoint's):
+:mod:`dsv4.data.defaults`; DeepSeek-V4's chat encoding: :mod:`dsv4.data.deepseek_v4_chat`.
+
 Batches are :class:`dsv4.batch.TokenBatch` (``input_ids``, ``labels``, ``seq_ids``, ``positions`` ``[B, S]``); see
 :mod:`dsv4.data.packer` for the exact row layout.
 """

@@ -1,7 +1,10 @@
 """Chat conversations -> token ids with an assistant-only loss mask, through a Jinja2 chat template.
 
 A conversation is a non-empty list of ``{"role": str, "content": str}`` messages, each role one of
-:data:`CHAT_ROLES` (anything else is refused, naming where). The template is rendered the way
+:data:`CHAT_ROLES` (anything else is refused, naming where); a message may also carry ``reasoning_content`` (a
+string) and ``tool_calls`` (a list of objects; ``content`` may then be null). ``chat_template`` is Jinja text, or
+``"deepseek_v4"`` for DeepSeek-V4's own encoding rules (:mod:`dsv4.data.deepseek_v4_chat`, which writes the
+segments directly). The template is rendered the way
 Hugging Face chat templates are (sandboxed Jinja2, ``trim_blocks`` and ``lstrip_blocks``, variables ``messages``
 and ``add_generation_prompt``, plus a ``raise_exception`` helper).
 
@@ -25,6 +28,8 @@ import difflib
 from functools import lru_cache
 from typing import Any, Sequence
 
+from dsv4.data.deepseek_v4_chat import FORMAT_NAME as DEEPSEEK_V4_FORMAT
+from dsv4.data.deepseek_v4_chat import deepseek_v4_segments
 from dsv4.data.tokenizers import Tokenizer
 
 
@@ -49,6 +54,8 @@ def _raise_exception(message: str) -> None:
 
 @lru_cache(maxsize=8)
 def _compile(template: str) -> Any:
+    if template == DEEPSEEK_V4_FORMAT:
+        return None  # built-in encoding rules, nothing to compile
     try:
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -70,11 +77,20 @@ def validate_messages(messages: Any, where: str) -> list[dict]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"{where}: messages[{i}] must be an object, got {type(message).__name__}")
+        calls = message.get("tool_calls")
         for key in ("role", "content"):
-            if key not in message:
+            if key not in message and not (key == "content" and calls):
                 raise KeyError(f"{where}: messages[{i}] has no `{key}` field (keys: {sorted(message)})")
+            if key == "content" and message.get(key) is None and calls:
+                continue  # an assistant turn that only calls tools
             if not isinstance(message[key], str):
                 raise ValueError(f"{where}: messages[{i}].{key} must be a string, got {type(message[key]).__name__}")
+        reasoning = message.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise ValueError(f"{where}: messages[{i}].reasoning_content must be a string, got "
+                             f"{type(reasoning).__name__}")
+        if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+            raise ValueError(f"{where}: messages[{i}].tool_calls must be a list of objects, got {calls!r:.80}")
         if message["role"] not in CHAT_ROLES:
             close = difflib.get_close_matches(message["role"], CHAT_ROLES, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -101,6 +117,8 @@ def chat_segments(
 ) -> list[tuple[str, bool]]:
     """The rendered conversation as ``(text, supervised)`` segments whose concatenation is the full rendering."""
     validate_messages(list(messages), where)
+    if chat_template == DEEPSEEK_V4_FORMAT:
+        return deepseek_v4_segments(messages, where=where)
     template = _compile(chat_template or DEFAULT_CHAT_TEMPLATE)
     extra = dict(template_vars or {})
     try:

@@ -1,6 +1,8 @@
 """`DSV4DataModule`: documents -> packed rows -> a dp-sharded, resumable DataLoader of ``TokenBatch`` es.
 
-Every rank builds the same packed dataset (deterministic), then reads only its data-parallel share; the ranks of
+With ``cache_dir`` the rows are prepared once on disk and memory-mapped (:mod:`dsv4.data.prepared`; every later
+start and every rank maps the same directory read-only); without it every rank tokenizes and packs in memory.
+Either way every rank has the same packed rows (deterministic), then reads only its data-parallel share; the ranks of
 one CP group get identical rows (the strategy shards them along the sequence). The data position (epoch, rows
 consumed) is saved in Lightning checkpoints through ``state_dict`` / ``load_state_dict`` (the same on every dp
 rank, so rank 0's copy restores all of them).
@@ -16,6 +18,7 @@ from torch.utils.data import DataLoader
 from dsv4.batch import TokenBatch
 from dsv4.data.dataset import DistributedPackedSampler, build_packed_dataset
 from dsv4.data.packer import PackedRows
+from dsv4.data.prepared import PreparedRows, prepare_dataset
 from dsv4.data.sources import build_documents
 from dsv4.data.validation import ValidationShard, split_documents
 
@@ -24,7 +27,9 @@ class DSV4DataModule(L.LightningDataModule):
     """Args: ``source`` (keyword arguments of :func:`~dsv4.data.sources.build_documents`), ``seq_len``,
     ``shard_multiple`` (the model's), ``micro_batch_size``, ``cp_size``, ``seed``, ``pad_id``, ``overlong``
     (documents longer than a row, :data:`~dsv4.data.packer.OVERLONG`); ``val_source`` / ``val_fraction`` (at most
-    one): the held-out data (see the module docstring)."""
+    one): the held-out data (see the module docstring); ``cache_dir`` (prepared datasets; None: in memory) and
+    ``num_proc`` (tokenizing processes of a prepare). The held-out rows are always packed in memory; with
+    ``val_fraction`` the training rows are too (the split needs every document), so ``cache_dir`` is not used."""
 
     def __init__(
         self,
@@ -39,13 +44,15 @@ class DSV4DataModule(L.LightningDataModule):
         overlong: str = "split",
         val_source: dict[str, Any] | None = None,
         val_fraction: float | None = None,
+        cache_dir: str | None = None,
+        num_proc: int = 1,
     ) -> None:
         super().__init__()
         self.source = dict(source)
         self.seq_len, self.shard_multiple, self.cp_size = seq_len, shard_multiple, cp_size
         self.micro_batch_size, self.seed, self.pad_id, self.shuffle = micro_batch_size, seed, pad_id, shuffle
-        self.overlong = overlong
-        self.dataset: PackedRows | None = None
+        self.overlong, self.cache_dir, self.num_proc = overlong, cache_dir, num_proc
+        self.dataset: PackedRows | PreparedRows | None = None
         self.sampler: DistributedPackedSampler | None = None
         self._pending_state: dict | None = None
         if val_source is not None and val_fraction is not None:
@@ -66,9 +73,14 @@ class DSV4DataModule(L.LightningDataModule):
         return build_packed_dataset(documents, self.seq_len, self.shard_multiple, pad_id=self.pad_id,
                                     cp_size=self.cp_size, overlong=self.overlong)
 
-    def build_dataset(self) -> PackedRows:
-        """Tokenize and pack (validates the data: raises before training starts); with ``val_fraction`` the
-        held-out documents are left out."""
+    def build_dataset(self) -> PackedRows | PreparedRows:
+        """Tokenize and pack, or map the prepared copy (validates the data: raises before training starts); with
+        ``val_fraction`` the held-out documents are left out (in memory)."""
+        if self.dataset is None and self.cache_dir is not None and self.val_fraction is None:
+            self.dataset = prepare_dataset(
+                self.source, self.seq_len, self.shard_multiple, self.cache_dir, cp_size=self.cp_size,
+                overlong=self.overlong, pad_id=self.pad_id, num_proc=self.num_proc,
+            )
         if self.dataset is None:
             documents = build_documents(**self.source)
             if self.val_fraction is not None:

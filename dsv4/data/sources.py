@@ -31,9 +31,9 @@ import random
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from dsv4.data.chat import _compile, tokenize_chat, validate_messages
+from dsv4.data.chat import DEEPSEEK_V4_FORMAT, _compile, tokenize_chat, validate_messages
 from dsv4.data.tokenizers import Tokenizer, build_tokenizer
 from dsv4.registry import Registry
 
@@ -95,18 +95,36 @@ def stdlib_corpus(
         tokenizer: default :class:`~dsv4.data.tokenizers.ByteTokenizer`.
         root: another directory to read instead of the stdlib (tests, inspection).
     """
+    tokenizer = tokenizer if tokenizer is not None else build_tokenizer("byte")
+    return [Document(tokenizer.encode(text), None, where)
+            for where, text in stdlib_texts(max_documents, max_bytes, min_bytes, seed, root=root)]
+
+
+def stdlib_texts(
+    max_documents: int | None = None,
+    max_bytes: int | None = None,
+    min_bytes: int = 64,
+    seed: int | None = 0,
+    *,
+    root: str | os.PathLike | None = None,
+) -> Iterator[tuple[str, str]]:
+    """``(source, text)`` of the files :func:`stdlib_corpus` selects, in its order, one file read at a time;
+    ValueError (before the first item) for a bad limit, at the end when nothing was selected."""
     for name, value in (("max_documents", max_documents), ("max_bytes", max_bytes)):
         if value is not None and value <= 0:
             raise ValueError(f"stdlib corpus: {name} must be positive or None, got {value}")
-    tokenizer = tokenizer if tokenizer is not None else build_tokenizer("byte")
     paths = stdlib_files(root)
     base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    return _stdlib_walk(paths, base, max_documents, max_bytes, min_bytes, seed)
+
+
+def _stdlib_walk(paths: list[Path], base: Path, max_documents: int | None, max_bytes: int | None, min_bytes: int,
+                 seed: int | None) -> Iterator[tuple[str, str]]:
     if seed is not None:
         random.Random(seed).shuffle(paths)
-    documents: list[Document] = []
-    used = 0
+    count = used = 0
     for path in paths:
-        if max_documents is not None and len(documents) >= max_documents:
+        if max_documents is not None and count >= max_documents:
             break
         size = path.stat().st_size
         if size < min_bytes or (max_bytes is not None and used + size > max_bytes):
@@ -115,14 +133,14 @@ def stdlib_corpus(
             text = path.read_bytes().decode("utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        documents.append(Document(tokenizer.encode(text), None, f"stdlib:{path.relative_to(base).as_posix()}"))
+        yield f"stdlib:{path.relative_to(base).as_posix()}", text
+        count += 1
         used += size
-    if not documents:
+    if not count:
         raise ValueError(
             f"stdlib corpus under {str(base)!r} yielded no documents ({len(paths)} .py files; max_documents="
             f"{max_documents}, max_bytes={max_bytes}, min_bytes={min_bytes})"
         )
-    return documents
 
 
 # ------------------------------------------------------------------------------------------ records -> documents
@@ -147,27 +165,43 @@ def _check_record(record: Any, where: str, text_key: str, messages_key: str) -> 
 def _to_document(record: dict, field: str, messages_key: str, tokenizer: Tokenizer, chat_template: str | None,
                  where: str) -> Document:
     if field == messages_key:
-        ids, mask = tokenize_chat(record[field], tokenizer, chat_template, where=where)
+        ids, mask = tokenize_chat(record[field], tokenizer, chat_template, where=where,
+                                  template_vars=getattr(tokenizer, "template_vars", None))
         return Document(ids, mask, where)
     return Document(tokenizer.encode(record[field]), None, where)
 
 
-def jsonl_documents(
+Record = tuple[str, dict, str]
+"""``(where, record, field)``: one record of a source, where it is (file and line, dataset row, ...) and which of its
+fields to use (the text or the messages key); :func:`record_document` tokenizes it."""
+
+
+def record_document(record: Record, messages_key: str, tokenizer: Tokenizer, chat_template: str | None) -> Document:
+    """The document of one checked record (chat records through the template, assistant-only loss)."""
+    where, rec, field_ = record
+    return _to_document(rec, field_, messages_key, tokenizer, chat_template, where)
+
+
+def jsonl_records(
     path: str | os.PathLike,
-    tokenizer: Tokenizer,
     text_key: str = "text",
     messages_key: str = "messages",
-    chat_template: str | None = None,
     *,
     max_documents: int | None = None,
-) -> list[Document]:
-    """Documents of a JSONL file; every line is parsed and checked before the first one is tokenized."""
+) -> tuple[int, Iterator[Record]]:
+    """``(count, records)`` of a JSONL file: every line is parsed and checked first (one line in memory at a time;
+    bad data raises here, naming the file and line), then ``records`` reads the file again, one record at a time."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"jsonl data: {str(path)!r} is not a file")
-    if chat_template is not None:
-        _compile(chat_template)
-    records: list[tuple[str, dict, str]] = []
+    count = sum(1 for _ in _jsonl_lines(path, text_key, messages_key, max_documents))
+    if not count:
+        raise ValueError(f"jsonl data: {str(path)!r} holds no records (empty dataset)")
+    return count, _jsonl_lines(path, text_key, messages_key, max_documents)
+
+
+def _jsonl_lines(path: Path, text_key: str, messages_key: str, max_documents: int | None) -> Iterator[Record]:
+    count = 0
     with path.open("rb") as handle:
         for lineno, raw in enumerate(handle, start=1):
             where = f"{path}:{lineno}"
@@ -181,12 +215,26 @@ def jsonl_documents(
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}): {line[:80]!r}") from exc
-            records.append((where, record, _check_record(record, where, text_key, messages_key)))
-    if not records:
-        raise ValueError(f"jsonl data: {str(path)!r} holds no records (empty dataset)")
-    if max_documents is not None:
-        records = records[:max_documents]
-    return [_to_document(rec, field, messages_key, tokenizer, chat_template, where) for where, rec, field in records]
+            field_ = _check_record(record, where, text_key, messages_key)
+            if max_documents is None or count < max_documents:
+                count += 1
+                yield where, record, field_
+
+
+def jsonl_documents(
+    path: str | os.PathLike,
+    tokenizer: Tokenizer,
+    text_key: str = "text",
+    messages_key: str = "messages",
+    chat_template: str | None = None,
+    *,
+    max_documents: int | None = None,
+) -> list[Document]:
+    """Documents of a JSONL file; every line is parsed and checked before the first one is tokenized."""
+    if chat_template is not None:
+        _compile(chat_template)
+    _, records = jsonl_records(path, text_key, messages_key, max_documents=max_documents)
+    return [record_document(r, messages_key, tokenizer, chat_template) for r in records]
 
 
 def _load_hf_dataset(path: Path, split: str, cache_dir: str | os.PathLike | None) -> Any:
@@ -245,6 +293,27 @@ def hf_documents(
     tokenizer = tokenizer if tokenizer is not None else build_tokenizer("byte")
     if chat_template is not None:
         _compile(chat_template)
+    _, records = hf_records(path, split, text_key, messages_key, max_documents=max_documents, cache_dir=cache_dir)
+    return [record_document(r, messages_key, tokenizer, chat_template) for r in records]
+
+
+def hf_records(
+    path_or_name: str | os.PathLike,
+    split: str = "train",
+    text_key: str = "text",
+    messages_key: str = "messages",
+    *,
+    max_documents: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> tuple[int, Iterator[Record]]:
+    """``(count, records)`` of a local dataset: every row is checked first, then ``records`` reads them again one at
+    a time (``datasets`` keeps the rows memory-mapped on disk)."""
+    path = Path(path_or_name)
+    if not path.exists():
+        raise ValueError(
+            f"hf data: {str(path_or_name)!r} is not a local file or directory; data=hf reads local datasets only "
+            "(save one with `Dataset.save_to_disk` or point at a .jsonl/.parquet file)"
+        )
     dataset = _load_hf_dataset(path, split, cache_dir)
     columns = list(dataset.column_names or [])
     if text_key not in columns and messages_key not in columns:
@@ -253,12 +322,16 @@ def hf_documents(
     if len(dataset) == 0:
         raise ValueError(f"hf data: {str(path)!r} split {split!r} has no rows (empty dataset)")
     count = len(dataset) if max_documents is None else min(len(dataset), max_documents)
-    records = []
-    for i in range(count):
-        where = f"{path}[{split}] row {i}"
-        record = dataset[i]
-        records.append((where, record, _check_record(record, where, text_key, messages_key)))
-    return [_to_document(rec, field, messages_key, tokenizer, chat_template, where) for where, rec, field in records]
+
+    def rows() -> Iterator[Record]:
+        for i in range(count):
+            where = f"{path}[{split}] row {i}"
+            record = dataset[i]
+            yield where, record, _check_record(record, where, text_key, messages_key)
+
+    for _ in rows():
+        pass
+    return count, rows()
 
 
 # --------------------------------------------------------------------------------------------------- registry
@@ -298,10 +371,15 @@ class DataSource:
     Attributes:
         documents: ``documents(args: SourceArgs) -> list[Document]``; bad data raises naming where and which key.
         options: the keys of ``data.options`` it reads; any other key fails before ``documents`` runs.
+        records: optional ``records(args) -> (count or None, iterator of Record)`` yielding, one at a time, the
+            records ``documents`` tokenizes, in the same order (bad data raising before the iterator is returned
+            where the source can check it). A prepare (:mod:`dsv4.data.prepared`) streams them; a source without
+            it is tokenized in memory by ``documents`` and then written out.
     """
 
     documents: Callable[[SourceArgs], list[Document]]
     options: tuple[str, ...] = ()
+    records: Callable[[SourceArgs], tuple[int | None, Iterator[Record]]] | None = None
 
 
 DATA_SOURCES: Registry[DataSource] = Registry("data.kind", "data source",
@@ -323,9 +401,23 @@ def _hf_source(args: SourceArgs) -> list[Document]:
                         args.chat_template, max_documents=args.max_documents, cache_dir=args.cache_dir)
 
 
-DATA_SOURCES.register("stdlib", DataSource(_stdlib_source))
-DATA_SOURCES.register("jsonl", DataSource(_jsonl_source))
-DATA_SOURCES.register("hf", DataSource(_hf_source))
+def _stdlib_records(args: SourceArgs) -> tuple[int | None, Iterator[Record]]:
+    texts = stdlib_texts(args.max_documents, args.max_bytes, args.min_bytes, args.seed, root=args.path)
+    return None, ((where, {"text": text}, "text") for where, text in texts)
+
+
+def _jsonl_records(args: SourceArgs) -> tuple[int | None, Iterator[Record]]:
+    return jsonl_records(args.required_path(), args.text_key, args.messages_key, max_documents=args.max_documents)
+
+
+def _hf_records(args: SourceArgs) -> tuple[int | None, Iterator[Record]]:
+    return hf_records(args.required_path(), args.split, args.text_key, args.messages_key,
+                      max_documents=args.max_documents, cache_dir=args.cache_dir)
+
+
+DATA_SOURCES.register("stdlib", DataSource(_stdlib_source, records=_stdlib_records))
+DATA_SOURCES.register("jsonl", DataSource(_jsonl_source, records=_jsonl_records))
+DATA_SOURCES.register("hf", DataSource(_hf_source, records=_hf_records))
 
 DATA_KINDS: tuple[str, ...] = DATA_SOURCES.names()  # the built-in kinds; DATA_SOURCES lists every one
 
@@ -358,6 +450,32 @@ def build_documents(
     ``seed`` apply to the stdlib corpus only, ``split``/``cache_dir`` to ``hf`` only; ``max_documents`` to every kind;
     ``options``: source-specific keys (the built-ins take none).
     """
+    source, args = source_args(kind, path, tokenizer, split=split, text_key=text_key, messages_key=messages_key,
+                               chat_template=chat_template, chat_template_file=chat_template_file,
+                               max_documents=max_documents, max_bytes=max_bytes, min_bytes=min_bytes, seed=seed,
+                               cache_dir=cache_dir, options=options)
+    return source.documents(args)
+
+
+def source_args(
+    kind: str = "stdlib",
+    path: str | os.PathLike | None = None,
+    tokenizer: Tokenizer | str | None = "byte",
+    *,
+    split: str = "train",
+    text_key: str = "text",
+    messages_key: str = "messages",
+    chat_template: str | None = None,
+    chat_template_file: str | os.PathLike | None = None,
+    max_documents: int | None = None,
+    max_bytes: int | None = None,
+    min_bytes: int = 64,
+    seed: int | None = 0,
+    cache_dir: str | os.PathLike | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> tuple[DataSource, SourceArgs]:
+    """The registered source of ``kind`` and the :class:`SourceArgs` :func:`build_documents` hands it (tokenizer
+    built, template read, options checked)."""
     source = DATA_SOURCES.get(kind)
     options = dict(options or {})
     unread = sorted(set(options) - set(source.options))
@@ -365,14 +483,16 @@ def build_documents(
         raise ValueError(f"`data.options`: data kind {kind!r} does not read {unread} (it reads "
                          f"{list(source.options) or 'no options'})")
     tok = build_tokenizer(tokenizer)
-    if chat_template_file is not None:
-        if chat_template is not None:
-            raise ValueError("pass chat_template or chat_template_file, not both")
+    if chat_template_file is not None and chat_template is not None:
+        raise ValueError("pass chat_template or chat_template_file, not both")
+    if chat_template_file == DEEPSEEK_V4_FORMAT:
+        chat_template = DEEPSEEK_V4_FORMAT
+    elif chat_template_file is not None:
         template_path = Path(chat_template_file)
         if not template_path.is_file():
             raise ValueError(f"chat_template_file {str(template_path)!r} is not a file")
         chat_template = template_path.read_text(encoding="utf-8")
-    return source.documents(SourceArgs(
+    return source, SourceArgs(
         kind=kind, path=path, tokenizer=tok, chat_template=chat_template, split=split, text_key=text_key,
         messages_key=messages_key, max_documents=max_documents, max_bytes=max_bytes, min_bytes=min_bytes, seed=seed,
-        cache_dir=cache_dir, options=options))
+        cache_dir=cache_dir, options=options)

@@ -101,7 +101,54 @@ class HFTokenizer:
                 self._fast = _FastTokenizer.from_file(str(json_file))
             except Exception as exc:  # tokenizers raises a bare Exception on malformed files
                 raise ValueError(f"HFTokenizer: cannot read tokenizer file {str(json_file)!r}: {exc}") from exc
+        self.directory = json_file.parent
+        self._config_cache: dict | None = None
         self.pad_id = self._resolve_pad_id(pad_token, json_file)
+
+    def _config(self) -> dict:
+        """``tokenizer_config.json`` beside the tokenizer ({} without one), read once."""
+        if self._config_cache is None:
+            config = self.directory / "tokenizer_config.json"
+            self._config_cache = {}
+            if config.is_file():
+                try:
+                    self._config_cache = json.loads(config.read_text(encoding="utf-8"))
+                except (OSError, json.JSONDecodeError) as exc:
+                    raise ValueError(f"HFTokenizer: {str(config)!r} is not valid JSON: {exc}") from exc
+        return self._config_cache
+
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's own Jinja chat template: ``chat_template.jinja`` beside it, else ``tokenizer_config.json``'s
+        ``chat_template`` (a string, or a list of ``{name, template}`` of which the one named ``default``); None
+        when it has none."""
+        jinja = self.directory / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8")
+        template = self._config().get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        return template if isinstance(template, str) and template else None
+
+    @property
+    def template_vars(self) -> dict[str, str]:
+        """``bos_token`` / ``eos_token`` / ``pad_token`` / ``unk_token`` of ``tokenizer_config.json`` (the variables
+        Hugging Face chat templates read besides ``messages``)."""
+        found = {}
+        for key, value in self._config().items():
+            if key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+                value = value.get("content") if isinstance(value, dict) else value
+                if isinstance(value, str):
+                    found[key] = value
+        return found
+
+    def files(self) -> list[Path]:
+        """The files that define this tokenizer and its template (hashed into the prepared-data key)."""
+        names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+        found = [self.path] if self.path.is_file() else []
+        return found + [self.directory / n for n in names if (self.directory / n).is_file()
+                        and self.directory / n != self.path]
 
     @property
     def vocab_size(self) -> int:
@@ -154,6 +201,13 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, pad_id={self.pad_id})"
+
+
+def single_id(tokenizer: Tokenizer, token: str) -> int | None:
+    """The id ``token`` encodes to when it encodes to exactly one id (a special token of the vocabulary), else
+    None."""
+    ids = tokenizer.encode(token)
+    return int(ids[0]) if len(ids) == 1 else None
 
 
 def build_tokenizer(spec: str | os.PathLike | Tokenizer | None = "byte") -> Tokenizer:

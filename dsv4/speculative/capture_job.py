@@ -202,7 +202,11 @@ def run_capture(cfg: Any, output_dir: str | Path) -> dict:
     out = Path(c["output_dir"] or Path(output_dir) / "features")
     out.mkdir(parents=True, exist_ok=True)
     # data.overlong is the training packer's choice; capture keeps whole documents (max_document_tokens caps them)
-    data = {k: v for k, v in c["data"].items() if v is not None and k != "overlong"}
+    # (prepared datasets, cache_dir / num_proc, are the training recipe's); tokenizer and template as in training
+    from dsv4.data.defaults import resolve_data_source
+
+    data = {k: v for k, v in c["data"].items() if v is not None and k not in ("overlong", "cache_dir", "num_proc")}
+    data = resolve_data_source(data, c["model"].get("checkpoint"), config.vocab_size)
     job = {"model": config.to_dict(), "data": data, "layer_ids": layer_ids, "seed": int(c["seed"]),
            "checkpoint": c["model"].get("checkpoint"), "dtype": c["dtype"], "seq_len": int(c["seq_len"]),
            "micro_batch_size": int(c["micro_batch_size"]), "docs_per_shard": int(c["docs_per_shard"]),

@@ -115,8 +115,10 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
                           micro_batch_size=spec.micro_batch_size, cp_size=spec.parallel.chunks, seed=spec.seed,
                           overlong=spec.overlong,
                           val_source=dict(spec.validation.source) if spec.validation.source is not None else None,
-                          val_fraction=spec.validation.fraction)
-    dataset = data.build_dataset()  # tokenizes and packs: bad data fails here, before any rank starts
+                          val_fraction=spec.validation.fraction, cache_dir=spec.data_cache_dir,
+                          num_proc=spec.data_num_proc)
+    dataset = data.build_dataset()  # tokenizes and packs (or maps the prepared copy): bad data fails here, before
+    # any rank starts; Lightning's ranks re-run this and map the copy the launching process prepared
     log.info("%s", dataset.stats.summary())
     val_rows = data.build_val_dataset()
     if val_rows is not None:

@@ -62,11 +62,13 @@ class DataConfig:
     ``truncate_left`` keeps a conversation's last turns, the ones with the answer; ``conf/data/stdlib.yaml`` splits
     its source files). Held-out data, at most one of: ``val``, source keys that override the training source's for a
     second source (e.g. ``{path: val.jsonl}``), or ``val_fraction``, the share of the documents held out by seed
-    (:mod:`dsv4.data.validation`)."""
+    (:mod:`dsv4.data.validation`). ``tokenizer=auto``: the tokenizer of ``model.checkpoint``, else byte
+    (:mod:`dsv4.data.defaults`); ``cache_dir``: where prepared datasets are kept (null: tokenize in memory at every
+    start), ``num_proc``: tokenizing processes (null: min(8, CPUs)), see :mod:`dsv4.data.prepared`."""
 
     kind: str = "stdlib"
     path: Optional[str] = None
-    tokenizer: str = "byte"
+    tokenizer: str = "auto"
     split: str = "train"
     text_key: str = "text"
     messages_key: str = "messages"
@@ -79,6 +81,8 @@ class DataConfig:
     overlong: str = "truncate_left"
     val: Any = None  # a mapping of source keys, or null
     val_fraction: Optional[float] = None
+    cache_dir: Optional[str] = None
+    num_proc: Optional[int] = None
 
 
 @dataclass

@@ -15,7 +15,7 @@ other code derives a value from the config again.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 from types import MappingProxyType
@@ -177,6 +177,8 @@ class RunSpec:
     # the data source's keywords (dsv4.data.build_documents)
     data: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     overlong: str = "split"  # documents longer than seq_len (dsv4.data.packer.OVERLONG)
+    data_cache_dir: str | None = None  # prepared datasets (dsv4.data.prepared); None: tokenize in memory
+    data_num_proc: int = 1  # tokenizing processes of a prepare
     # Lightning Trainer keywords (precision resolved into compute_dtype)
     trainer: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     callbacks: tuple = ()
@@ -401,6 +403,15 @@ def _check_monitor_and_objective(cfg: DictConfig, validation: ValidationSpec) ->
     return monitor, objective
 
 
+def _data_preparation(cache_dir: str | None, num_proc: int | None) -> tuple[str | None, int]:
+    """``data.cache_dir`` (``~`` expanded; None: no prepared copy) and ``data.num_proc`` (None: min(8, CPUs))."""
+    if num_proc is None:
+        num_proc = min(8, os.cpu_count() or 1)
+    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
+        raise ValueError(f"`data.num_proc` must be an integer >= 1 or null, got {num_proc!r}")
+    return (os.path.expanduser(cache_dir) if cache_dir else None), num_proc
+
+
 def build_run_spec(cfg: DictConfig) -> RunSpec:
     """Resolve and validate the composed config (see the module docstring); nothing is written."""
     from dsv4.model.attention_backend import resolve_attention_backend
@@ -441,8 +452,15 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
     if overlong not in OVERLONG:
         raise ValueError(f"`data.overlong`={overlong!r} must be one of {', '.join(OVERLONG)}")
     max_steps = int(trainer.get("max_steps", 100))
+    data_cache_dir, data_num_proc = _data_preparation(data.pop("cache_dir", None), data.pop("num_proc", None))
     validation = _validation_spec(data, trainer, max_steps)
     monitor, objective = _check_monitor_and_objective(cfg, validation)
+    from dsv4.data.defaults import resolve_data_source
+
+    data = resolve_data_source(data, checkpoint or None, config.vocab_size)
+    if validation.source is not None:  # the same tokenizer; its own chat template key, if data.val sets one
+        validation = replace(
+            validation, source=resolve_data_source(validation.source, checkpoint or None, config.vocab_size))
     optimizer, scheduler = build_optimization(cfg)
     callbacks = tuple(build_callbacks(cfg))
     plan = plan_options(cfg.get("plan"))
@@ -458,7 +476,8 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         seed=cfg.seed,
         bias_update_rate=cfg.bias_update_rate, indexer_warmup_steps=cfg.indexer_warmup_steps,
         max_steps=max_steps, dry_run=bool(cfg.dry_run),
-        data=MappingProxyType(data), overlong=overlong, trainer=MappingProxyType(trainer),
+        data=MappingProxyType(data), overlong=overlong, data_cache_dir=data_cache_dir, data_num_proc=data_num_proc,
+        trainer=MappingProxyType(trainer),
         callbacks=callbacks, logger=logger, plan=plan, export=export,
         checkpoint=_checkpoint_spec(cfg.checkpoint, monitor),
         validation=validation, objective=objective,

@@ -182,3 +182,20 @@ def test_checkpoint_export_benchmark_stays_inside_the_stated_bound():
     merge = rows["checkpoint_export.convert_merge"]  # --merge: one kept block + the largest tensor's temporaries
     assert merge["value"] < 1, merge
     assert merge["shape"]["kept_model_bytes"] > 2 * merge["shape"]["merge_bound_bytes"]
+
+
+def test_data_prepare_writes_chats_and_a_tokenizer_with_the_chat_formats_tokens(tmp_path):
+    """The benchmark's inputs (its timed runs are too slow for a smoke test): valid chat records of about the
+    requested size and a trained BPE under which the DeepSeek-V4 chat format applies."""
+    import data_prepare
+
+    from dsv4.data.defaults import resolve_data_source
+    from dsv4.data.sources import jsonl_records
+
+    data = tmp_path / "chats.jsonl"
+    count = data_prepare.write_chats(data, 0.05)
+    assert count > 0 and 50_000 <= data.stat().st_size < 80_000
+    assert jsonl_records(data)[0] == count
+    ckpt = data_prepare.train_tokenizer(tmp_path / "ckpt", data, vocab=400)
+    source = resolve_data_source({"kind": "jsonl", "path": str(data), "tokenizer": "auto"}, str(ckpt), 129280)
+    assert source["tokenizer"] == str(ckpt) and source["chat_template"] == "deepseek_v4"

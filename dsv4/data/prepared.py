@@ -1,0 +1,515 @@
+"""Data prepared once: documents tokenized and packed into memory-mapped arrays on disk, reused by every later start.
+
+:func:`prepare_dataset` returns the packed rows of a data source as a :class:`PreparedRows` dataset read from
+``<cache_dir>/<kind>-<key>/``; the rows are identical, token for token, to those of the in-memory
+:func:`~dsv4.data.dataset.build_packed_dataset` for the same inputs (same documents, order, packing, labels,
+document ids and positions). The directory holds
+
+* ``input_ids.npy`` / ``labels.npy``: ``int32 [N, S]`` (``numpy.load(mmap_mode="r")``: a rank reads only the rows
+  it is given; pages it never touches are never read);
+* ``pieces.npy`` ``int64 [P, 3]``: ``(document index, first token, length)`` of every piece, rows back to back;
+  ``row_ptr.npy`` ``int64 [N + 1]``: row ``r`` holds pieces ``row_ptr[r]:row_ptr[r + 1]``. Document ids
+  (``1..k``, 0 on padding) and positions (``0..len-1``) of a row follow from them and the shard multiple;
+* ``meta.json``: the key's inputs (:func:`prepared_fingerprint`), the :class:`~dsv4.data.packer.PackStats`, the
+  row count and the tokens.
+
+**The key** is a SHA-256 over everything that changes the result: the format version, the source keys (kind, path,
+keys, limits, seed, split, options), every input file's path, size and modification time (a directory: every file
+under it; the bundled corpus: the standard library's files), the tokenizer (``byte``, or the SHA-256 of its
+files), the chat template text, ``seq_len``, the shard multiple, ``overlong`` and the pad id. ``cp`` does not
+change the packing (it is checked: ``seq_len`` a multiple of ``cp`` x the shard multiple) and is not in the key.
+
+**Building** happens once per key: the builder holds ``<dir>.lock`` (``fcntl.flock``), writes into a temporary
+directory next to the final one and renames it into place when complete, so a reader sees a finished directory or
+none. Every other process (the ranks of a ``torchrun`` launch, a second job) waits on the lock, up to
+``wait_timeout_s`` (a TimeoutError names the lock and the directory), then maps the finished one. A start that
+finds the directory logs ``data: reusing prepared dataset <dir> (N rows, T tokens)`` and tokenizes nothing.
+
+**Streaming**: records are read one at a time from the source (``DataSource.records``: JSONL lines, dataset rows,
+corpus files), tokenized by ``num_proc`` worker processes in chunks of :data:`CHUNK` records, and appended to flat
+``int32`` token and label files; only per-document piece tables (a few integers per document) stay in memory.
+The rows are then written in blocks of :data:`ROW_BLOCK` rows into ``numpy.lib.format.open_memmap`` arrays. A
+corpus larger than host memory is prepared with memory proportional to its number of documents, not its tokens. A
+registered source without ``records`` is tokenized in memory by its ``documents`` factory and then written the
+same way. Progress: a ``tqdm`` bar on a terminal, else a plain ``data: tokenized ...`` line every
+:data:`PROGRESS_EVERY_S` seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from array import array
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from dsv4.batch import IGNORE_INDEX, TokenBatch
+from dsv4.config import check_cp_length
+from dsv4.data.packer import OVERLONG, PackStats, _positive_int, first_fit_decreasing
+from dsv4.data.sources import Document, Record, record_document, source_args
+
+log = logging.getLogger("dsv4")
+
+FORMAT_VERSION = 1
+CHUNK = 64  # records per task handed to a tokenizing process
+ROW_BLOCK = 256  # rows materialised at once
+PROGRESS_EVERY_S = 10.0
+ARRAYS = ("input_ids", "labels", "pieces", "row_ptr")
+
+
+# ------------------------------------------------------------------------------------------------------- key
+
+
+def _sha256_files(paths: Iterable[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.name.encode())
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _input_files(path: Path) -> list[list]:
+    """``[relative path, size, mtime_ns]`` of a file, or of every file under a directory (sorted)."""
+    if path.is_file():
+        stat = path.stat()
+        return [[str(path.resolve()), stat.st_size, stat.st_mtime_ns]]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for name in sorted(filenames):
+            file = Path(dirpath) / name
+            with contextlib.suppress(OSError):
+                stat = file.stat()
+                found.append([file.relative_to(path).as_posix(), stat.st_size, stat.st_mtime_ns])
+    return [[str(path.resolve())], *found]
+
+
+def _size_mtime(path: Path) -> list[int]:
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def _tokenizer_fingerprint(spec: Any) -> str:
+    if spec is None or spec == "byte":
+        return "byte"
+    if not isinstance(spec, (str, os.PathLike)):
+        return repr(spec)
+    from dsv4.data.tokenizers import HFTokenizer
+
+    return "sha256:" + _sha256_files(HFTokenizer(spec).files())
+
+
+def prepared_fingerprint(source: Mapping[str, Any], seq_len: int, shard_multiple: int, overlong: str,
+                         pad_id: int = 0) -> dict[str, Any]:
+    """Everything the prepared rows depend on (see the module docstring), JSON-serialisable."""
+    keys = {k: v for k, v in source.items() if k not in ("tokenizer", "chat_template", "chat_template_file")}
+    path = source.get("path")
+    if path is None and source.get("kind", "stdlib") == "stdlib":
+        path = sysconfig.get_paths()["stdlib"]
+    template = source.get("chat_template")
+    if template is None and source.get("chat_template_file") not in (None, "deepseek_v4"):
+        template = Path(source["chat_template_file"]).read_text(encoding="utf-8")
+    elif template is None:
+        template = source.get("chat_template_file")
+    if source.get("kind", "stdlib") == "stdlib":  # the corpus's own file selection (site-packages skipped)
+        from dsv4.data.sources import stdlib_files
+
+        inputs = [[str(Path(path).resolve())]] + [[f.relative_to(path).as_posix(), *_size_mtime(f)]
+                                                  for f in stdlib_files(path)]
+    else:
+        inputs = _input_files(Path(path)) if path is not None and Path(path).exists() else None
+    return {
+        "format_version": FORMAT_VERSION,
+        "source": json.loads(json.dumps(keys, default=str)),
+        "inputs": inputs,
+        "tokenizer": _tokenizer_fingerprint(source.get("tokenizer", "byte")),
+        "chat_template_sha256": None if template is None else hashlib.sha256(template.encode()).hexdigest(),
+        "seq_len": int(seq_len),
+        "shard_multiple": int(shard_multiple),
+        "overlong": overlong,
+        "pad_id": int(pad_id),
+    }
+
+
+def prepared_path(cache_dir: str | os.PathLike, fingerprint: Mapping[str, Any]) -> Path:
+    """``<cache_dir>/<kind>-<first 20 hex digits of the SHA-256 of the fingerprint>``."""
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:20]
+    return Path(os.path.expanduser(str(cache_dir))) / f"{fingerprint['source'].get('kind', 'stdlib')}-{digest}"
+
+
+# -------------------------------------------------------------------------------------------------- dataset
+
+
+class PreparedRows:
+    """The packed rows of a prepared directory, memory-mapped read-only: item ``i`` is row ``i`` as a one-row
+    :class:`~dsv4.batch.TokenBatch` (int64, as :class:`~dsv4.data.packer.PackedRows` gives it). The arrays are
+    opened lazily in each process (a DataLoader worker or a spawned rank maps its own)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        meta = json.loads((self.path / "meta.json").read_text())
+        self.stats = PackStats(**meta["stats"])
+        self.pad_id = int(meta["fingerprint"]["pad_id"])
+        self.num_rows = int(meta["num_rows"])
+        self._arrays: dict[str, np.ndarray] | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_arrays": None}
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        if self._arrays is None:
+            self._arrays = {name: np.load(self.path / f"{name}.npy", mmap_mode="r") for name in ARRAYS}
+        return self._arrays
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    @property
+    def seq_len(self) -> int:
+        return self.stats.seq_len
+
+    def row_pieces(self, index: int) -> list[tuple[int, int, int]]:
+        """``(document index, first token, length)`` of the pieces of row ``index``, in row order."""
+        a = self.arrays
+        lo, hi = int(a["row_ptr"][index]), int(a["row_ptr"][index + 1])
+        return [tuple(int(x) for x in p) for p in a["pieces"][lo:hi]]
+
+    def __getitem__(self, index: int) -> TokenBatch:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"PreparedRows: row {index} is out of range for {n} rows")
+        index %= n
+        a = self.arrays
+        ids = torch.from_numpy(np.asarray(a["input_ids"][index], dtype=np.int64)).unsqueeze(0)
+        labels = torch.from_numpy(np.asarray(a["labels"][index], dtype=np.int64)).unsqueeze(0)
+        seq_ids, positions = _row_ids_positions([p[2] for p in self.row_pieces(index)], self.seq_len,
+                                                self.stats.shard_multiple)
+        return TokenBatch(ids, labels, torch.from_numpy(seq_ids).unsqueeze(0),
+                          torch.from_numpy(positions).unsqueeze(0))
+
+
+def _row_ids_positions(lengths: Sequence[int], seq_len: int, multiple: int) -> tuple[np.ndarray, np.ndarray]:
+    seq_ids = np.zeros(seq_len, dtype=np.int64)
+    positions = np.zeros(seq_len, dtype=np.int64)
+    offset = 0
+    for k, n in enumerate(lengths):
+        seq_ids[offset:offset + n] = k + 1
+        positions[offset:offset + n] = np.arange(n)
+        offset += -(-n // multiple) * multiple
+    return seq_ids, positions
+
+
+# -------------------------------------------------------------------------------------------------- tokenize
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer: Any, chat_template: str | None, messages_key: str) -> None:
+    from dsv4.data.tokenizers import build_tokenizer
+
+    torch.set_num_threads(1)
+    _WORKER.update(tokenizer=build_tokenizer(tokenizer), chat_template=chat_template, messages_key=messages_key)
+
+
+def _encoded(document: Document) -> tuple[np.ndarray, np.ndarray]:
+    """Ids and labels (shifted inside the document, -100 where the target is not supervised and on the last token;
+    the packer's rule) as int32."""
+    ids = np.asarray(document.ids, dtype=np.int64).reshape(-1)
+    labels = np.full(ids.shape, IGNORE_INDEX, dtype=np.int64)
+    if ids.size > 1:
+        keep = np.ones(ids.size - 1, dtype=bool) if document.loss_mask is None else \
+            np.asarray(document.loss_mask, dtype=bool).reshape(-1)[1:]
+        labels[:-1] = np.where(keep, ids[1:], IGNORE_INDEX)
+    return ids.astype(np.int32), labels.astype(np.int32)
+
+
+def _tokenize_chunk(chunk: list[Record]) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    w = _WORKER
+    return [(r[0], *_encoded(record_document(r, w["messages_key"], w["tokenizer"], w["chat_template"])))
+            for r in chunk]
+
+
+def _chunks(records: Iterator[Record], size: int) -> Iterator[list[Record]]:
+    chunk: list[Record] = []
+    for record in records:
+        chunk.append(record)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+class _Progress:
+    """A tqdm bar on a terminal, else a log line every PROGRESS_EVERY_S seconds (and at the end)."""
+
+    def __init__(self, total: int | None) -> None:
+        self.total, self.done, self.tokens = total, 0, 0
+        self.start = self.last = time.monotonic()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="doc", desc="data: tokenizing", dynamic_ncols=True)
+
+    def update(self, documents: int, tokens: int) -> None:
+        self.done += documents
+        self.tokens += tokens
+        if self.bar is not None:
+            self.bar.update(documents)
+        elif time.monotonic() - self.last >= PROGRESS_EVERY_S:
+            self.last = time.monotonic()
+            self._line()
+
+    def _line(self) -> None:
+        of = f"/{self.total}" if self.total else ""
+        log.info("data: tokenized %d%s documents, %d tokens, %.0f s", self.done, of, self.tokens,
+                 time.monotonic() - self.start)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self._line()
+
+
+def _tokenized(source: Mapping[str, Any], num_proc: int) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    """``(where, ids, labels)`` of every document, in source order, tokenized by ``num_proc`` processes."""
+    kwargs = dict(source)
+    src, args = source_args(**kwargs)
+    if src.records is None:  # a source without a record stream: its documents, tokenized in memory
+        documents = src.documents(args)
+        progress = _Progress(len(documents))
+        for d in documents:
+            ids, labels = _encoded(d)
+            progress.update(1, ids.size)
+            yield d.source, ids, labels
+        progress.close()
+        return
+    total, records = src.records(args)
+    progress = _Progress(total)
+    init = (kwargs.get("tokenizer", "byte"), args.chat_template, args.messages_key)
+    if num_proc <= 1:
+        _init_worker(*init)
+        results: Iterable = map(_tokenize_chunk, _chunks(records, CHUNK))
+        pool = None
+    else:
+        method = "fork" if sys.platform == "linux" and not torch.cuda.is_initialized() else "spawn"
+        pool = multiprocessing.get_context(method).Pool(num_proc, initializer=_init_worker, initargs=init)
+        results = pool.imap(_tokenize_chunk, _chunks(records, CHUNK))
+    try:
+        for chunk in results:
+            progress.update(len(chunk), sum(ids.size for _, ids, _ in chunk))
+            yield from chunk
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        progress.close()
+
+
+# ---------------------------------------------------------------------------------------------------- build
+
+
+def _pieces_of(ids_len: int, labels: np.ndarray, seq_len: int, overlong: str) -> tuple[list[tuple[int, int]], int]:
+    """The ``(first token, length)`` pieces of one non-empty document under ``overlong`` that hold a supervised
+    target, and the number of candidate pieces (the packer's rules)."""
+    if ids_len <= seq_len:
+        candidates = [(0, ids_len)]
+    elif overlong == "split":
+        candidates = [(s, min(seq_len, ids_len - s)) for s in range(0, ids_len, seq_len)]
+    elif overlong == "truncate_left":
+        candidates = [(ids_len - seq_len, seq_len)]
+    else:  # drop
+        candidates = []
+    supervised = np.concatenate([[0], np.cumsum(labels != IGNORE_INDEX)])
+    return [(s, n) for s, n in candidates if supervised[s + n] > supervised[s]], len(candidates)
+
+
+def _build(source: Mapping[str, Any], seq_len: int, multiple: int, overlong: str, pad_id: int, num_proc: int,
+           out: Path, fingerprint: Mapping[str, Any]) -> PreparedRows:
+    """Tokenize (streamed), pack and write into ``out`` (an empty directory)."""
+    flat_ids_path, flat_labels_path = out / "flat_ids.bin", out / "flat_labels.bin"
+    doc_start = array("q")  # flat offset of every kept (non-empty) document
+    kept_index = array("q")  # its index among all documents
+    pieces: list[tuple[int, int, int]] = []  # (kept position, first token, length)
+    num_docs = num_empty = num_candidates = total_tokens = 0
+    counts = {"split": 0, "truncate_left": 0, "drop": 0}
+    with open(flat_ids_path, "wb") as fids, open(flat_labels_path, "wb") as flabels:
+        for where, ids, labels in _tokenized(source, num_proc):
+            index = num_docs
+            num_docs += 1
+            if ids.size == 0:
+                num_empty += 1
+                continue
+            if ids.size > seq_len:
+                if overlong == "error":
+                    raise ValueError(
+                        f"document {index} ({where}) has {ids.size} tokens, more than seq_len {seq_len}, and "
+                        "data.overlong=error; raise seq_len or choose split, truncate_left or drop (documents are "
+                        "never cut silently)")
+                counts[overlong] += 1
+            kept_pos = len(doc_start)
+            doc_start.append(total_tokens)
+            kept_index.append(index)
+            found, candidates = _pieces_of(ids.size, labels, seq_len, overlong)
+            num_candidates += candidates
+            pieces.extend((kept_pos, s, n) for s, n in found)
+            fids.write(ids.tobytes())
+            flabels.write(labels.tobytes())
+            total_tokens += ids.size
+    if num_docs == 0:
+        raise ValueError("no documents to pack (empty dataset)")
+    if num_docs == num_empty:
+        raise ValueError(f"all {num_docs} documents are empty (0 tokens); nothing to pack")
+    if not pieces:
+        raise ValueError(
+            f"no supervised token to train on: {len(doc_start)} documents of up to {seq_len} tokens (data.overlong="
+            f"{overlong}: {counts.get(overlong, 0)} longer than a row) hold no target with loss (e.g. chats without "
+            "an assistant turn in reach)")
+    aligned = [-(-n // multiple) * multiple for _, _, n in pieces]
+    rows = first_fit_decreasing(aligned, seq_len)
+    flat_ids = np.memmap(flat_ids_path, dtype=np.int32, mode="r", shape=(total_tokens,))
+    flat_labels = np.memmap(flat_labels_path, dtype=np.int32, mode="r", shape=(total_tokens,))
+    num_rows = len(rows)
+    input_ids = np.lib.format.open_memmap(out / "input_ids.npy", mode="w+", dtype=np.int32, shape=(num_rows, seq_len))
+    labels_out = np.lib.format.open_memmap(out / "labels.npy", mode="w+", dtype=np.int32, shape=(num_rows, seq_len))
+    row_ptr = np.zeros(num_rows + 1, dtype=np.int64)
+    piece_table = np.zeros((len(pieces), 3), dtype=np.int64)
+    supervised = rows_without_labels = real = 0
+    k = 0
+    for block in range(0, num_rows, ROW_BLOCK):
+        hi = min(block + ROW_BLOCK, num_rows)
+        ids_block = np.full((hi - block, seq_len), pad_id, dtype=np.int32)
+        labels_block = np.full((hi - block, seq_len), IGNORE_INDEX, dtype=np.int32)
+        for r in range(block, hi):
+            offset = 0
+            for p in rows[r]:
+                pos, start, n = pieces[p]
+                begin = doc_start[pos] + start
+                ids_block[r - block, offset:offset + n] = flat_ids[begin:begin + n]
+                labels_block[r - block, offset:offset + n] = flat_labels[begin:begin + n]
+                piece_table[k] = (pos, start, n)
+                k += 1
+                real += n
+                offset += aligned[p]
+            row_ptr[r + 1] = k
+        row_labels = (labels_block != IGNORE_INDEX).sum(axis=1)
+        supervised += int(row_labels.sum())
+        rows_without_labels += int((row_labels == 0).sum())
+        input_ids[block:hi] = ids_block
+        labels_out[block:hi] = labels_block
+    input_ids.flush()
+    labels_out.flush()
+    del input_ids, labels_out, flat_ids, flat_labels
+    # document indices count empty documents too (as the in-memory packer's pieces do)
+    piece_table[:, 0] = np.frombuffer(kept_index, dtype=np.int64)[piece_table[:, 0]]
+    np.save(out / "pieces.npy", piece_table)
+    np.save(out / "row_ptr.npy", row_ptr)
+    flat_ids_path.unlink()
+    flat_labels_path.unlink()
+    stats = PackStats(
+        num_rows=num_rows, seq_len=seq_len, shard_multiple=multiple, num_documents=num_docs,
+        num_empty_documents=num_empty, num_split_documents=counts["split"], num_pieces=len(pieces), real_tokens=real,
+        alignment_padding=sum(aligned) - real, pack_padding=num_rows * seq_len - sum(aligned),
+        supervised_tokens=supervised, overlong=overlong, num_truncated_documents=counts["truncate_left"],
+        num_dropped_documents=counts["drop"], num_unsupervised_pieces=num_candidates - len(pieces),
+        unused_tokens=total_tokens - real, rows_without_labels=rows_without_labels)
+    meta = {"fingerprint": fingerprint, "stats": asdict(stats), "num_rows": num_rows, "tokens": total_tokens}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    return PreparedRows(out)
+
+
+# ----------------------------------------------------------------------------------------------------- lock
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, target: Path, timeout_s: float) -> Iterator[None]:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+") as handle:
+        deadline = time.monotonic() + timeout_s
+        waited = False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not waited:
+                    log.info("data: waiting for another process to prepare %s (lock %s)", target, lock_path)
+                    waited = True
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"data: waited {timeout_s:.0f} s for another process to prepare {target} (lock {lock_path} "
+                        "is still held); if no process is preparing it, delete the lock file") from None
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _complete(path: Path) -> bool:
+    return (path / "meta.json").is_file()
+
+
+def prepare_dataset(
+    source: Mapping[str, Any],
+    seq_len: int,
+    shard_multiple: int,
+    cache_dir: str | os.PathLike,
+    *,
+    cp_size: int = 1,
+    overlong: str = "split",
+    pad_id: int = 0,
+    num_proc: int = 1,
+    wait_timeout_s: float = 6 * 3600.0,
+) -> PreparedRows:
+    """The prepared rows of ``source`` (keyword arguments of :func:`~dsv4.data.build_documents`): reused when
+    ``cache_dir`` holds them, else built once (see the module docstring). Raises as the in-memory path does (bad
+    data naming where, ``seq_len`` not a multiple of ``cp_size x shard_multiple``, nothing supervised)."""
+    seq_len, multiple = _positive_int("seq_len", seq_len), _positive_int("shard_multiple", shard_multiple)
+    check_cp_length(seq_len, cp_size, multiple)
+    if overlong not in OVERLONG:
+        raise ValueError(f"`data.overlong`={overlong!r} must be one of {', '.join(OVERLONG)}")
+    fingerprint = prepared_fingerprint(source, seq_len, multiple, overlong, pad_id)
+    final = prepared_path(cache_dir, fingerprint)
+    if not _complete(final):
+        with _exclusive(final.with_name(final.name + ".lock"), final, wait_timeout_s):
+            if not _complete(final):
+                start = time.monotonic()
+                tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+                try:
+                    _build(source, seq_len, multiple, overlong, pad_id, num_proc, tmp, fingerprint)
+                    if final.exists():  # an incomplete directory (not written by a prepare)
+                        shutil.rmtree(final)
+                    os.replace(tmp, final)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+                rows = PreparedRows(final)
+                log.info("data: prepared dataset %s (%d rows, %d tokens) in %.1f s", final, len(rows),
+                         _tokens(final), time.monotonic() - start)
+                return rows
+    rows = PreparedRows(final)
+    log.info("data: reusing prepared dataset %s (%d rows, %d tokens)", final, len(rows), _tokens(final))
+    return rows
+
+
+def _tokens(path: Path) -> int:
+    return int(json.loads((path / "meta.json").read_text())["tokens"])

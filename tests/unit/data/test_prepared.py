@@ -1,0 +1,131 @@
+"""dsv4.data.prepared: the on-disk dataset equals the in-memory packing token for token, is built once (atomic,
+locked) and reused by a second start without tokenizing, and its key follows the inputs."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from dsv4.data import build_documents, build_packed_dataset
+from dsv4.data.datamodule import DSV4DataModule
+from dsv4.data.defaults import resolve_data_source
+from dsv4.data.prepared import PreparedRows, prepare_dataset, prepared_fingerprint, prepared_path
+from tests.unit.data.model_tokenizer import write_tokenizer_dir
+
+CHATS = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                  {"role": "assistant", "content": "4", "reasoning_content": "add"},
+                  {"role": "user", "content": "and 3+3?"},
+                  {"role": "assistant", "content": "6", "reasoning_content": "add again"}]},
+    {"text": ""},  # an empty document: counted, in no row
+    {"text": "hello world the quick brown fox " * 9},
+    {"messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "Sunny."}]},
+    {"messages": [{"role": "user", "content": "hello"}]},  # nothing supervised: left out
+] * 7
+
+
+def _assert_same_rows(memory, prepared) -> None:
+    assert len(memory) == len(prepared) and memory.stats == prepared.stats
+    for i in range(len(memory)):
+        a, b = memory[i], prepared[i]
+        for name in ("input_ids", "labels", "seq_ids", "positions"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (i, name)
+        assert memory.pieces[i] == prepared.row_pieces(i), i
+
+
+@pytest.fixture
+def chat_source(tmp_path):
+    ckpt = write_tokenizer_dir(tmp_path / "ckpt")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHATS), encoding="utf-8")
+    return resolve_data_source({"kind": "jsonl", "path": str(data), "tokenizer": "auto"}, str(ckpt), 256)
+
+
+@pytest.mark.parametrize("overlong, num_proc", [("truncate_left", 2), ("split", 1), ("drop", 1)])
+def test_prepared_rows_equal_the_in_memory_packing(tmp_path, chat_source, overlong, num_proc):
+    assert chat_source["chat_template"] == "deepseek_v4"
+    memory = build_packed_dataset(build_documents(**chat_source), 32, 8, cp_size=2, overlong=overlong)
+    prepared = prepare_dataset(chat_source, 32, 8, tmp_path / "cache", cp_size=2, overlong=overlong,
+                               num_proc=num_proc)
+    _assert_same_rows(memory, prepared)
+    assert memory.stats.num_empty_documents == 7 and memory.stats.num_unsupervised_pieces >= 7
+    arrays = prepared.arrays
+    assert isinstance(arrays["input_ids"], __import__("numpy").memmap) and not arrays["input_ids"].flags.writeable
+
+
+def test_prepared_bundled_corpus_equals_in_memory(tmp_path):
+    source = {"kind": "stdlib", "tokenizer": "byte", "max_bytes": 60_000}
+    memory = build_packed_dataset(build_documents(**source), 256, 128, overlong="split")
+    _assert_same_rows(memory, prepare_dataset(source, 256, 128, tmp_path, overlong="split", num_proc=2))
+
+
+def test_second_start_reuses_without_tokenizing(tmp_path, chat_source, caplog, monkeypatch):
+    first = prepare_dataset(chat_source, 64, 8, tmp_path / "cache", overlong="truncate_left")
+    monkeypatch.setattr("dsv4.data.prepared._tokenized", lambda *a, **k: pytest.fail("tokenized again"))
+    with caplog.at_level(logging.INFO, logger="dsv4"):
+        second = prepare_dataset(chat_source, 64, 8, tmp_path / "cache", overlong="truncate_left")
+    lines = [r.getMessage() for r in caplog.records if "reusing" in r.getMessage()]
+    assert lines == [f"data: reusing prepared dataset {first.path} ({len(first)} rows, "
+                     f"{json.loads((first.path / 'meta.json').read_text())['tokens']} tokens)"]
+    assert second.path == first.path and len(second) == len(first)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [first.path.name, first.path.name + ".lock"]
+
+
+def test_key_follows_every_input(tmp_path, chat_source):
+    def key(source=chat_source, seq_len=64, overlong="truncate_left"):
+        return prepared_path(tmp_path, prepared_fingerprint(source, seq_len, 8, overlong)).name
+
+    base = key()
+    assert key() == base and base.startswith("jsonl-")
+    assert key(seq_len=128) != base and key(overlong="split") != base
+    assert key({**chat_source, "chat_template": None}) != base
+    os.utime(chat_source["path"], ns=(1, 1))  # the data file changed (modification time)
+    assert key() != base
+    ckpt = tmp_path / "ckpt" / "tokenizer.json"
+    ckpt.write_text(ckpt.read_text().replace('"hello"', '"hellO"'))  # another tokenizer, same path
+    assert key() != key({**chat_source, "tokenizer": "byte"})
+
+
+def test_a_held_lock_times_out_naming_the_path(tmp_path, chat_source):
+    target = prepared_path(tmp_path, prepared_fingerprint(chat_source, 64, 8, "truncate_left"))
+    tmp_path.mkdir(exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(TimeoutError, match=f"for another process to prepare {target} "):
+            prepare_dataset(chat_source, 64, 8, tmp_path, overlong="truncate_left", wait_timeout_s=0.3)
+    assert not target.exists()
+
+
+def test_bad_data_leaves_nothing_behind(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"text": "ok"}\nnot json\n')
+    with pytest.raises(ValueError, match=rf"{data}:2: not valid JSON"):
+        prepare_dataset({"kind": "jsonl", "path": str(data), "tokenizer": "byte"}, 64, 8, tmp_path / "cache")
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_datamodule_maps_the_prepared_rows(tmp_path, chat_source):
+    kwargs = dict(source=chat_source, seq_len=64, shard_multiple=8, overlong="truncate_left")
+    prepared = DSV4DataModule(**kwargs, cache_dir=str(tmp_path), num_proc=1)
+    prepared.setup()
+    assert isinstance(prepared.dataset, PreparedRows)
+    memory = DSV4DataModule(**kwargs)
+    memory.setup()
+    _assert_same_rows(memory.dataset, prepared.dataset)
+    batch = next(iter(prepared.train_dataloader()))
+    assert batch.input_ids.shape == (1, 64) and batch.input_ids.dtype == torch.long
+
+
+def test_prepare_command_composes_the_recipe_config(tmp_path, capsys):
+    from dsv4.data.__main__ import main
+
+    assert main([]) == 2
+    assert main(["prepare", "seq_len=256", "data.max_bytes=50000", f"data.cache_dir={tmp_path}",
+                 "data.num_proc=1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("packing: ") and out[1].startswith(str(tmp_path / "stdlib-"))
