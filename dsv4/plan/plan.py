@@ -11,6 +11,11 @@ the most earlier rows of a document spanning the sequence); ``communication`` is
 gradient reduce buffer (EP dispatch buffers are inside the MoE activations). What is not counted: the CUDA
 context and NCCL workspaces (about 1-2 GiB per GPU), allocator fragmentation, and the kernels' workspaces.
 
+Checkpoints: each rank writes its trainable parameter shards (fp32) and their optimizer state
+(:attr:`MemoryPlan.checkpoint_bytes`; a LoRA run its adapters only), the whole checkpoint about ``world`` times that
+on disk. An asynchronous save (``checkpoint.async_save``) stages that share in host memory while it is written: a
+host-side term, outside the device total (on a CPU run the host is the device: add it).
+
 ``MemoryPlan.as_dict()`` is what ``memory_plan.json`` holds; ``report()`` the table the recipe prints.
 """
 
@@ -53,6 +58,7 @@ class PlanSetup:
     chunked_loss: bool = True  # the training step's loss; False: through full [L, vocab] logits
     lora: LoRAConfig | None = None  # a LoRA fine-tune (dsv4.peft): frozen base, trainable adapters
     cp_balance: str = "none"  # the CP layout (dsv4.parallel.cp.layout): "full" = head-tail chunks
+    async_checkpoint: bool = True  # checkpoint.async_save: a host staging copy of the rank's checkpoint share
 
     @property
     def world(self) -> int:
@@ -110,6 +116,18 @@ class MemoryPlan:
         return self.per_rank_bytes["total"]
 
     @property
+    def checkpoint_bytes(self) -> int:
+        """What this rank writes per checkpoint: trainable fp32 parameter shards (the full model's, with its
+        buffers; a LoRA run's adapters) and their optimizer state."""
+        s = self.states
+        return (s.parameters if self.setup.lora is None else s.gradients) + s.optimizer
+
+    @property
+    def host_staging_bytes(self) -> int:
+        """Host memory an asynchronous save holds while it is written (0 for synchronous saves)."""
+        return self.checkpoint_bytes if self.setup.async_checkpoint else 0
+
+    @property
     def fits(self) -> bool:
         return self.total <= self.setup.device_memory_bytes
 
@@ -162,6 +180,11 @@ class MemoryPlan:
         verdict = "fits" if self.fits else f"DOES NOT FIT; biggest term: {self.biggest_term}"
         lines.append(_row("total", self.total, f"at the peak ({self.peak_phase}) of "
                                                f"{_size(setup.device_memory_bytes)}: {verdict}"))
+        lines.append(_row("checkpoint", self.checkpoint_bytes,
+                          f"written per rank per save; about {_size(self.checkpoint_bytes * setup.world)} on disk "
+                          "per checkpoint" + (f"; host staging {_size(self.host_staging_bytes)} while an "
+                                              "asynchronous save is written (not in the device total)"
+                                              if setup.async_checkpoint else "")))
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -182,6 +205,8 @@ class MemoryPlan:
                       "optimizer_state_bytes_per_element": setup.optimizer.state_bytes,
                       "optimizer_step_temporary": setup.optimizer.step_temporary,
                       "lora": None if setup.lora is None else setup.lora.as_dict()},
+            "checkpoint_bytes": {"per_rank": self.checkpoint_bytes, "disk": self.checkpoint_bytes * setup.world,
+                                 "host_staging_per_rank": self.host_staging_bytes},
             "communication_bytes": {"gathered": self.states.gathered, "root_gathered": self.states.root_gathered,
                                     "reduce_buffer": self.states.reduce_buffer},
             "activations": {

@@ -83,3 +83,34 @@ def test_lora_plan_counts_adapters_the_frozen_base_and_the_kept_buffers(base_dty
     full = memory_plan(PlanSetup(config, seq_len=512, compute_dtype=torch.bfloat16))
     assert plan.states.parameters < full.states.parameters and plan.total < full.total
     assert "LoRA r=4" in plan.report() and plan.as_dict()["setup"]["lora"]["base_dtype"] == base_dtype
+
+
+def test_checkpoint_bytes_match_a_real_save(tmp_path):
+    """The plan's checkpoint share against the bytes DCP writes for the same model and its AdamW state after one
+    step (one process, no sharding; wider than the preset so DCP's per-tensor framing, about 1 KB per tensor, is
+    small beside the data): within 2%."""
+    import torch.distributed.checkpoint as dcp
+
+    from dsv4.model import DSV4ForCausalLM
+
+    config = DSV4Config.preset("tiny", hidden_size=256, moe_intermediate_size=256, n_routed_experts=16,
+                               q_lora_rank=128, o_lora_rank=128)
+    plan = memory_plan(PlanSetup(config, seq_len=512))
+    torch.manual_seed(0)
+    model = DSV4ForCausalLM(config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    for p in trainable:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    dcp.save({"state_dict": get_model_state_dict(model), "optimizer_0": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=str(tmp_path), no_dist=True)
+    written = sum(f.stat().st_size for f in tmp_path.glob("*.distcp"))
+    assert written == pytest.approx(plan.checkpoint_bytes, rel=0.02)
+    assert plan.host_staging_bytes == plan.checkpoint_bytes  # asynchronous saves by default
+    assert memory_plan(PlanSetup(config, seq_len=512, async_checkpoint=False)).host_staging_bytes == 0
+    assert plan.as_dict()["checkpoint_bytes"] == {"per_rank": plan.checkpoint_bytes, "disk": plan.checkpoint_bytes,
+                                                  "host_staging_per_rank": plan.checkpoint_bytes}
+    assert "on disk per checkpoint; host staging" in plan.report()
