@@ -425,36 +425,12 @@ DATA_KINDS: tuple[str, ...] = DATA_SOURCES.names()  # the built-in kinds; DATA_S
 # ---------------------------------------------------------------------------------------------------- factory
 
 
-def build_documents(
-    kind: str = "stdlib",
-    path: str | os.PathLike | None = None,
-    tokenizer: Tokenizer | str | None = "byte",
-    *,
-    split: str = "train",
-    text_key: str = "text",
-    messages_key: str = "messages",
-    chat_template: str | None = None,
-    chat_template_file: str | os.PathLike | None = None,
-    max_documents: int | None = None,
-    max_bytes: int | None = None,
-    min_bytes: int = 64,
-    seed: int | None = 0,
-    cache_dir: str | os.PathLike | None = None,
-    options: Mapping[str, Any] | None = None,
-) -> list[Document]:
-    """Plain-argument factory over the registered sources (for configs): ``kind`` is a name in
-    :data:`DATA_SOURCES` (``"stdlib"``, ``"jsonl"``, ``"hf"``, ...).
-
-    ``tokenizer`` is a spec for :func:`~dsv4.data.tokenizers.build_tokenizer` (``"byte"``, a local path) or a
-    tokenizer object; ``chat_template_file`` reads the template text from a file. ``max_bytes``/``min_bytes``/
-    ``seed`` apply to the stdlib corpus only, ``split``/``cache_dir`` to ``hf`` only; ``max_documents`` to every kind;
-    ``options``: source-specific keys (the built-ins take none).
-    """
-    source, args = source_args(kind, path, tokenizer, split=split, text_key=text_key, messages_key=messages_key,
-                               chat_template=chat_template, chat_template_file=chat_template_file,
-                               max_documents=max_documents, max_bytes=max_bytes, min_bytes=min_bytes, seed=seed,
-                               cache_dir=cache_dir, options=options)
-    return source.documents(args)
+def build_documents(*args: Any, **kwargs: Any) -> list[Document]:
+    """Plain-argument factory over the registered sources (for configs): the documents of the source that
+    :func:`source_args` resolves from the same arguments (``kind`` a name in :data:`DATA_SOURCES`: ``"stdlib"``,
+    ``"jsonl"``, ``"hf"``, ...)."""
+    source, spec = source_args(*args, **kwargs)
+    return source.documents(spec)
 
 
 def source_args(
@@ -475,7 +451,13 @@ def source_args(
     options: Mapping[str, Any] | None = None,
 ) -> tuple[DataSource, SourceArgs]:
     """The registered source of ``kind`` and the :class:`SourceArgs` :func:`build_documents` hands it (tokenizer
-    built, template read, options checked)."""
+    built, template read, options checked).
+
+    ``tokenizer`` is a spec for :func:`~dsv4.data.tokenizers.build_tokenizer` (``"byte"``, a local path) or a
+    tokenizer object; ``chat_template_file`` reads the template text from a file. ``max_bytes``/``min_bytes``/
+    ``seed`` apply to the stdlib corpus only, ``split``/``cache_dir`` to ``hf`` only; ``max_documents`` to every kind;
+    ``options``: source-specific keys (the built-ins take none).
+    """
     source = DATA_SOURCES.get(kind)
     options = dict(options or {})
     unread = sorted(set(options) - set(source.options))
