@@ -47,6 +47,7 @@ class CheckpointWriter:
                  process_group: Any = None) -> None:
         self.rank, self.barrier, self.async_save, self.process_group = rank, barrier, async_save, process_group
         self._pending: _Pending | None = None
+        self.on_commit: Callable[[Path], None] | None = None  # rank 0, after each rename (e.g. retention)
 
     @property
     def in_flight(self) -> bool:
@@ -88,6 +89,8 @@ class CheckpointWriter:
         if self.rank == 0:
             (pending.partial / META_FILE).write_bytes(pending.meta or b"")
             replace_directory(pending.partial, pending.path)
+            if self.on_commit is not None:
+                self.on_commit(pending.path)
         self.barrier("dsv4-checkpoint-committed")
 
 

@@ -2,7 +2,7 @@
 
 :class:`StepCheckpoint` is Lightning's ``ModelCheckpoint`` (``step<N>.ckpt`` every ``every_n_steps`` optimizer
 steps, ``last.ckpt`` a symbolic link to the newest) that also saves when the run reaches ``trainer.max_steps``,
-whatever the interval, so no trained step is lost. Retention: once a ``step<N>.ckpt`` is complete, global rank 0
+whatever the interval, so no trained step is lost. Retention: each time a checkpoint is committed, global rank 0
 deletes the periodic checkpoints beyond the newest ``keep_last``, except those of steps divisible by
 ``keep_every_n_steps`` and the one ``last.ckpt`` names; each deletion is logged.
 
@@ -72,7 +72,6 @@ class StepCheckpoint(ModelCheckpoint):
                          save_on_train_epoch_end=False, auto_insert_metric_name=False,
                          enable_version_counter=False)  # a resumed run overwrites last.ckpt, never last-v1.ckpt
         self.keep_last, self.keep_every_n_steps = keep_last, keep_every_n_steps
-        self._retained_step: int | None = None
         if best_of not in (None, "val/loss"):
             raise ValueError(f"`checkpoint.monitor`={best_of!r} must be null or val/loss")
         self.best_of = best_of
@@ -108,32 +107,40 @@ class StepCheckpoint(ModelCheckpoint):
         if self.best_of is not None and best.get("monitor") == self.best_of:
             self.best_score, self.best_step, self.best_path = best["score"], best["step"], best["path"]
 
-    def retain(self, trainer: Any) -> list[Path]:
-        """Delete (global rank 0) the complete periodic checkpoints beyond the newest ``keep_last``, except
-        milestones (``keep_every_n_steps``) and the target of ``last.ckpt``; returns what was deleted."""
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Apply the retention each time a checkpoint is committed (the strategy's writer calls back on rank 0)."""
+        super().setup(trainer, pl_module, stage)
+        writer = getattr(trainer.strategy, "checkpoint_writer", None)
+        if writer is not None:
+            writer.on_commit = lambda path: self.retain()
+
+    def retain(self) -> list[Path]:
+        """Delete the complete periodic checkpoints beyond the newest ``keep_last``, except milestones
+        (``keep_every_n_steps``) and the target of ``last.ckpt``; returns what was deleted. Called on global rank 0
+        right after a commit, before the next save writes anything, so the directory holds at most ``keep_last``
+        complete periodic checkpoints and the one being written."""
         removed: list[Path] = []
-        if self.keep_last is not None and trainer.is_global_zero:
-            root = Path(self.dirpath)
-            last = root / "last.ckpt"
-            pinned = last.resolve() if last.exists() else None
-            steps = sorted((int(m.group(1)), p) for p in root.glob("step*.ckpt")
-                           if (m := _STEP_NAME.match(p.name)) and not p.is_symlink() and is_complete(p))
-            for step, path in steps[: max(len(steps) - self.keep_last, 0)]:
-                if (self.keep_every_n_steps and step % self.keep_every_n_steps == 0) or path.resolve() == pinned:
-                    continue
-                shutil.rmtree(path)
-                removed.append(path)
-                log.info("checkpoint retention: deleted %s (checkpoint.keep_last=%d)", path, self.keep_last)
-        trainer.strategy.barrier("dsv4-checkpoint-retention")
+        if self.keep_last is None:
+            return removed
+        root = Path(self.dirpath)
+        last = root / "last.ckpt"
+        pinned = last.resolve() if last.exists() else None
+        steps = sorted((int(m.group(1)), p) for p in root.glob("step*.ckpt")
+                       if (m := _STEP_NAME.match(p.name)) and not p.is_symlink() and is_complete(p))
+        for step, path in steps[: max(len(steps) - self.keep_last, 0)]:
+            if (self.keep_every_n_steps and step % self.keep_every_n_steps == 0) or path.resolve() == pinned:
+                continue
+            shutil.rmtree(path)
+            removed.append(path)
+            log.info("checkpoint retention: deleted %s (checkpoint.keep_last=%d)", path, self.keep_last)
         return removed
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Commit an asynchronous save still in flight, then apply the retention to it."""
+        """Commit an asynchronous save still in flight (its retention follows)."""
         super().on_train_end(trainer, pl_module)
         finish = getattr(trainer.strategy, "finish_checkpoint", None)
         if finish is not None:
             finish()
-        self.retain(trainer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._keep_best(trainer, pl_module)
@@ -143,9 +150,6 @@ class StepCheckpoint(ModelCheckpoint):
             candidates = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
-        if self._last_global_step_saved == trainer.global_step and self._retained_step != trainer.global_step:
-            self._retained_step = trainer.global_step
-            self.retain(trainer)
 
 
 def checkpoint_step(path: str | Path) -> int | None:
