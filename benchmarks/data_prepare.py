@@ -24,6 +24,7 @@ checkpoint holding the trained tokenizer (so ``data.tokenizer=auto`` picks it) a
 
 * ``data_prepare.recipe.first_step_s`` (``start`` = first / second): launch to the ``step 1/1`` progress line (the end
   of the first optimizer step); the shape's ``tokenized`` says whether that start's log has ``data: tokenized``;
+* ``data_prepare.recipe.prepare_s``: the prepare inside the first start (its ``data: prepared dataset ... in N s``);
 * ``data_prepare.recipe.peak_rss_anon_mib`` / ``data_prepare.recipe.peak_rss_mib`` (``rank`` 0..3): a rank's peak
   private memory (RssAnon: what the data costs the rank; mapped file pages are shared page cache, in RssFile) and
   peak RSS (VmHWM); ``rank`` = ``helpers`` is the largest peak of the ranks' child processes (tokenizing workers).
@@ -209,10 +210,11 @@ class TreeMemory:
         self._thread.start()
 
     def _role(self, pid: int, parent: int) -> int | None:
-        if pid not in self.roles:
-            rank = _local_rank(pid) if parent == self.pid else None
-            self.roles[pid] = rank
-        return self.roles[pid]
+        # a child of the launcher is read again until it shows LOCAL_RANK: between its fork and its exec it still
+        # has the launcher's environment (a rank seen then would count as a helper)
+        if self.roles.get(pid) is None and parent == self.pid:
+            self.roles[pid] = _local_rank(pid)
+        return self.roles.get(pid)
 
     def poll(self) -> None:
         stack = [(self.pid, None)]
@@ -293,6 +295,9 @@ def recipe_main(args: argparse.Namespace, work: str) -> None:
             if reused:
                 here.update(rows=int(reused.group(1)), tokens=int(reused.group(2)))
             emit("data_prepare.recipe.first_step_s", here, round(result["first_step_s"], 1), "s")
+            prepared = re.search(r"data: prepared dataset \S+ \(.*\) in ([\d.]+) s", result["log"])
+            if prepared:
+                emit("data_prepare.recipe.prepare_s", here, float(prepared.group(1)), "s")
             peaks = [(str(rank), p) for rank, p in sorted(result["ranks"].items())]
             if result["helpers"]:
                 peaks.append(("helpers", result["helpers"]))
