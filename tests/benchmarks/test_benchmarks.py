@@ -199,3 +199,29 @@ def test_data_prepare_writes_chats_and_a_tokenizer_with_the_chat_formats_tokens(
     ckpt = data_prepare.train_tokenizer(tmp_path / "ckpt", data, vocab=400)
     source = resolve_data_source({"kind": "jsonl", "path": str(data), "tokenizer": "auto"}, str(ckpt), 129280)
     assert source["tokenizer"] == str(ckpt) and source["chat_template"] == "deepseek_v4"
+
+
+def test_data_prepare_tree_memory_attributes_ranks_and_helpers():
+    """``--recipe``'s poller: the launcher is rank 0, a child started with ``LOCAL_RANK`` is that rank, any other
+    descendant a helper; each keeps its own peak private memory (RssAnon)."""
+    import os
+    import time
+
+    import data_prepare
+
+    hold = "import time; b = bytearray({mb} << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.5)"
+    launcher = (
+        "import os, subprocess, sys\n"
+        f"rank = subprocess.Popen([sys.executable, '-c', {hold.format(mb=96)!r}], env={{**os.environ, 'LOCAL_RANK': '1'}})\n"
+        f"helper = subprocess.Popen([sys.executable, '-c', {hold.format(mb=8)!r}])\n"
+        "rank.wait(); helper.wait()\n")
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    proc = subprocess.Popen([sys.executable, "-c", launcher], env=env)
+    memory = data_prepare.TreeMemory(proc.pid, interval=0.05)
+    proc.wait()
+    time.sleep(0.1)
+    memory.stop()
+    assert set(memory.ranks) == {0, 1}
+    assert memory.ranks[1]["rss_anon"] >= 90 << 10  # KiB
+    assert memory.ranks[0]["rss_anon"] < 60 << 10 and memory.helpers["rss_anon"] < 60 << 10
+    assert memory.ranks[1]["hwm"] >= memory.ranks[1]["rss_anon"]
