@@ -24,6 +24,13 @@ Validation (``val_data``: the held-out rows, ``spec.validation``): after the opt
 and leaves the training state as it was: no expert load is counted (eval mode), no RNG is drawn, the CP traffic
 counters are reset afterwards, and the step's gradients (already applied) are freed first.
 
+Non-finite values (:mod:`dsv4.training.nonfinite`): at the optimizer-step boundary
+(:meth:`DSV4LightningModule.configure_gradient_clipping`, after the accumulation rescale) a non-finite ``train/loss``
+or global gradient norm stops the run with :class:`~dsv4.training.nonfinite.NonFiniteError` naming the step, the
+first parameter with a non-finite gradient and the last good checkpoint. Within ``skip_nonfinite_steps`` the step is
+skipped instead: its gradients are dropped (the optimizer changes nothing), the LR scheduler is not stepped, the
+router biases are not updated; the step counter advances and ``train/skipped_nonfinite`` counts the skips.
+
 LoRA (``lora``, :mod:`dsv4.peft`): only the adapters are parameters that train; the optimizer sees only them, the
 strategy checkpoints only them, and ``on_train_end`` exports them in the PEFT format and / or the merged model.
 
