@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # Triton kernels run on CPU tensors under Triton's interpreter; set before anything imports triton (Lightning and
@@ -16,7 +18,9 @@ from dsv4.cp import SimulatedMesh  # noqa: E402
 
 os.environ.setdefault("WANDB_MODE", "offline")
 # prepared datasets (data.cache_dir) of every test and every recipe a test starts go to a fresh temporary directory
+# of this test process (never ~/.cache/dsv4/data, which a concurrent test run would share), removed at exit
 os.environ["DSV4_DATA_CACHE"] = tempfile.mkdtemp(prefix="dsv4-test-data-")
+atexit.register(shutil.rmtree, os.environ["DSV4_DATA_CACHE"], ignore_errors=True)
 
 
 FakeMesh = SimulatedMesh  # short name used across the tests

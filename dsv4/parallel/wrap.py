@@ -106,7 +106,8 @@ def clip_grad_norm_(parameters, max_norm: float | None, group=None) -> torch.Ten
 
     One all-reduce over ``group`` (WORLD when None) of the local shards' squared norms; works for gradients on
     different meshes (where ``torch.nn.utils.clip_grad_norm_`` fails in torch 2.13) and for plain tensors on a
-    single process. Returns the total norm before clipping (fp32 scalar tensor).
+    single process. Returns the total norm before clipping (fp32 scalar tensor). A non-finite norm leaves the
+    gradients as they are (the caller decides; :mod:`dsv4.training.nonfinite` names the first bad one).
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
@@ -119,6 +120,7 @@ def clip_grad_norm_(parameters, max_norm: float | None, group=None) -> torch.Ten
     total = sq.sqrt()
     if max_norm is not None and max_norm > 0:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))  # no host sync
         for g in local:
             g.mul_(coef.to(g.dtype))
     return total

@@ -24,6 +24,13 @@ Validation (``val_data``: the held-out rows, ``spec.validation``): after the opt
 and leaves the training state as it was: no expert load is counted (eval mode), no RNG is drawn, the CP traffic
 counters are reset afterwards, and the step's gradients (already applied) are freed first.
 
+Non-finite values (:mod:`dsv4.training.nonfinite`): at the optimizer-step boundary
+(:meth:`DSV4LightningModule.configure_gradient_clipping`, after the accumulation rescale) a non-finite ``train/loss``
+or global gradient norm stops the run with :class:`~dsv4.training.nonfinite.NonFiniteError` naming the step, the
+first parameter with a non-finite gradient and the last good checkpoint. Within ``skip_nonfinite_steps`` the step is
+skipped instead: its gradients are dropped (the optimizer changes nothing), the LR scheduler is not stepped, the
+router biases are not updated; the step counter advances and ``train/skipped_nonfinite`` counts the skips.
+
 LoRA (``lora``, :mod:`dsv4.peft`): only the adapters are parameters that train; the optimizer sees only them, the
 strategy checkpoints only them, and ``on_train_end`` exports them in the PEFT format and / or the merged model.
 
@@ -45,9 +52,10 @@ import torch
 from dsv4.batch import TokenBatch
 from dsv4.distributed import all_reduce_sum, is_initialized
 from dsv4.model import DSV4ForCausalLM
-from dsv4.model.moe import update_load_balancing_bias
+from dsv4.model.moe import MoEGate, update_load_balancing_bias
 from dsv4.parallel.wrap import clip_grad_norm_
 from dsv4.training.loss import reduce_token_loss
+from dsv4.training.nonfinite import NonFiniteError, first_nonfinite_gradient, last_good_checkpoint
 from dsv4.training.stats import StepStats, batch_statistics, document_flops, step_stats_from
 from dsv4.training.spec import RunSpec
 from dsv4.training.step import forward_outputs
@@ -82,6 +90,9 @@ class DSV4LightningModule(L.LightningModule):
         self._batch_stats: torch.Tensor | None = None  # summed over the micro-batches of the current step
         self._window_sums: torch.Tensor | None = None  # (CE sum, label count[, indexer sum]) under accumulation
         self._step_start = 0.0
+        self._step_loss: torch.Tensor | None = None  # the step's global train/loss (checked with the grad norm)
+        self.skipped_nonfinite = 0  # steps skipped for a non-finite loss / gradient norm over the run
+        self._skipping = False  # this optimizer step was skipped (no update, no LR step, no bias update)
 
     @property
     def parallel(self) -> ParallelState:
@@ -161,11 +172,45 @@ class DSV4LightningModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Clip by the global L2 norm over every mesh (``trainer.gradient_clip_val``; None = log the norm only)."""
+        """Clip by the global L2 norm over every mesh (``trainer.gradient_clip_val``; None = log the norm only), then
+        check the step: a non-finite ``train/loss`` or gradient norm stops the run or skips the step
+        (:meth:`_nonfinite_step`)."""
         if gradient_clip_algorithm is not None and gradient_clip_algorithm != "norm":
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: only 'norm' is supported")
-        norm = clip_grad_norm_(self.parameters(), gradient_clip_val)
+        norm = clip_grad_norm_(self.parameters(), gradient_clip_val)  # leaves non-finite gradients as they are
         self.log("train/grad_norm", norm, on_step=True, rank_zero_only=True)
+        loss, self._step_loss = self._step_loss, None
+        if not bool(torch.isfinite(norm)) or (loss is not None and not bool(torch.isfinite(loss))):
+            self._nonfinite_step(loss, norm)
+
+    def _nonfinite_step(self, loss: torch.Tensor | None, norm: torch.Tensor) -> None:
+        """A non-finite loss or gradient norm (the same on every rank): stop with :class:`NonFiniteError`, or, within
+        ``skip_nonfinite_steps``, drop the step's gradients so that the optimizer step changes nothing."""
+        step = self.trainer.global_step + 1
+        found = first_nonfinite_gradient(self.model.named_parameters())
+        where = (f"first non-finite gradient: {found[0]} (rank {found[1]})" if found is not None else
+                 "every gradient is finite (their squared norm overflows float32)" if loss is None or
+                 bool(torch.isfinite(loss)) else "no non-finite gradient")
+        what = f"train/loss {float(loss) if loss is not None else 'n/a'}, gradient norm {float(norm)}; {where}"
+        if self.skipped_nonfinite < self.spec.skip_nonfinite_steps:
+            self.skipped_nonfinite += 1
+            self._skipping = True
+            for param in self.parameters():  # no gradient: torch optimizers leave the parameter and its state alone
+                param.grad = None
+            log.warning("skipping optimizer step %d (%d of trainer.skip_nonfinite_steps=%d): %s", step,
+                        self.skipped_nonfinite, self.spec.skip_nonfinite_steps, what)
+            return
+        finish = getattr(self.trainer.strategy, "finish_checkpoint", None)
+        if finish is not None:  # commit the save of an earlier, good step still in flight
+            finish()
+        callback = self.trainer.checkpoint_callback
+        good = last_good_checkpoint(getattr(callback, "dirpath", None))
+        skipped = (f" after skipping {self.skipped_nonfinite} (trainer.skip_nonfinite_steps="
+                   f"{self.spec.skip_nonfinite_steps})" if self.spec.skip_nonfinite_steps else "")
+        raise NonFiniteError(
+            f"non-finite values at optimizer step {step}{skipped}: {what}; last good checkpoint: "
+            f"{good if good is not None else 'none yet'}. Nothing of this step was applied or saved; resume from "
+            "that checkpoint (e.g. with a lower optim.lr), or set trainer.skip_nonfinite_steps to skip such steps")
 
     # ------------------------------------------------------------------ step
     @property
@@ -176,6 +221,7 @@ class DSV4LightningModule(L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx) -> None:
         if self._batch_stats is None:  # the first micro-batch of an optimizer step
             self._step_start = time.perf_counter()
+            self._skipping = False
 
     def training_step(self, batch: TokenBatch, batch_idx: int) -> torch.Tensor:
         """``batch``: this dp replica's whole rows (one micro-batch); returns this rank's share of the loss to
@@ -196,6 +242,7 @@ class DSV4LightningModule(L.LightningModule):
         if self.accumulation > 1:
             return self._accumulate(out)
         loss = reduce_token_loss(out.loss_sum, out.label_count, group)
+        self._step_loss = loss.value
         self.log("train/loss", loss.value, prog_bar=True, on_step=True, rank_zero_only=True)
         if out.indexer_loss_sum is None:
             return loss.loss
@@ -242,7 +289,8 @@ class DSV4LightningModule(L.LightningModule):
             for param in self.parameters():
                 if param.grad is not None:
                     param.grad.mul_(factor)
-        self.log("train/loss", sums[0] / count, prog_bar=True, on_step=True, rank_zero_only=True)
+        self._step_loss = sums[0] / count
+        self.log("train/loss", self._step_loss, prog_bar=True, on_step=True, rank_zero_only=True)
         if sums.numel() > 2:
             self.log("train/indexer_loss", sums[2] / count, on_step=True, rank_zero_only=True)
 
@@ -263,12 +311,23 @@ class DSV4LightningModule(L.LightningModule):
         lr = optimizer.param_groups[0]["lr"]
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         self.log("train/lr", lr, on_step=True, rank_zero_only=True)
+        if self.spec.skip_nonfinite_steps:
+            self.log("train/skipped_nonfinite", float(self.skipped_nonfinite), on_step=True, rank_zero_only=True)
         self._after_optimizer_step()
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        """The schedule counts applied updates: a skipped non-finite step does not advance it."""
+        if not self._skipping:
+            super().lr_scheduler_step(scheduler, metric)
 
     def _after_optimizer_step(self) -> None:
         parallel = self.parallel
+        if self._skipping:  # a skipped step moves no router bias: drop the loads its forward counted
+            for module in self.model.modules():
+                if isinstance(module, MoEGate) and module.expert_load is not None:
+                    module.expert_load.zero_()
         # every router sees different tokens: sum the expert loads of all ranks, apply the same update everywhere
-        if self.lora is None and not self.in_indexer_warmup:  # LoRA and the indexer warm-up keep the routers as they are
+        elif self.lora is None and not self.in_indexer_warmup:  # LoRA and the indexer warm-up keep the routers as they are
             update_load_balancing_bias(self.model, self.spec.bias_update_rate,
                                        reduce=all_reduce_sum if is_initialized() else None)
         totals, self._batch_stats = self._batch_stats, None  # every micro-batch of the step
@@ -313,9 +372,11 @@ class DSV4LightningModule(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoint extras
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["dsv4"] = {"config": self.config.to_dict(), "torch_rng": torch.get_rng_state()}
+        checkpoint["dsv4"] = {"config": self.config.to_dict(), "torch_rng": torch.get_rng_state(),
+                              "skipped_nonfinite": self.skipped_nonfinite}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         extra = checkpoint.get("dsv4", {})
         if "torch_rng" in extra:
             torch.set_rng_state(extra["torch_rng"])
+        self.skipped_nonfinite = int(extra.get("skipped_nonfinite", 0))

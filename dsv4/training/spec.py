@@ -173,6 +173,7 @@ class RunSpec:
     bias_update_rate: float = 1e-3
     indexer_warmup_steps: int = 0
     max_steps: int = 100
+    skip_nonfinite_steps: int = 0  # non-finite steps skipped over the run before one stops it (trainer.*)
     dry_run: bool = False
     # the data source's keywords (dsv4.data.build_documents)
     data: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -454,6 +455,10 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
     max_steps = int(trainer.get("max_steps", 100))
     data_cache_dir, data_num_proc = _data_preparation(data.pop("cache_dir", None), data.pop("num_proc", None))
     validation = _validation_spec(data, trainer, max_steps)
+    skip_nonfinite = trainer.pop("skip_nonfinite_steps", 0)
+    if not _is_int(skip_nonfinite) or skip_nonfinite < 0:
+        raise ValueError(f"`trainer.skip_nonfinite_steps`={skip_nonfinite!r} must be a whole number of steps >= 0 "
+                         "(0: the first non-finite loss or gradient norm stops the run)")
     monitor, objective = _check_monitor_and_objective(cfg, validation)
     from dsv4.data.defaults import resolve_data_source
 
@@ -475,7 +480,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.get("global_batch_size"),
         seed=cfg.seed,
         bias_update_rate=cfg.bias_update_rate, indexer_warmup_steps=cfg.indexer_warmup_steps,
-        max_steps=max_steps, dry_run=bool(cfg.dry_run),
+        max_steps=max_steps, skip_nonfinite_steps=skip_nonfinite, dry_run=bool(cfg.dry_run),
         data=MappingProxyType(data), overlong=overlong, data_cache_dir=data_cache_dir, data_num_proc=data_num_proc,
         trainer=MappingProxyType(trainer),
         callbacks=callbacks, logger=logger, plan=plan, export=export,

@@ -70,6 +70,7 @@ def test_train_throughput_measures_only_the_steps_after_warmup():
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(3600)  # the script's own safety net below, longer than the suite's
 def test_memory_plan_agrees_with_the_measured_step():
     rows = _run("memory_plan.py", "--models", "tiny", "--cp", "1", "2", "--seq-len", "1024", "--variants", "block",
                 "logits", "lora_fp8", timeout=3600)

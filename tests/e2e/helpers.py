@@ -56,10 +56,27 @@ def recipe_env(port: int) -> dict[str, str]:
     return env
 
 
+def check_output_dir(args: list[str], run_dir: Path | None) -> None:
+    """ValueError unless the recipe command gets a directory of its own: ``run_dir`` or a ``hydra.run.dir=``
+    argument, and for a sweep (``-m`` / ``--multirun``) a ``hydra.sweep.dir=`` argument."""
+    sweep = "-m" in args or "--multirun" in args
+    key = "hydra.sweep.dir=" if sweep else "hydra.run.dir="
+    if any(str(a).startswith(key) for a in args) or (run_dir is not None and not sweep):
+        return
+    raise ValueError(f"run_recipe({args!r}): pass {'a ' + key + ' argument' if sweep else 'run_dir'} (under the "
+                     f"test's tmp_path); the default {'multirun/' if sweep else 'outputs/'} is shared by concurrent "
+                     "test runs")
+
+
 def run_recipe(args: list[str], run_dir: Path | None = None, timeout: float = 1800, check: bool = True,
                script: str = "recipes/finetune.py", env: dict[str, str | None] | None = None,
                ) -> subprocess.CompletedProcess:
-    """Run ``script`` with ``args``; ``env`` entries override the test environment (None removes a variable)."""
+    """Run ``script`` with ``args``; ``env`` entries override the test environment (None removes a variable).
+
+    The run writes into ``run_dir`` (``hydra.run.dir``), or a sweep (``-m``) into the ``hydra.sweep.dir=`` of its
+    ``args``: never into ``outputs/`` or ``multirun/`` of the repository, which two test runs at once would share
+    (:func:`check_output_dir`)."""
+    check_output_dir(args, run_dir)
     cmd = [sys.executable, str(REPO / script), *args]
     if run_dir is not None:
         cmd.append(f"hydra.run.dir={run_dir}")

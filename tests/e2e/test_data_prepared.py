@@ -34,7 +34,7 @@ def test_checkpoint_tokenizer_prepared_once_then_reused(tmp_path):
     args = ["seq_len=256", "logger=csv", "scheduler.warmup_steps=1", "cp=2", "trainer.max_steps=1",
             "checkpoint.every_n_steps=0", f"model.checkpoint={ckpt}", "data=jsonl", f"data.path={data}",
             f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=1"]
-    first = run_recipe(args, tmp_path / "run1", timeout=600)
+    first = run_recipe(args, tmp_path / "run1")
     log = first.stdout + first.stderr
     prepared = re.findall(r"data: prepared dataset (\S+) \((\d+) rows", log)
     assert len(prepared) == 1 and "data: tokenized" in log
@@ -42,7 +42,7 @@ def test_checkpoint_tokenizer_prepared_once_then_reused(tmp_path):
     assert json.loads(open(f"{directory}/meta.json").read())["fingerprint"]["tokenizer"].startswith("sha256:")
     # Lightning's second rank re-runs the start-up and maps what the launching process prepared
     assert f"data: reusing prepared dataset {directory}" in log
-    second = run_recipe(args, tmp_path / "run2", timeout=600)
+    second = run_recipe(args, tmp_path / "run2")
     log = second.stdout + second.stderr
     assert "data: tokenized" not in log and "data: prepared dataset" not in log
     assert f"data: reusing prepared dataset {directory} ({prepared[0][1]} rows" in log

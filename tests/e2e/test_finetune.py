@@ -96,3 +96,19 @@ def test_two_job_sweep_writes_two_complete_runs(tmp_path):
     assert "cp: 2" in (tmp_path / "1" / "resolved_config.yaml").read_text()
     # exactly the two jobs: no child rank re-ran the sweep into a directory of its own
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "multirun.yaml"]
+
+
+def test_a_nan_gradient_on_one_rank_stops_both_naming_the_parameter_and_the_last_good_checkpoint(tmp_path):
+    """cp=2: rank 1 alone holds a NaN in its FSDP2 shard of one gradient at step 2; the job exits non-zero and
+    the message names step 2, that parameter on rank 1 and step1.ckpt; nothing of step 2 is saved."""
+    name = "model.layers.1.self_attn.wq_a.weight"
+    proc = run_recipe([*FAST, "cp=2", "trainer.max_steps=3", "checkpoint.every_n_steps=1",
+                       "+callbacks.nan._target_=tests.e2e.nan_probe.NaNGradient", "+callbacks.nan.step=2",
+                       f"+callbacks.nan.parameter={name}", "+callbacks.nan.rank=1"], tmp_path, check=False,
+                      env={"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "NonFiniteError: non-finite values at optimizer step 2:" in out, out[-3000:]
+    assert f"first non-finite gradient: {name} (rank 1)" in out, out[-3000:]
+    assert f"last good checkpoint: {tmp_path / 'checkpoints' / 'step1.ckpt'}." in out, out[-3000:]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt", "step1.ckpt"]
