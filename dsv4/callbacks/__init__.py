@@ -10,12 +10,15 @@
   CPU: ``mem/rss_gib``, ``mem/peak_rss_gib``.
 * :class:`TextProgressCallback` -- a plain text line (step, loss, lr, tokens/s, ETA) every N steps for logs that are
   not a terminal.
+* :class:`Preemption` -- not a metric: on ``preemption.signals`` stop after the optimizer step with a complete
+  checkpoint (wired by :func:`dsv4.training.run.run_finetune`, not a ``callbacks`` entry).
 """
 
 from dsv4.callbacks.cp_traffic import CPTrafficCallback
 from dsv4.callbacks.memory import MemoryCallback
 from dsv4.callbacks.padding import PaddingCallback
+from dsv4.callbacks.preemption import Preemption
 from dsv4.callbacks.progress import TextProgressCallback
 from dsv4.callbacks.throughput import ThroughputCallback
 
-__all__ = ["CPTrafficCallback", "MemoryCallback", "PaddingCallback", "TextProgressCallback", "ThroughputCallback"]
+__all__ = ["CPTrafficCallback", "MemoryCallback", "PaddingCallback", "Preemption", "TextProgressCallback", "ThroughputCallback"]

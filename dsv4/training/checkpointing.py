@@ -142,14 +142,20 @@ class StepCheckpoint(ModelCheckpoint):
         if finish is not None:
             finish()
 
+    def save_now(self, trainer: Any) -> None:
+        """Save ``step<N>.ckpt`` and ``last.ckpt`` of the current step (every rank), unless this step is saved
+        already: the last step, and a preemption stop (:class:`dsv4.callbacks.preemption.Preemption`)."""
+        if not self._should_skip_saving_checkpoint(trainer):
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._keep_best(trainer, pl_module)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         final = trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step
-        if final and not self._should_skip_saving_checkpoint(trainer):
-            candidates = self._monitor_candidates(trainer)
-            self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
+        if final:
+            self.save_now(trainer)
 
 
 def checkpoint_step(path: str | Path) -> int | None:

@@ -89,6 +89,19 @@ def _resume_path(spec: RunSpec, ckpt_dir: Path) -> str | None:
     return resume
 
 
+def _wait_for_local_ranks(trainer) -> None:
+    """Lightning's launching process (rank 0 of ``python recipes/finetune.py``) waits for the ranks it started, so
+    its exit status is the job's. Its child-process observer would SIGKILL it on their non-zero exit: it is given an
+    empty list first (it then ends). Under torchrun or SLURM there are no such children."""
+    procs = getattr(trainer.strategy.launcher, "procs", None)
+    if not procs:
+        return
+    children = list(procs)
+    procs.clear()
+    for child in children:
+        child.wait()
+
+
 def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     """Resolve the run, then train; returns the objective (the last ``spec.objective``) for sweepers."""
     output_dir = Path(output_dir)
@@ -103,6 +116,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     from lightning.pytorch.loggers import WandbLogger
     from omegaconf import OmegaConf
 
+    from dsv4.callbacks.preemption import Preemption
     from dsv4.data.datamodule import DSV4DataModule
     from dsv4.training.checkpointing import StepCheckpoint, checkpoint_step
     from dsv4.training.module import DSV4LightningModule
@@ -135,8 +149,9 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
                                    best_of=spec.checkpoint.monitor)
     resume_step = checkpoint_step(resume) if resume else None  # the logs continue from this step
     logger = spec.logger(output_dir, resume_step=resume_step) if spec.logger is not None else False
+    preemption = Preemption(spec.preemption.signals, spec.preemption.exit_code) if spec.preemption.signals else None
     trainer = L.Trainer(strategy=DSV4Strategy.from_spec(spec), logger=logger,
-                        callbacks=[checkpointing, *spec.callbacks], use_distributed_sampler=False,
+                        callbacks=[checkpointing, *spec.callbacks, *([preemption] if preemption else [])], use_distributed_sampler=False,
                         default_root_dir=str(output_dir), precision="32-true", **spec.trainer)
     # gradient accumulation from global_batch_size (the world size is known here also when the config left it open)
     trainer.accumulate_grad_batches = spec.accumulation(trainer.world_size)
@@ -146,6 +161,11 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
         logger.log_hyperparams(dict(spec.resolved))
     module = DSV4LightningModule(spec, val_data=data.validation_dataloader if data.has_validation else None)
     trainer.fit(module, datamodule=data, ckpt_path=resume)
+    if preemption is not None and preemption.stopped_at is not None:
+        _wait_for_local_ranks(trainer)
+        log.warning("preempted: stopped after step %d with a complete checkpoint; exit status %d (rerun the same "
+                    "command to resume)", preemption.stopped_at, preemption.exit_code)
+        raise SystemExit(preemption.exit_code)
     if spec.objective == "val/loss":
         objective = module.last_validation.loss if module.last_validation is not None else None
     else:

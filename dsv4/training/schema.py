@@ -110,6 +110,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class PreemptionConfig:
+    """``signals``: signal names that stop the run after the current optimizer step with a complete checkpoint
+    (:class:`dsv4.callbacks.preemption.Preemption`; [] = off); ``exit_code``: the process status after such a stop."""
+
+    signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    exit_code: int = 143
+
+
+@dataclass
 class ExportConfig:
     """``hf_dir``: write the trained model there at the end of training in the HF layout (``dsv4.checkpoint``);
     ``dtype``: bfloat16 | float32 | quantized (release FP8/FP4 formats); ``adapter_dir`` (LoRA): the adapters in
@@ -174,6 +183,7 @@ class FinetuneConfig:
     callbacks: Dict[str, Any] = field(default_factory=dict)
     logger: Optional[Dict[str, Any]] = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     # true = plan only, false = no plan, or the options of dsv4.training.spec.PlanOptions
     plan: Any = field(default_factory=lambda: {"enabled": True, "only": False, "enforce": True,

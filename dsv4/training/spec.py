@@ -127,6 +127,32 @@ class CheckpointSpec:
     monitor: str | None = None
 
 
+@dataclass(frozen=True)
+class PreemptionSpec:
+    """``signals``: the signal names that stop the run after the current optimizer step with a complete checkpoint
+    (empty: none); ``exit_code``: the process status after such a stop (:mod:`dsv4.callbacks.preemption`)."""
+
+    signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    exit_code: int = 143
+
+
+def _preemption_spec(cfg: Any) -> PreemptionSpec:
+    """The ``preemption`` group; an unknown or uncatchable signal name, or a status outside 0-255, is refused."""
+    from dsv4.callbacks.preemption import signal_of
+
+    group = cfg.get("preemption") or {}
+    signals = tuple(str(s) for s in (group.get("signals") or ()))
+    for name in signals:
+        try:
+            signal_of(name)
+        except ValueError as err:
+            raise ValueError(f"`preemption.signals`: {err}") from None
+    code = group.get("exit_code", 143)
+    if not _is_int(code) or not 0 <= int(code) <= 255:
+        raise ValueError(f"`preemption.exit_code`={code!r} must be an integer in 0..255")
+    return PreemptionSpec(signals=signals, exit_code=int(code))
+
+
 MONITORS = ("val/loss",)
 OBJECTIVES = ("train/loss", "val/loss")
 
@@ -187,6 +213,7 @@ class RunSpec:
     plan: PlanOptions = field(default_factory=PlanOptions)
     export: ExportSpec = field(default_factory=ExportSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    preemption: PreemptionSpec = field(default_factory=PreemptionSpec)
     validation: ValidationSpec = field(default_factory=ValidationSpec)
     objective: str = "train/loss"  # the metric a sweep job reports (OBJECTIVES)
     # the composed config with every model value spelled out (for the record)
@@ -450,6 +477,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
     from dsv4.data.packer import OVERLONG
 
     _checkpoint_spec(cfg.checkpoint)  # validated before any other work
+    preemption = _preemption_spec(cfg)
     if overlong not in OVERLONG:
         raise ValueError(f"`data.overlong`={overlong!r} must be one of {', '.join(OVERLONG)}")
     max_steps = int(trainer.get("max_steps", 100))
@@ -484,7 +512,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         data=MappingProxyType(data), overlong=overlong, data_cache_dir=data_cache_dir, data_num_proc=data_num_proc,
         trainer=MappingProxyType(trainer),
         callbacks=callbacks, logger=logger, plan=plan, export=export,
-        checkpoint=_checkpoint_spec(cfg.checkpoint, monitor),
+        checkpoint=_checkpoint_spec(cfg.checkpoint, monitor), preemption=preemption,
         validation=validation, objective=objective,
         resolved=MappingProxyType(resolved),
     )
