@@ -55,6 +55,14 @@ def complete_checkpoints(ckpt_dir: str | Path) -> tuple[list[Path], list[Path]]:
     return complete, incomplete
 
 
+def newest_complete(complete: list[Path]) -> Path | None:
+    """The newest of ``complete`` checkpoint directories (by ``meta.pt``'s time; ``last.ckpt`` wins a tie), or None:
+    the one ``checkpoint.resume=auto`` takes."""
+    if not complete:
+        return None
+    return max(complete, key=lambda d: ((d / META_FILE).stat().st_mtime, d.name == "last.ckpt"))
+
+
 class StepCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint(dirpath, filename="step{step}", save_last="link", every_n_train_steps=every_n_steps)``
     that also checkpoints the step that reaches ``trainer.max_steps`` (``every_n_steps`` 0: only that one), keeps

@@ -60,10 +60,9 @@ def last_good_checkpoint(ckpt_dir: str | Path | None) -> Path | None:
     resolved to the directory it links), or None when there is none."""
     if ckpt_dir is None:
         return None
-    from dsv4.training.checkpointing import META_FILE, complete_checkpoints
+    from dsv4.training.checkpointing import complete_checkpoints, newest_complete
 
-    complete, _ = complete_checkpoints(ckpt_dir)
-    if not complete:
+    newest = newest_complete(complete_checkpoints(ckpt_dir)[0])
+    if newest is None:
         return None
-    newest = max(complete, key=lambda d: ((d / META_FILE).stat().st_mtime, d.name == "last.ckpt"))
     return newest.resolve() if newest.is_symlink() else newest

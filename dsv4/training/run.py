@@ -70,7 +70,7 @@ def _write_objective(output_dir: Path, metric: str, value: float | None) -> None
 
 
 def _resume_path(spec: RunSpec, ckpt_dir: Path) -> str | None:
-    from dsv4.training.checkpointing import META_FILE, complete_checkpoints, is_complete
+    from dsv4.training.checkpointing import META_FILE, complete_checkpoints, is_complete, newest_complete
 
     resume = spec.checkpoint.resume
     if resume == "none":
@@ -81,7 +81,7 @@ def _resume_path(spec: RunSpec, ckpt_dir: Path) -> str | None:
             log.warning("not resuming from %s: incomplete (a save interrupted before every rank finished)", path)
         if not complete:
             return None
-        resume = str(max(complete, key=lambda d: ((d / META_FILE).stat().st_mtime, d.name == "last.ckpt")))
+        resume = str(newest_complete(complete))
     elif not is_complete(resume):
         raise ValueError(f"`checkpoint.resume`={resume!r} is not a complete distributed checkpoint directory "
                          f"(it needs {META_FILE} and .metadata)")
