@@ -150,9 +150,10 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     resume_step = checkpoint_step(resume) if resume else None  # the logs continue from this step
     logger = spec.logger(output_dir, resume_step=resume_step) if spec.logger is not None else False
     preemption = Preemption(spec.preemption.signals, spec.preemption.exit_code) if spec.preemption.signals else None
-    trainer = L.Trainer(strategy=DSV4Strategy.from_spec(spec), logger=logger,
-                        callbacks=[checkpointing, *spec.callbacks, *([preemption] if preemption else [])], use_distributed_sampler=False,
-                        default_root_dir=str(output_dir), precision="32-true", **spec.trainer)
+    callbacks = [checkpointing, *spec.callbacks, *([preemption] if preemption else [])]
+    trainer = L.Trainer(strategy=DSV4Strategy.from_spec(spec), logger=logger, callbacks=callbacks,
+                        use_distributed_sampler=False, default_root_dir=str(output_dir), precision="32-true",
+                        **spec.trainer)
     # gradient accumulation from global_batch_size (the world size is known here also when the config left it open)
     trainer.accumulate_grad_batches = spec.accumulation(trainer.world_size)
     if trainer.global_rank == 0:
