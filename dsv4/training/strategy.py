@@ -208,11 +208,13 @@ class DSV4Strategy(ModelParallelStrategy):
 
 
 def _saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """The global shape of every tensor in the DCP checkpoint at ``path`` (from its ``.metadata``)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """The global shape of every tensor in the DCP checkpoint at ``path`` (from its ``.metadata``, read as the
+    converter reads it: an unreadable file is a ``CheckpointFormatError`` naming it)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    entries = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    from dsv4.checkpoint.convert import DCPTensors
+
+    entries = DCPTensors(path).entries
     return {k: tuple(v.size) for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
 
 
