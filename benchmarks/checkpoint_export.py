@@ -117,6 +117,7 @@ def _lora_run(args, tmp: str) -> tuple[str, int, int]:
     from omegaconf import OmegaConf
 
     from dsv4.checkpoint import export_hf_checkpoint, load_hf_checkpoint
+    from dsv4.checkpoint.convert import model_blocks
     from dsv4.peft import LoRAConfig, adapter_state, apply_lora
     from dsv4.peft.apply import merged_sources
 
@@ -137,11 +138,9 @@ def _lora_run(args, tmp: str) -> tuple[str, int, int]:
     torch.save({"dsv4": {"config": model.config.to_dict()}}, f"{ckpt}/meta.pt")
     OmegaConf.save(OmegaConf.create({"peft": LORA, "model": {"checkpoint": f"{tmp}/base"}}),
                    f"{tmp}/lora/resolved_config.yaml")
-    blocks: dict[str, int] = {}
-    for name, t in model.state_dict().items():
-        parts = name.split(".")
-        block = ".".join(parts[:3]) if parts[1] == "layers" else ""
-        blocks[block] = blocks.get(block, 0) + t.numel() * t.element_size()
+    state = model.state_dict()
+    blocks = {block: sum(state[n].numel() * state[n].element_size() for n in names)
+              for block, names in model_blocks(model).items()}  # the blocks --merge loads one at a time
     largest = max(math.prod(s.shape) * 4 for s in merged_sources(model))
     return f"{tmp}/lora", max(blocks.values()) + int(3.5 * largest), sum(blocks.values())
 

@@ -228,6 +228,17 @@ def _check_adapters(ckpt: Path, tensors: DCPTensors, model, resolved_name: str) 
     return names
 
 
+def model_blocks(model) -> dict[str, list[str]]:
+    """The state-dict names of ``model`` by block: ``"model.layers.<i>."`` / ``"mtp.layers.<i>."`` for each
+    transformer layer, ``""`` for everything else (embedding, norms, head); the unit ``--merge`` loads at a time."""
+    layers = [f"model.layers.{i}." for i in range(len(model.model.layers))]
+    layers += [f"mtp.layers.{i}." for i in range(len(model.mtp.layers))] if hasattr(model, "mtp") else []
+    blocks: dict[str, list[str]] = {}
+    for name in model.state_dict(keep_vars=True):
+        blocks.setdefault(next((p for p in layers if name.startswith(p)), ""), []).append(name)
+    return blocks
+
+
 class _BlockLoader:
     """The tensors of a meta-device LoRA model, materialised on the CPU one block at a time: the base from the
     run's ``model.checkpoint`` (in the format the run keeps it: :func:`~dsv4.checkpoint.load.load_hf_checkpoint`
@@ -237,11 +248,7 @@ class _BlockLoader:
 
     def __init__(self, model, base: str, tensors: DCPTensors) -> None:
         self.model, self.base, self.tensors = model, base, tensors
-        layers = [f"model.layers.{i}." for i in range(len(model.model.layers))]
-        layers += [f"mtp.layers.{i}." for i in range(len(model.mtp.layers))] if hasattr(model, "mtp") else []
-        self.blocks: dict[str, list[str]] = {}
-        for name in model.state_dict(keep_vars=True):
-            self.blocks.setdefault(next((p for p in layers if name.startswith(p)), ""), []).append(name)
+        self.blocks = model_blocks(model)
         self.current: str | None = None
 
     def _block_of(self, name: str) -> str:
