@@ -144,6 +144,14 @@ def test_two_node_torchrun_matches_lightning_and_resumes_after_sigterm(tmp_path)
         assert trajectory[step] == reference[step], (step, trajectory[step], reference[step])
 
 
+def _logged_losses(run_dir: Path) -> dict[int, float]:
+    """The losses in ``metrics.csv`` so far ({} while it is absent or being rewritten)."""
+    try:
+        return losses(run_dir)
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
 RESTARTS = [*PREEMPTION, "checkpoint.async_save=false"]  # synchronous: step4.ckpt is committed before step 5 starts
 
 
@@ -151,7 +159,7 @@ def test_torchrun_max_restarts_resumes_from_the_newest_complete_checkpoint_after
     """torchrun --max-restarts=2 (1 node x 2 processes, cp=2) with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     (docs/scale.md#a-lost-rank): rank 1 is SIGKILLed twice. First inside the step-4 save (held there by the writer's
     test hook after step4.ckpt.partial was created): the restarted group skips the partial and resumes from step 2.
-    Then after step 4 was committed, while the group trains step 5: the next restart resumes from step 4. The run
+    Then during step 5 (step 4 committed and its loss logged): the next restart resumes from step 4. The run
     finishes with exactly the uninterrupted run's losses."""
     with reserved_port() as port:
         agent = _torchrun(RESTARTS, port, tmp_path, extra=("--max-restarts", "2"),
@@ -163,13 +171,15 @@ def test_torchrun_max_restarts_resumes_from_the_newest_complete_checkpoint_after
         assert (ckpts / "step4.ckpt.partial").is_dir() and not (ckpts / "step4.ckpt").exists()
         killed.kill()
         _wait_for(ckpts / "step4.ckpt" / "meta.pt", agent)  # the restarted group committed step 4
+        while agent.poll() is None and 3 not in _logged_losses(tmp_path):  # step 4's loss row: step 5 is under way
+            time.sleep(0.1)
         _rank_process(agent, 1, not_pid=killed.pid).kill()
         out = agent.communicate(timeout=SAFETY_NET_S)[0]
     assert agent.returncode == 0, out[-6000:]
     assert out.count("will restart worker group") == 2 and "exitcode: -9" in out, out[-6000:]
     log = (tmp_path / "finetune.log").read_text()
     resumed = [line.rpartition("resuming from ")[2] for line in log.splitlines() if "] - resuming from " in line]
-    # every rank logs its choice: both ranks of the first restart took step 2, both of the second step 4
+    # every rank logs its choice: both ranks of the first restart took step 2, both of the second step 4; no partial
     assert resumed == [f"{ckpts / 'last.ckpt'} (step 2)"] * 2 + [f"{ckpts / 'last.ckpt'} (step 4)"] * 2, resumed
     assert f"not resuming from {ckpts / 'step4.ckpt.partial'}: incomplete" in log
     complete, incomplete = complete_checkpoints(ckpts)
