@@ -20,6 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from dsv4.training.elastic import restart_store_warning
 from dsv4.training.planning import check_memory
 from dsv4.training.spec import RunSpec, build_run_spec
 
@@ -70,7 +71,8 @@ def _write_objective(output_dir: Path, metric: str, value: float | None) -> None
 
 
 def _resume_path(spec: RunSpec, ckpt_dir: Path) -> str | None:
-    from dsv4.training.checkpointing import META_FILE, complete_checkpoints, is_complete, newest_complete
+    from dsv4.training.checkpointing import (META_FILE, checkpoint_step, complete_checkpoints, is_complete,
+                                             newest_complete)
 
     resume = spec.checkpoint.resume
     if resume == "none":
@@ -85,7 +87,7 @@ def _resume_path(spec: RunSpec, ckpt_dir: Path) -> str | None:
     elif not is_complete(resume):
         raise ValueError(f"`checkpoint.resume`={resume!r} is not a complete distributed checkpoint directory "
                          f"(it needs {META_FILE} and .metadata)")
-    log.info("resuming from %s", resume)
+    log.info("resuming from %s (step %s)", resume, checkpoint_step(resume))
     return resume
 
 
@@ -110,6 +112,9 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
         return run_sweep_job(output_dir)
     if check_memory(spec, output_dir):  # plan only
         return None
+    restart_warning = restart_store_warning(os.environ)
+    if restart_warning and os.environ.get("RANK", "0") == "0":
+        log.warning("%s", restart_warning)
 
     import lightning as L
     import torch

@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dsv4.training.checkpoint_writer import STALL_VAR
 from dsv4.training.checkpointing import checkpoint_step, complete_checkpoints
 from tests.e2e.helpers import FAST, REPO, losses, recipe_env, reserved_port, run_recipe
 
@@ -78,15 +79,31 @@ MULTI_NODE = [*FAST, "cp=2", "dp=2", "trainer.max_steps=4", "checkpoint.every_n_
 
 
 def _torchrun(args: list[str], port: int, run_dir: Path, nnodes: int = 1, node_rank: int = 0,
-              extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    """One node of the documented torchrun command (2 processes per node, c10d rendezvous) on this machine."""
+              extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> subprocess.Popen:
+    """One node of the documented torchrun command (2 processes per node, c10d rendezvous) on this machine;
+    ``env`` is added to torchrun's environment (its workers inherit it)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", "2",
            "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *extra,
            str(REPO / "recipes/finetune.py"), *args, "trainer.devices=2", f"trainer.num_nodes={nnodes}",
            f"hydra.run.dir={run_dir}"]
-    env = {k: v for k, v in recipe_env(port).items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env = {**{k: v for k, v in recipe_env(port).items() if k not in ("MASTER_ADDR", "MASTER_PORT")}, **(env or {})}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+
+
+def _rank_process(agent: subprocess.Popen, rank: int, not_pid: int | None = None) -> psutil.Process:
+    """The worker of global ``rank`` (its RANK variable) under the torchrun ``agent``, other than ``not_pid``."""
+    deadline = time.time() + SAFETY_NET_S
+    while time.time() < deadline and agent.poll() is None:
+        for p in psutil.Process(agent.pid).children(recursive=True):
+            try:
+                if (p.pid != not_pid and p.status() != psutil.STATUS_ZOMBIE and p.environ().get("RANK") == str(rank)
+                        and "recipes/finetune.py" in " ".join(p.cmdline())):
+                    return p
+            except psutil.NoSuchProcess:
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"no rank {rank} under torchrun {agent.pid} (exit status {agent.poll()})")
 
 
 def _two_nodes(port: int, run_dir: Path) -> list[subprocess.Popen]:
@@ -125,3 +142,49 @@ def test_two_node_torchrun_matches_lightning_and_resumes_after_sigterm(tmp_path)
     assert trajectory.keys() == reference.keys() == set(range(4))
     for step in trajectory:
         assert trajectory[step] == reference[step], (step, trajectory[step], reference[step])
+
+
+def _logged_losses(run_dir: Path) -> dict[int, float]:
+    """The losses in ``metrics.csv`` so far ({} while it is absent or being rewritten)."""
+    try:
+        return losses(run_dir)
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+RESTARTS = [*PREEMPTION, "checkpoint.async_save=false"]  # synchronous: step4.ckpt is committed before step 5 starts
+
+
+def test_torchrun_max_restarts_resumes_from_the_newest_complete_checkpoint_after_sigkills(uninterrupted, tmp_path):
+    """torchrun --max-restarts=2 (1 node x 2 processes, cp=2) with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (docs/scale.md#a-lost-rank): rank 1 is SIGKILLed twice. First inside the step-4 save (held there by the writer's
+    test hook after step4.ckpt.partial was created): the restarted group skips the partial and resumes from step 2.
+    Then during step 5 (step 4 committed and its loss logged): the next restart resumes from step 4. The run
+    finishes with exactly the uninterrupted run's losses."""
+    with reserved_port() as port:
+        agent = _torchrun(RESTARTS, port, tmp_path, extra=("--max-restarts", "2"),
+                          env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO",
+                               STALL_VAR: "step4.ckpt:1"})
+        ckpts = tmp_path / "checkpoints"
+        _wait_for(ckpts / "step4.ckpt.stalled", agent)  # rank 1 stopped inside the step-4 save
+        killed = _rank_process(agent, 1)
+        assert (ckpts / "step4.ckpt.partial").is_dir() and not (ckpts / "step4.ckpt").exists()
+        killed.kill()
+        _wait_for(ckpts / "step4.ckpt" / "meta.pt", agent)  # the restarted group committed step 4
+        while agent.poll() is None and 3 not in _logged_losses(tmp_path):  # step 4's loss row: step 5 is under way
+            time.sleep(0.1)
+        _rank_process(agent, 1, not_pid=killed.pid).kill()
+        out = agent.communicate(timeout=SAFETY_NET_S)[0]
+    assert agent.returncode == 0, out[-6000:]
+    assert out.count("will restart worker group") == 2 and "exitcode: -9" in out, out[-6000:]
+    log = (tmp_path / "finetune.log").read_text()
+    resumed = [line.rpartition("resuming from ")[2] for line in log.splitlines() if "] - resuming from " in line]
+    # every rank logs its choice: both ranks of the first restart took step 2, both of the second step 4; no partial
+    assert resumed == [f"{ckpts / 'last.ckpt'} (step 2)"] * 2 + [f"{ckpts / 'last.ckpt'} (step 4)"] * 2, resumed
+    assert f"not resuming from {ckpts / 'step4.ckpt.partial'}: incomplete" in log
+    complete, incomplete = complete_checkpoints(ckpts)
+    assert not incomplete and checkpoint_step(ckpts / "last.ckpt") == 6, (complete, incomplete)
+    trajectory = losses(tmp_path)
+    assert trajectory.keys() == uninterrupted.keys() == set(range(6))
+    for step in trajectory:
+        assert trajectory[step] == uninterrupted[step], (step, trajectory[step], uninterrupted[step])
