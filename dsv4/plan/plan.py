@@ -114,6 +114,7 @@ class MemoryPlan:
     offload: OffloadBytes | None = None
     per_rank_bytes: dict[str, int] = field(init=False)
     peak_phase: str = field(init=False)
+    phase_bytes: dict[str, int] = field(init=False)  # device bytes of each phase; ``total`` is the largest
 
     def __post_init__(self) -> None:
         s, o = self.states, self.offload
@@ -132,6 +133,7 @@ class MemoryPlan:
             reduced = 0 if phase.backward_of is None or o is not None else sum(
                 self.segment_gradients[phase.backward_of + 1:])
             phases.append((phase.name, fixed + device["communication"] + phase.activations + reduced))
+        self.phase_bytes = dict(phases)
         self.peak_phase, self.per_rank_bytes["total"] = max(phases, key=lambda p: p[1])
 
     @property

@@ -1,7 +1,8 @@
 """Host offload (FSDP2's CPU offload policy) on 2 gloo ranks with EP 2 (alltoall; experts on the edp mesh).
 
 One run per rank of three AdamW steps with gradient clipping, wrapped without and with ``offload``: the same losses,
-gradient norms and parameters (on CPU the host is the device, so the numbers must not change). After the offloaded
+gradient norms and parameters (on CPU the host is the device, so the numbers must not change); the same for a LoRA
+model computing in bf16 (frozen base shards stored in bf16, trainable adapters with fp32 masters). After the offloaded
 step, what FSDP recorded (the policy on every unit, ``offload_to_cpu`` on every sharded parameter, no pinning
 without CUDA), where the shards, gradients and optimizer state are, and their bytes against the memory plan's
 host term for the same layout (rank 0, the rank the plan plans).
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.distributed
 STEPS = 3
 
 
-def _run(rank, world_size, offload):
+def _run(rank, world_size, offload, lora=False):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -30,9 +31,16 @@ def _run(rank, world_size, offload):
     meshes = build_meshes(ParallelDims(world_size=world_size, cp=2, ep=2), "cpu")
     torch.manual_seed(0)
     model = DSV4ForCausalLM(DSV4Config.preset("tiny"))
+    if lora:
+        from dsv4.peft import LoRAConfig, adapter_state, apply_lora
+
+        apply_lora(model, LoRAConfig(rank=4, alpha=8.0))
+        with torch.no_grad():  # B starts at zero: give every adapter a gradient from the first step
+            for p in adapter_state(model).values():
+                p.normal_(0, 0.05)
     apply_expert_parallel(model, "alltoall", meshes.ep.get_group(), "cpu")
-    apply_fsdp(model, meshes, offload=offload)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    apply_fsdp(model, meshes, offload=offload, compute_dtype=torch.bfloat16 if lora else torch.float32)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     g = torch.Generator().manual_seed(100 + rank)
     losses, norms = [], []
     for _ in range(STEPS):
@@ -45,7 +53,7 @@ def _run(rank, world_size, offload):
         losses.append(out.loss.detach())
     params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
     result = {"losses": torch.stack(losses), "norms": torch.stack(norms), "params": params}
-    if offload:
+    if offload and not lora:
         fsdp_params = [fp for m in model.modules() if isinstance(m, FSDPModule)
                        for group in [m._get_fsdp_state()._fsdp_param_group] if group is not None
                        for fp in group.fsdp_params]
@@ -67,7 +75,8 @@ def _run(rank, world_size, offload):
 
 
 def _body(rank, world_size):
-    return {"none": _run(rank, world_size, False), "offload": _run(rank, world_size, True)}
+    return {"none": _run(rank, world_size, False), "offload": _run(rank, world_size, True),
+            "lora_none": _run(rank, world_size, False, lora=True), "lora_offload": _run(rank, world_size, True, lora=True)}
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +84,11 @@ def two_ranks():
     return run_on_ranks(_body, 2)
 
 
-def test_offload_gives_the_same_steps(two_ranks):
+@pytest.mark.parametrize("model", ["full", "lora_bf16"])
+def test_offload_gives_the_same_steps(two_ranks, model):
+    prefix = "" if model == "full" else "lora_"
     for rank, res in enumerate(two_ranks):
-        plain, host = res["none"], res["offload"]
+        plain, host = res[prefix + "none"], res[prefix + "offload"]
         assert torch.equal(host["losses"], plain["losses"]), (rank, host["losses"], plain["losses"])
         assert torch.equal(host["norms"], plain["norms"]), (rank, host["norms"], plain["norms"])
         assert (plain["norms"] > 0.5).all()  # clipping acted on every step
