@@ -36,10 +36,9 @@ from dsv4.config import DSV4Config
 from dsv4.parallel.cp.layout import cp_chunks
 from dsv4.model.model import DSV4ForCausalLM
 from dsv4.parallel.expert_shard import shard_experts
-from dsv4.parallel.wrap import fsdp_units, store_frozen_in_compute_dtype
+from dsv4.parallel.wrap import OFFLOAD, fsdp_units, store_frozen_in_compute_dtype
 from dsv4.peft.apply import apply_lora
 from dsv4.peft.config import LoRAConfig
-from dsv4.parallel.wrap import OFFLOAD
 from dsv4.plan.activations import ActivationPlan, StepTracer, cast_for_compute, plan_activations
 from dsv4.plan.offload import OffloadBytes, offload_bytes
 from dsv4.plan.states import OptimizerProfile, StateBytes, gradient_shard_bytes, parameter_owners, state_bytes
@@ -185,9 +184,16 @@ class MemoryPlan:
             f"{c.activation_checkpointing}, loss chunk {c.loss_chunk_size} rows, attention {c.attention_backend}"
             + ("" if setup.lora is None else f"; LoRA r={setup.lora.rank} on {'/'.join(setup.lora.targets)}, "
                f"base {setup.lora.base_dtype}"),
-            *(self._state_rows() if self.offload is None else self._offloaded_state_rows()),
+            _row("parameters", s.parameters, "fp32 master shards + buffers" if setup.lora is None else
+                 "adapters: fp32 shards; frozen base: compute-dtype shards" + (
+                     " + kept FP8 / FP4 buffers (replicated)" if setup.lora.base_dtype == "fp8" else "")),
+            _row("gradients", s.gradients, "fp32 shards of the trainable parameters (filled during backward)"),
+            _row("optimizer", s.optimizer, f"{setup.optimizer.state_bytes:g} bytes per trainable element; the step "
+                 f"allocates {_size(s.step_temporary)} ({setup.optimizer.step_temporary.replace('_', ' ')})"),
             _row("activations", acts.peak, f"peak, at the {acts.phase}"),
         ]
+        if self.offload is not None:  # the device's parameters, gradients and optimizer rows
+            lines[1:4] = self._offloaded_state_rows()
         for seg, count in acts.block_kinds():
             lines.append(f"    {count:>3} x block {seg.kind:<22} saved {_size(seg.retained)} each "
                          f"({_parts(seg.saved_by_component)})")
@@ -223,17 +229,6 @@ class MemoryPlan:
                               f"allocates {_size(o.step_temporary)} there; per step {_size(o.host_to_device)} host -> "
                               f"device, {_size(o.device_to_host)} device -> host"))
         return "\n".join(lines)
-
-    def _state_rows(self) -> list[str]:
-        s, setup = self.states, self.setup
-        return [
-            _row("parameters", s.parameters, "fp32 master shards + buffers" if setup.lora is None else
-                 "adapters: fp32 shards; frozen base: compute-dtype shards" + (
-                     " + kept FP8 / FP4 buffers (replicated)" if setup.lora.base_dtype == "fp8" else "")),
-            _row("gradients", s.gradients, "fp32 shards of the trainable parameters (filled during backward)"),
-            _row("optimizer", s.optimizer, f"{setup.optimizer.state_bytes:g} bytes per trainable element; the step "
-                 f"allocates {_size(s.step_temporary)} ({setup.optimizer.step_temporary.replace('_', ' ')})"),
-        ]
 
     def _offloaded_state_rows(self) -> list[str]:
         device = self.per_rank_bytes

@@ -61,8 +61,8 @@ class ParallelState:
 
 class DSV4Strategy(ModelParallelStrategy):
     """Args: ``cp``, ``dp`` (-1 = world // cp), ``ep``, ``dispatcher`` name, ``compute_dtype``, ``cp_balance``
-    (:class:`~dsv4.parallel.cp.layout.CPLayout`); the rest goes to
-    ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``)."""
+    (:class:`~dsv4.parallel.cp.layout.CPLayout`), ``async_save``, ``offload`` (``none`` | ``optimizer``); the rest
+    goes to ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``)."""
 
     def __init__(self, cp: int = 1, dp: int = -1, ep: int = 1, dispatcher: str = "local",
                  compute_dtype: torch.dtype = torch.float32, cp_balance: str = "none", async_save: bool = False,
