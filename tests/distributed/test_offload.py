@@ -76,7 +76,8 @@ def _run(rank, world_size, offload, lora=False):
 
 def _body(rank, world_size):
     return {"none": _run(rank, world_size, False), "offload": _run(rank, world_size, True),
-            "lora_none": _run(rank, world_size, False, lora=True), "lora_offload": _run(rank, world_size, True, lora=True)}
+            "lora_none": _run(rank, world_size, False, lora=True),
+            "lora_offload": _run(rank, world_size, True, lora=True)}
 
 
 @pytest.fixture(scope="module")
