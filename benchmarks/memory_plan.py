@@ -21,7 +21,14 @@ routing and metadata, per-segment traces composed, the state terms from the shar
 
 Variants: ``none`` / ``block`` / ``selective`` (``model.activation_checkpointing``, chunked loss), ``logits``
 (no recompute, the loss through full ``[L, vocab]`` logits held until backward is done), ``lora_fp8`` (no
-recompute, LoRA r=8 on every target over the base kept in FP8 / FP4: ``peft=lora peft.base_dtype=fp8``).
+recompute, LoRA r=8 on every target over the base kept in FP8 / FP4: ``peft=lora peft.base_dtype=fp8``),
+``offload`` (no recompute, ``trainer.offload=optimizer``: FSDP2's CPU offload policy).
+
+Host offload on CPU: the host is the device, so a measurement cannot tell the two apart; what it validates is the
+sum. For ``offload`` the predicted value is the plan's device total plus its host term (``host_offload_bytes``:
+parameter shards, gradients, optimizer state; an upper bound, since the device peak and every gradient on the host
+are added although the last gradients arrive after the peak); ``memory_plan.predicted_device`` and
+``memory_plan.predicted_host`` are printed as well. How the bytes split between a GPU and its host is not measured.
 
     python benchmarks/memory_plan.py                                  # tiny and mid, S = 16384, CP 1 2 4
     python benchmarks/memory_plan.py --models tiny --cp 1 2 --seq-len 4096 --variants none
@@ -42,7 +49,7 @@ MODELS: dict[str, dict] = {
                 n_routed_experts=16, moe_intermediate_size=256, num_experts_per_tok=2, index_head_dim=64,
                 index_n_heads=4, index_topk=32, vocab_size=32768, sliding_window=64, attention_chunk_size=256),
 }
-VARIANTS = ("none", "block", "selective", "logits", "lora_fp8")
+VARIANTS = ("none", "block", "selective", "logits", "lora_fp8", "offload")
 
 
 def _lora(variant: str):
@@ -60,17 +67,20 @@ def _adamw(params):
 def model_config(model: str, variant: str):
     from dsv4.config import DSV4Config
 
-    recompute = "none" if variant in ("logits", "lora_fp8") else variant
+    recompute = "none" if variant in ("logits", "lora_fp8", "offload") else variant
     return DSV4Config.preset("tiny", activation_checkpointing=recompute, **MODELS[model])
 
 
-def predicted_bytes(model: str, variant: str, seq_len: int, cp: int) -> int:
+def predicted_bytes(model: str, variant: str, seq_len: int, cp: int) -> tuple[int, int]:
+    """``(device total, host offload)`` of the plan."""
     from dsv4.plan.plan import PlanSetup, memory_plan
     from dsv4.plan.states import optimizer_profile
 
     setup = PlanSetup(model_config(model, variant), seq_len, cp=cp, dp=1, ep=1, chunked_loss=variant != "logits",
-                      optimizer=optimizer_profile(_adamw), lora=_lora(variant))
-    return memory_plan(setup).total
+                      optimizer=optimizer_profile(_adamw), lora=_lora(variant),
+                      offload="optimizer" if variant == "offload" else "none")
+    plan = memory_plan(setup)
+    return plan.total, plan.host_offload_bytes
 
 
 def _mmap_large_blocks() -> None:
@@ -90,7 +100,7 @@ def _build(config, meshes, variant: str):
     model = DSV4ForCausalLM(config)
     if _lora(variant) is not None:
         apply_lora(model, _lora(variant))
-    model = apply_fsdp(model, meshes)
+    model = apply_fsdp(model, meshes, offload=variant == "offload")
     return model, _adamw([p for p in model.parameters() if p.requires_grad])
 
 
@@ -174,12 +184,16 @@ def main() -> None:
     for model in args.models:
         for variant in args.variants:
             for cp in args.cp:
-                predicted = predicted_bytes(model, variant, args.seq_len, cp) / 2**20
+                device, host = predicted_bytes(model, variant, args.seq_len, cp)
+                predicted = (device + host) / 2**20
                 per_rank = run_on_ranks(_rank_body, cp, args=(model, variant, args.seq_len), timeout=7200)
                 rss, tensors = max(r[0] for r in per_rank), max(r[1] for r in per_rank)
                 shape = {"model": model, "seq_len": args.seq_len, "cp": cp, "tokens_per_rank": args.seq_len // cp,
                          "variant": variant, "step": "forward+backward+AdamW", "dtype": "float32"}
                 emit("memory_plan.predicted", shape, round(predicted, 1), "MiB")
+                if variant == "offload":
+                    emit("memory_plan.predicted_device", shape, round(device / 2**20, 1), "MiB")
+                    emit("memory_plan.predicted_host", shape, round(host / 2**20, 1), "MiB")
                 emit("memory_plan.measured_tensors", shape, round(tensors, 1), "MiB")
                 emit("memory_plan.measured_rss", shape, round(rss, 1), "MiB")
                 emit("memory_plan.tensors_over_predicted", shape, round(tensors / predicted, 3), "ratio")

@@ -28,8 +28,14 @@ _REDUCE_SCATTER_AUTOGRAD = (getattr(funcol, "reduce_scatter_single_autograd", No
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of an FSDP2 ``DTensor`` shard (a collective: every rank calls it); a plain tensor as is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    """The whole tensor of an FSDP2 ``DTensor`` shard (a collective: every rank calls it); a plain tensor as is.
+    A shard in host memory (``trainer.offload=optimizer``) is gathered on its mesh's device (NCCL takes no host
+    tensors); the result is on that device."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    if t.device.type != t.device_mesh.device_type:
+        t = t.to(t.device_mesh.device_type)
+    return t.full_tensor()
 
 
 def is_initialized() -> bool:

@@ -13,6 +13,11 @@
   The modules the released model keeps in fp32 (:data:`FP32_MODULES`: compressors with their gates,
   hyper-connections, the attention sinks) are FSDP units of their own whose parameters are all-gathered and used
   in fp32.
+* Host offload (``offload=True``, ``trainer.offload=optimizer``): every unit gets FSDP2's ``CPUOffloadPolicy``. The
+  sharded parameters (fp32 masters; a LoRA base's compute-dtype shards), their gradients and so the optimizer state
+  live in host memory and the optimizer step runs there; FSDP copies a unit's shards to the device before its
+  all-gather and each reduce-scatter output back to the host. Memory is pinned only where CUDA is available. On a
+  CPU run the host is the device: the same tensors, the same numbers.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dsv4.model.attention import AttentionSink
@@ -33,6 +38,7 @@ from dsv4.parallel.mesh import Meshes
 from dsv4.peft.apply import is_lora_model
 
 FP32_MODULES = (Compressor, HyperConnection, HyperHead, AttentionSink)
+OFFLOAD = ("none", "optimizer")  # trainer.offload: nothing, or shards + gradients + optimizer state to the host
 
 
 @dataclass(frozen=True)
@@ -79,25 +85,38 @@ def store_frozen_in_compute_dtype(units: list[FsdpUnit]) -> int:
 
 def apply_fsdp(
     model: nn.Module, meshes: Meshes, *, compute_dtype: torch.dtype = torch.float32,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool = True, offload: bool = False,
 ) -> nn.Module:
     """Shard ``model`` (a ``DSV4ForCausalLM``) in place: experts over ``edp``, blocks and root over ``dp_cp``,
-    computing in ``compute_dtype`` (see the module docstring and :func:`fsdp_units`)."""
+    computing in ``compute_dtype``; ``offload``: shards, gradients and optimizer state in host memory (see the
+    module docstring and :func:`fsdp_units`)."""
     # No unit casts its inputs: the embedding output is already in compute_dtype, the fp32 units upcast inside (so
     # the residual streams stay in compute_dtype), and a cast would rebuild the CPContext argument (a dataclass).
     units = fsdp_units(model, compute_dtype, reshard_after_forward)
     if is_lora_model(model):
         store_frozen_in_compute_dtype(units)
+    host = offload_policy(offload)
     for unit in units:
         policy = MixedPrecisionPolicy(param_dtype=None if unit.param_dtype == torch.float32 else unit.param_dtype,
                                       reduce_dtype=torch.float32, cast_forward_inputs=False)
         fully_shard(unit.module, mesh=getattr(meshes, unit.mesh), mp_policy=policy,
-                    reshard_after_forward=unit.reshard_after_forward)
+                    reshard_after_forward=unit.reshard_after_forward, offload_policy=host)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no AVG/PREMUL_SUM)
     return model
+
+
+def offload_policy(offload: bool) -> OffloadPolicy:
+    """FSDP2's offload policy: ``CPUOffloadPolicy`` (pinned host memory only where CUDA is available) or none."""
+    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+
+
+def offload_policies(model: nn.Module) -> list[OffloadPolicy]:
+    """The offload policy FSDP recorded for each unit of ``model`` that holds parameters (in module order)."""
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    return [g.offload_policy for g in groups if g is not None]
 
 
 @torch.no_grad()
@@ -108,6 +127,7 @@ def clip_grad_norm_(parameters, max_norm: float | None, group=None) -> torch.Ten
     different meshes (where ``torch.nn.utils.clip_grad_norm_`` fails in torch 2.13) and for plain tensors on a
     single process. Returns the total norm before clipping (fp32 scalar tensor). A non-finite norm leaves the
     gradients as they are (the caller decides; :mod:`dsv4.training.nonfinite` names the first bad one).
+    Offloaded gradients (host memory) are summed on the host; the all-reduce runs on the device of their mesh.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
@@ -115,8 +135,11 @@ def clip_grad_norm_(parameters, max_norm: float | None, group=None) -> torch.Ten
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for g in local:
         sq += g.float().pow(2).sum()
-    if dist.is_available() and dist.is_initialized() and any(isinstance(g, DTensor) for g in grads):
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+    meshes = [g.device_mesh for g in grads if isinstance(g, DTensor)]
+    if dist.is_available() and dist.is_initialized() and meshes:
+        reduced = sq.to(meshes[0].device_type)  # an NCCL group reduces device tensors only
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
+        sq = reduced.to(device)
     total = sq.sqrt()
     if max_norm is not None and max_norm > 0:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)

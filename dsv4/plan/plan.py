@@ -16,6 +16,11 @@ Checkpoints: each rank writes its trainable parameter shards (fp32) and their op
 on disk. An asynchronous save (``checkpoint.async_save``) stages that share in host memory while it is written: a
 host-side term, outside the device total (on a CPU run the host is the device: add it).
 
+Host offload (``offload="optimizer"``, ``trainer.offload``; :mod:`dsv4.plan.offload`): the sharded parameters,
+their gradients and the optimizer state move to the host (:attr:`MemoryPlan.host_offload_bytes`, outside the device
+total like the staging copy), the optimizer step and its temporary with them; the device keeps the buffers and
+gains FSDP's staging copies (in ``communication``).
+
 ``MemoryPlan.as_dict()`` is what ``memory_plan.json`` holds; ``report()`` the table the recipe prints.
 """
 
@@ -31,10 +36,11 @@ from dsv4.config import DSV4Config
 from dsv4.parallel.cp.layout import cp_chunks
 from dsv4.model.model import DSV4ForCausalLM
 from dsv4.parallel.expert_shard import shard_experts
-from dsv4.parallel.wrap import fsdp_units, store_frozen_in_compute_dtype
+from dsv4.parallel.wrap import OFFLOAD, fsdp_units, store_frozen_in_compute_dtype
 from dsv4.peft.apply import apply_lora
 from dsv4.peft.config import LoRAConfig
 from dsv4.plan.activations import ActivationPlan, StepTracer, cast_for_compute, plan_activations
+from dsv4.plan.offload import OffloadBytes, offload_bytes
 from dsv4.plan.states import OptimizerProfile, StateBytes, gradient_shard_bytes, parameter_owners, state_bytes
 
 GIB = 2**30
@@ -59,6 +65,7 @@ class PlanSetup:
     lora: LoRAConfig | None = None  # a LoRA fine-tune (dsv4.peft): frozen base, trainable adapters
     cp_balance: str = "none"  # the CP layout (dsv4.parallel.cp.layout): "full" = head-tail chunks
     async_checkpoint: bool = True  # checkpoint.async_save: a host staging copy of the rank's checkpoint share
+    offload: str = "none"  # trainer.offload: "optimizer" = shards, gradients, optimizer state in host memory
 
     @property
     def world(self) -> int:
@@ -79,6 +86,8 @@ class PlanSetup:
         if self.seq_len % (chunks * self.config.shard_multiple):
             raise ValueError(f"memory plan: `seq_len`={self.seq_len} must be a multiple of chunks x shard multiple = "
                              f"{chunks} x {self.config.shard_multiple} (cp={self.cp}, cp_balance={self.cp_balance})")
+        if self.offload not in OFFLOAD:
+            raise ValueError(f"memory plan: `offload`={self.offload!r} must be one of {', '.join(OFFLOAD)}")
         if self.device_memory_bytes <= 0:
             raise ValueError(f"memory plan: the device memory must be positive, got {self.device_memory_bytes} bytes")
 
@@ -91,24 +100,39 @@ class MemoryPlan:
     communication buffers, that phase's activations and the gradient shards already reduced (FSDP reduces each
     unit's gradients after its backward; the root unit's last), and the optimizer step holds every gradient plus
     the update's temporary (see :class:`~dsv4.plan.states.OptimizerProfile`). ``total`` is the largest phase.
-    ``segment_gradients``: the gradient shard bytes each segment's units reduce, in forward order."""
+    ``segment_gradients``: the gradient shard bytes each segment's units reduce, in forward order.
+
+    ``offload`` (host offload, :mod:`dsv4.plan.offload`): the terms are the device's. ``parameters`` is the
+    buffers, ``gradients`` and ``optimizer`` are 0, ``communication`` adds FSDP's staging copies; the optimizer step
+    holds only the buffers on the device and no phase holds reduced gradients there."""
 
     setup: PlanSetup
     states: StateBytes
     activations: ActivationPlan
     segment_gradients: list[int]
+    offload: OffloadBytes | None = None
     per_rank_bytes: dict[str, int] = field(init=False)
     peak_phase: str = field(init=False)
+    phase_bytes: dict[str, int] = field(init=False)  # device bytes of each phase; ``total`` is the largest
 
     def __post_init__(self) -> None:
-        s = self.states
-        self.per_rank_bytes = {"parameters": s.parameters, "gradients": s.gradients, "optimizer": s.optimizer,
-                               "activations": self.activations.peak, "communication": s.communication}
-        fixed = s.parameters + s.optimizer
-        phases = [("optimizer step", fixed + s.gradients + s.step_temporary)]
+        s, o = self.states, self.offload
+        if o is None:
+            device = {"parameters": s.parameters, "gradients": s.gradients, "optimizer": s.optimizer,
+                      "communication": s.communication}
+            step_temporary = s.step_temporary
+        else:  # the shards, gradients and optimizer state (and the step) are on the host
+            device = {"parameters": s.parameters - o.parameters, "gradients": 0, "optimizer": 0,
+                      "communication": s.communication + o.device_staging}
+            step_temporary = 0
+        self.per_rank_bytes = {t: device.get(t, self.activations.peak) for t in TERMS}
+        fixed = device["parameters"] + device["optimizer"]
+        phases = [("optimizer step", fixed + device["gradients"] + step_temporary)]
         for phase in self.activations.phases:
-            reduced = 0 if phase.backward_of is None else sum(self.segment_gradients[phase.backward_of + 1:])
-            phases.append((phase.name, fixed + s.communication + phase.activations + reduced))
+            reduced = 0 if phase.backward_of is None or o is not None else sum(
+                self.segment_gradients[phase.backward_of + 1:])
+            phases.append((phase.name, fixed + device["communication"] + phase.activations + reduced))
+        self.phase_bytes = dict(phases)
         self.peak_phase, self.per_rank_bytes["total"] = max(phases, key=lambda p: p[1])
 
     @property
@@ -128,6 +152,12 @@ class MemoryPlan:
         return self.checkpoint_bytes if self.setup.async_checkpoint else 0
 
     @property
+    def host_offload_bytes(self) -> int:
+        """Host memory host offload holds (0 without it): the sharded parameters, their gradients and the
+        optimizer state; the optimizer step adds its temporary there (:attr:`OffloadBytes.step_temporary`)."""
+        return 0 if self.offload is None else self.offload.host
+
+    @property
     def fits(self) -> bool:
         return self.total <= self.setup.device_memory_bytes
 
@@ -139,8 +169,9 @@ class MemoryPlan:
         """One line: the total against the device, the terms, the verdict."""
         terms = ", ".join(f"{t} {_size(self.per_rank_bytes[t])}" for t in TERMS)
         verdict = "fits" if self.fits else f"DOES NOT FIT (biggest term: {self.biggest_term})"
+        host = "" if self.offload is None else f"; host offload {_size(self.host_offload_bytes)} per rank"
         return (f"memory plan: {_size(self.total)} per rank at its peak ({self.peak_phase}) of "
-                f"{_size(self.setup.device_memory_bytes)} ({terms}): {verdict}")
+                f"{_size(self.setup.device_memory_bytes)} ({terms}): {verdict}{host}")
 
     def report(self) -> str:
         """The per-rank table: each term, the activations per block kind by component, the total and verdict."""
@@ -161,6 +192,8 @@ class MemoryPlan:
                  f"allocates {_size(s.step_temporary)} ({setup.optimizer.step_temporary.replace('_', ' ')})"),
             _row("activations", acts.peak, f"peak, at the {acts.phase}"),
         ]
+        if self.offload is not None:  # the device's parameters, gradients and optimizer rows
+            lines[1:4] = self._offloaded_state_rows()
         for seg, count in acts.block_kinds():
             lines.append(f"    {count:>3} x block {seg.kind:<22} saved {_size(seg.retained)} each "
                          f"({_parts(seg.saved_by_component)})")
@@ -174,9 +207,12 @@ class MemoryPlan:
         lines.append(f"          loss chunk: one [{rows}, {c.vocab_size}] fp32 logits block, "
                      f"{_size(rows * c.vocab_size * 4)}, and its gradient in place")
         lines.append(f"          attention metadata: {_size(acts.metadata)}")
-        lines.append(_row("communication", s.communication,
+        staging = "" if self.offload is None else (
+            f", offload staging {_size(self.offload.gather_staging)} (shards copied to the device for an "
+            f"all-gather) + {_size(self.offload.reduce_staging)} (a reduce-scatter output before its copy to the host)")
+        lines.append(_row("communication", self.per_rank_bytes["communication"],
                           f"two gathered units {_size(s.gathered)} (largest: {s.largest_unit}), root kept gathered "
-                          f"{_size(s.root_gathered)}, fp32 gradient reduce {_size(s.reduce_buffer)}"))
+                          f"{_size(s.root_gathered)}, fp32 gradient reduce {_size(s.reduce_buffer)}{staging}"))
         verdict = "fits" if self.fits else f"DOES NOT FIT; biggest term: {self.biggest_term}"
         lines.append(_row("total", self.total, f"at the peak ({self.peak_phase}) of "
                                                f"{_size(setup.device_memory_bytes)}: {verdict}"))
@@ -185,7 +221,23 @@ class MemoryPlan:
                           "per checkpoint" + (f"; host staging {_size(self.host_staging_bytes)} while an "
                                               "asynchronous save is written (not in the device total)"
                                               if setup.async_checkpoint else "")))
+        o = self.offload
+        if o is not None:
+            lines.append(_row("host offload", o.host,
+                              f"not in the device total: parameter shards {_size(o.parameters)}, gradients "
+                              f"{_size(o.gradients)}, optimizer {_size(o.optimizer)}; the step runs on the host and "
+                              f"allocates {_size(o.step_temporary)} there; per step {_size(o.host_to_device)} host -> "
+                              f"device, {_size(o.device_to_host)} device -> host"))
         return "\n".join(lines)
+
+    def _offloaded_state_rows(self) -> list[str]:
+        device = self.per_rank_bytes
+        return [
+            _row("parameters", device["parameters"], "buffers; the parameter shards are in host memory"),
+            _row("gradients", device["gradients"], "none on the device: each reduce-scatter output goes to the host"),
+            _row("optimizer", device["optimizer"], f"none on the device: {self.setup.optimizer.state_bytes:g} bytes "
+                 "per trainable element in host memory, the step runs on the host"),
+        ]
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON of ``memory_plan.json``."""
@@ -203,10 +255,16 @@ class MemoryPlan:
                       "loss_chunk_size": setup.config.loss_chunk_size,
                       "attention_backend": setup.config.attention_backend,
                       "optimizer_state_bytes_per_element": setup.optimizer.state_bytes,
-                      "optimizer_step_temporary": setup.optimizer.step_temporary,
+                      "optimizer_step_temporary": setup.optimizer.step_temporary, "offload": setup.offload,
                       "lora": None if setup.lora is None else setup.lora.as_dict()},
             "checkpoint_bytes": {"per_rank": self.checkpoint_bytes, "disk": self.checkpoint_bytes * setup.world,
                                  "host_staging_per_rank": self.host_staging_bytes},
+            "host_offload_bytes": None if self.offload is None else {
+                "per_rank": self.host_offload_bytes, "parameters": self.offload.parameters,
+                "gradients": self.offload.gradients, "optimizer": self.offload.optimizer,
+                "step_temporary": self.offload.step_temporary, "gather_staging": self.offload.gather_staging,
+                "reduce_staging": self.offload.reduce_staging, "host_to_device_per_step": self.offload.host_to_device,
+                "device_to_host_per_step": self.offload.device_to_host},
             "communication_bytes": {"gathered": self.states.gathered, "root_gathered": self.states.root_gathered,
                                     "reduce_buffer": self.states.reduce_buffer},
             "activations": {
@@ -234,6 +292,7 @@ def memory_plan(setup: PlanSetup) -> MemoryPlan:
     units = fsdp_units(model, setup.compute_dtype)
     owners = parameter_owners(model, units)
     mesh_size = {"dp_cp": setup.world, "edp": setup.world // setup.ep}
+    offload = None if setup.offload == "none" else offload_bytes(units, owners, mesh_size, states)
     # the embedding is the root unit's (reduced when backward ends); blocks and MTP depths reduce after their backward
     segment_gradients = [0, *(gradient_shard_bytes([m], owners, mesh_size, skip=units[-1])
                               for m in [*model.model.layers, model.mtp])]
@@ -241,7 +300,7 @@ def memory_plan(setup: PlanSetup) -> MemoryPlan:
     root = {p for p, unit in owners.items() if unit is units[-1]}
     tracer = StepTracer(model, setup.micro_batch_size, setup.seq_len // setup.cp, setup.cp, setup.ep > 1,
                         return_logits=not setup.chunked_loss, root_parameters=root, cp_balance=setup.cp_balance)
-    return MemoryPlan(setup, states, plan_activations(tracer), segment_gradients)
+    return MemoryPlan(setup, states, plan_activations(tracer), segment_gradients, offload)
 
 
 def _parts(by_component: dict[str, int]) -> str:

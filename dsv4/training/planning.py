@@ -71,7 +71,7 @@ def plan_setup(spec: RunSpec, device_memory: int) -> PlanSetup:
         config=replace(spec.model, attention_backend=spec.attention_backend), seq_len=spec.seq_len,
         micro_batch_size=spec.micro_batch_size, cp=cp, dp=dp, ep=spec.parallel.ep, compute_dtype=spec.compute_dtype,
         optimizer=optimizer_profile(spec.optimizer), device_memory_bytes=device_memory, lora=spec.lora,
-        cp_balance=spec.parallel.cp_balance, async_checkpoint=spec.checkpoint.async_save,
+        cp_balance=spec.parallel.cp_balance, async_checkpoint=spec.checkpoint.async_save, offload=spec.offload,
     )
 
 

@@ -175,8 +175,9 @@ class FinetuneConfig:
     peft: PeftGroupConfig = field(default_factory=PeftGroupConfig)
     data: DataConfig = field(default_factory=DataConfig)
     dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
-    # lightning.Trainer keywords, but precision, val_check_interval, limit_val_batches and skip_nonfinite_steps
-    # (dsv4's: int >= 0, non-finite steps skipped before one stops the run), checked in dsv4.training.spec
+    # lightning.Trainer keywords, but precision, val_check_interval, limit_val_batches, skip_nonfinite_steps
+    # (dsv4's: int >= 0, non-finite steps skipped before one stops the run) and offload (dsv4's: none | optimizer,
+    # FSDP2's CPU offload of master shards, gradients and optimizer state), checked in dsv4.training.spec
     trainer: Dict[str, Any] = field(default_factory=dict)
     optim: Dict[str, Any] = field(default_factory=dict)
     scheduler: Optional[Dict[str, Any]] = None

@@ -200,6 +200,7 @@ class RunSpec:
     indexer_warmup_steps: int = 0
     max_steps: int = 100
     skip_nonfinite_steps: int = 0  # non-finite steps skipped over the run before one stops it (trainer.*)
+    offload: str = "none"  # trainer.offload: "optimizer" = FSDP shards, gradients, optimizer state on the host
     dry_run: bool = False
     # the data source's keywords (dsv4.data.build_documents)
     data: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -371,6 +372,17 @@ _VAL_SOURCE_KEYS = ("kind", "path", "split", "text_key", "messages_key", "chat_t
                     "max_bytes", "min_bytes", "seed", "options")
 
 
+def offload_mode(value: Any) -> str:
+    """``trainer.offload``: ``none`` (every FSDP shard and the optimizer on the device) or ``optimizer`` (FSDP2's
+    CPU offload policy: sharded fp32 master parameters, their gradients and the optimizer state in host memory, the
+    optimizer step on the host; docs/memory.md)."""
+    from dsv4.parallel.wrap import OFFLOAD
+
+    if value not in OFFLOAD:
+        raise ValueError(f"`trainer.offload`={value!r} must be one of {', '.join(OFFLOAD)}")
+    return value
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -453,6 +465,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         raise ValueError(f"`trainer.accumulate_grad_batches`={trainer['accumulate_grad_batches']!r} is derived: set "
                          "`global_batch_size` (rows per optimizer step over all dp replicas) instead")
     compute_dtype = compute_dtype_for(str(trainer.pop("precision", "auto")), config.torch_dtype)
+    offload = offload_mode(trainer.pop("offload", "none"))
     device_type = device_type_of(trainer)
     dispatcher = resolve_dispatcher(cfg.dispatcher.name, cfg.ep)
     check_dispatcher_available(dispatcher, device_type)
@@ -508,7 +521,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.get("global_batch_size"),
         seed=cfg.seed,
         bias_update_rate=cfg.bias_update_rate, indexer_warmup_steps=cfg.indexer_warmup_steps,
-        max_steps=max_steps, skip_nonfinite_steps=skip_nonfinite, dry_run=bool(cfg.dry_run),
+        max_steps=max_steps, skip_nonfinite_steps=skip_nonfinite, offload=offload, dry_run=bool(cfg.dry_run),
         data=MappingProxyType(data), overlong=overlong, data_cache_dir=data_cache_dir, data_num_proc=data_num_proc,
         trainer=MappingProxyType(trainer),
         callbacks=callbacks, logger=logger, plan=plan, export=export,

@@ -11,6 +11,8 @@
   (:func:`dsv4.parallel.expert_shard.apply_expert_parallel`), then FSDP2 with summed gradients
   (:func:`dsv4.parallel.wrap.apply_fsdp`) in ``compute_dtype`` (FSDP2 mixed precision: fp32 master weights,
   optimizer state and gradient reduction; :func:`~dsv4.training.spec.compute_dtype_for` maps the trainer's precision).
+  ``offload`` (``trainer.offload=optimizer``): FSDP2's CPU offload policy, the shards, gradients and optimizer state
+  in host memory; FSDP places parameters and buffers itself, so the model is not moved to the device afterwards.
 * Checkpoints: distributed (DCP) save/load of model and optimizer; loop, scheduler, data position and RNG travel
   in ``meta.pt``. Routed experts sliced over EP ranks are saved at their global shapes
   (:mod:`dsv4.parallel.expert_state`), so every expert is in the checkpoint once and a checkpoint loads under any
@@ -38,7 +40,7 @@ from dsv4.parallel.wrap import apply_fsdp
 from dsv4.peft.apply import is_lora_model
 from dsv4.peft.lora import is_adapter_name
 from dsv4.training.checkpoint_writer import CheckpointWriter
-from dsv4.training.spec import RunSpec
+from dsv4.training.spec import RunSpec, offload_mode
 
 
 @dataclass(frozen=True)
@@ -59,17 +61,18 @@ class ParallelState:
 
 class DSV4Strategy(ModelParallelStrategy):
     """Args: ``cp``, ``dp`` (-1 = world // cp), ``ep``, ``dispatcher`` name, ``compute_dtype``, ``cp_balance``
-    (:class:`~dsv4.parallel.cp.layout.CPLayout`); the rest goes to
-    ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``)."""
+    (:class:`~dsv4.parallel.cp.layout.CPLayout`), ``async_save``, ``offload`` (``none`` | ``optimizer``); the rest
+    goes to ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``)."""
 
     def __init__(self, cp: int = 1, dp: int = -1, ep: int = 1, dispatcher: str = "local",
                  compute_dtype: torch.dtype = torch.float32, cp_balance: str = "none", async_save: bool = False,
-                 **kwargs: Any) -> None:
+                 offload: str = "none", **kwargs: Any) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
         self.cp_size, self._dp, self.ep_size = cp, dp, ep
         self.cp_balance = cp_balance
         self.dispatcher = dispatcher
         self.compute_dtype = compute_dtype
+        self.offload = offload_mode(offload)
         self.meshes: Meshes | None = None
         self.parallel = ParallelState()
         self._expert_layout: ExpertStateLayout | None | bool = False  # False: not looked at yet
@@ -81,7 +84,8 @@ class DSV4Strategy(ModelParallelStrategy):
         """The strategy of a resolved run: its parallel dims, CP layout, dispatcher and compute dtype."""
         p = spec.parallel
         return cls(cp=p.cp, dp=p.dp, ep=p.ep, cp_balance=p.cp_balance, dispatcher=spec.dispatcher,
-                   compute_dtype=spec.compute_dtype, async_save=spec.checkpoint.async_save, **kwargs)
+                   compute_dtype=spec.compute_dtype, async_save=spec.checkpoint.async_save,
+                   offload=spec.offload, **kwargs)
 
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)  # skip the parent's hard-coded ("data_parallel", "tensor_parallel") mesh
@@ -112,7 +116,13 @@ class DSV4Strategy(ModelParallelStrategy):
         """Expert parallelism (when ``ep > 1`` or an EP dispatcher is chosen), then FSDP2."""
         if self.ep_size > 1 or self.dispatcher != "local":
             apply_expert_parallel(model, self.dispatcher, self.meshes.ep.get_group(), self.root_device.type)
-        apply_fsdp(model, self.meshes, compute_dtype=self.compute_dtype)
+        apply_fsdp(model, self.meshes, compute_dtype=self.compute_dtype, offload=self.offload == "optimizer")
+
+    def model_to_device(self) -> None:
+        """Lightning's move of the whole model to the device, except under host offload: ``fully_shard`` has put
+        the buffers on the device and the shards in host memory, and a ``.to(device)`` would move the shards."""
+        if self.offload == "none":
+            super().model_to_device()
 
     # ------------------------------------------------------------------ distributed checkpoints
     def _expert_state(self) -> ExpertStateLayout | None:

@@ -85,6 +85,21 @@ def test_kill_and_resume_continues_the_same_trajectory(runs, tmp_path):
         assert abs(resumed[step] - reference[step]) <= 1e-5, (step, resumed[step], reference[step])
 
 
+def test_host_offload_follows_the_same_trajectory_and_resumes_from_its_checkpoint(runs, tmp_path):
+    """trainer.offload=optimizer (shards, gradients, optimizer state in host memory; on CPU the host is the device):
+    the cp=2 losses; a run resumed from its step-2 checkpoint (asynchronous saves, the default) repeats steps 2-3."""
+    common = [*FAST, "cp=2", "trainer.offload=optimizer", "trainer.max_steps=4"]
+    run_recipe([*common, "checkpoint.every_n_steps=2"], tmp_path / "offload")
+    step2 = tmp_path / "offload" / "checkpoints" / "step2.ckpt"
+    run_recipe([*common, "checkpoint.every_n_steps=0", f"checkpoint.resume={step2}"], tmp_path / "resumed")
+    offload, reference, resumed = losses(tmp_path / "offload"), losses(runs["cp2"]), losses(tmp_path / "resumed")
+    assert offload.keys() == reference.keys() == {0, 1, 2, 3} and resumed.keys() == {2, 3}
+    for step in reference:
+        assert abs(offload[step] - reference[step]) <= 1e-6 * abs(reference[step]), (step, offload, reference)
+    for step in resumed:
+        assert abs(resumed[step] - offload[step]) <= 1e-6 * abs(offload[step]), (step, resumed, offload)
+
+
 def test_two_job_sweep_writes_two_complete_runs(tmp_path):
     run_recipe(["-m", *FAST, "cp=1,2", "trainer.max_steps=2", "checkpoint.every_n_steps=0",
                 f"hydra.sweep.dir={tmp_path}"])

@@ -54,6 +54,7 @@ def test_longer_sequences_need_more_and_cp_divides_the_activations():
     ({"seq_len": 1024, "ep": 3}, "`ep`=3"),
     ({"seq_len": 1024, "cp": 0}, "`cp`"),
     ({"seq_len": 1024, "device_memory_bytes": 0}, "device memory"),
+    ({"seq_len": 1024, "offload": "params"}, "`offload`='params' must be one of none, optimizer"),
 ])
 def test_bad_setups_raise_before_building(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
@@ -114,3 +115,46 @@ def test_checkpoint_bytes_match_a_real_save(tmp_path):
     assert plan.as_dict()["checkpoint_bytes"] == {"per_rank": plan.checkpoint_bytes, "disk": plan.checkpoint_bytes,
                                                   "host_staging_per_rank": plan.checkpoint_bytes}
     assert "on disk per checkpoint; host staging" in plan.report()
+
+
+def test_host_offload_moves_the_shards_gradients_and_optimizer_state_off_the_device(tiny_plan):
+    """trainer.offload=optimizer, same layout as ``tiny_plan``: each phase's device bytes fall by exactly what moved
+    (the parameter shards, the optimizer state, the gradient shards already reduced; the optimizer step with its
+    gradients and temporary entirely) less FSDP's staging copies; the host term is the moved state."""
+    from dataclasses import replace
+
+    host = memory_plan(replace(tiny_plan.setup, offload="optimizer"))
+    plain, o, s = tiny_plan.per_rank_bytes, host.offload, host.states
+    assert (o.parameters, o.gradients, o.optimizer, o.step_temporary) == (
+        s.parameters - sum(b.numel() * b.element_size() for b in _meta_model_buffers()), s.gradients, s.optimizer,
+        s.step_temporary)
+    assert host.host_offload_bytes == o.parameters + o.gradients + o.optimizer
+    assert host.per_rank_bytes == {"parameters": plain["parameters"] - o.parameters, "gradients": 0, "optimizer": 0,
+                                   "activations": plain["activations"],
+                                   "communication": plain["communication"] + o.gather_staging + o.reduce_staging,
+                                   "total": host.total}
+    assert 0 < o.reduce_staging <= o.gather_staging < o.parameters  # the largest unit's, not all of them
+    assert o.device_to_host == o.gradients and o.parameters < o.host_to_device < 2 * o.parameters
+    phases = {p.name: p for p in tiny_plan.activations.phases}
+    assert host.phase_bytes.keys() == tiny_plan.phase_bytes.keys() == {"optimizer step", *phases}
+    for name, before in tiny_plan.phase_bytes.items():
+        if name == "optimizer step":
+            moved = o.parameters + o.optimizer + o.gradients + o.step_temporary
+        else:
+            back = phases[name].backward_of
+            reduced = 0 if back is None else sum(tiny_plan.segment_gradients[back + 1:])
+            moved = o.parameters + o.optimizer + reduced - o.gather_staging - o.reduce_staging
+        assert before - host.phase_bytes[name] == moved, name
+    assert host.total == max(host.phase_bytes.values()) < tiny_plan.total
+    data = json.loads(json.dumps(host.as_dict()))
+    assert data["setup"]["offload"] == "optimizer" and tiny_plan.as_dict()["host_offload_bytes"] is None
+    assert data["host_offload_bytes"]["per_rank"] == host.host_offload_bytes
+    assert f"host offload {host.host_offload_bytes / 2**20:.1f} MiB" in host.summary()
+    assert "host offload" in host.report() and "host offload" not in tiny_plan.report()
+
+
+def _meta_model_buffers():
+    from dsv4.model import DSV4ForCausalLM
+
+    with torch.device("meta"):
+        return list(DSV4ForCausalLM(DSV4Config.preset("tiny")).buffers())

@@ -50,6 +50,16 @@ def test_plan_true_writes_the_plan_and_trains_nothing(tmp_path, capsys):
     assert not (run / "checkpoints").exists()
 
 
+def test_trainer_offload_reaches_the_plan_not_the_trainer():
+    from dsv4.training.planning import plan_setup
+    from dsv4.training.spec import build_run_spec
+
+    spec = build_run_spec(_compose(["trainer.offload=optimizer"]))
+    assert spec.offload == "optimizer" and "offload" not in spec.trainer
+    assert plan_setup(spec, 2**30).offload == "optimizer"
+    assert build_run_spec(_compose([])).offload == "none"
+
+
 def test_a_start_that_does_not_fit_is_refused_naming_the_biggest_term(tmp_path):
     run = tmp_path / "run"
     with pytest.raises(ValueError, match=r"DOES NOT FIT \(biggest term: activations\).*plan.enforce=false"):

@@ -56,6 +56,7 @@ def _compose(overrides):
         (["+trainer.accumulate_grad_batches=2"], "`trainer.accumulate_grad_batches`=2 is derived: set "
                                                  "`global_batch_size`"),
         (["trainer.precision=bf16-true"], "`trainer.precision`='bf16-true' must be auto or one of"),
+        (["trainer.offload=params"], "`trainer.offload`='params' must be one of none, optimizer"),
         (["checkpoint.every_n_steps=-1"], "`checkpoint.every_n_steps` must be >= 0, got -1"),
         (["preemption.signals=[SIGTERM,SIGNOPE]"], "`preemption.signals`: 'SIGNOPE' is not a catchable signal name"),
         (["preemption.signals=[SIGKILL]"], "`preemption.signals`: 'SIGKILL' is not a catchable signal name"),
