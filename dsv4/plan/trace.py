@@ -64,7 +64,9 @@ class AllocationTracer(TorchDispatchMode):
             label = next((name for kind, name in labels.items() if isinstance(module, kind)), None)
             if label is not None:
                 self._hooks.append(module.register_forward_pre_hook(lambda *_, name=label: self._labels.append(name)))
-                self._hooks.append(module.register_forward_hook(lambda *_: self._labels.pop() and None))
+                # always_call: a recompute that torch stops early (the saved tensors it needs are back) still pops
+                self._hooks.append(module.register_forward_hook(lambda *_: self._labels.pop() and None,
+                                                                always_call=True))
 
     def label_method(self, owner: nn.Module, name: str, label: str) -> None:
         """Charge what ``owner.<name>(...)`` creates to ``label`` (until the tracer exits): the method is shadowed on

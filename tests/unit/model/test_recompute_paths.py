@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from dsv4.config import DSV4Config
 from dsv4.model import DSV4ForCausalLM
+from dsv4.model import dispatch as dispatch_module
 from dsv4.model import moe as moe_module
+from dsv4.model.dispatch import weighted_sum
 from dsv4.model.hyper_connections import HyperConnection
 from dsv4.model.moe import clamped_swiglu
 
@@ -38,12 +40,18 @@ def _reference_swiglu(gate, up, limit):
     return (F.silu(g) * u).to(gate.dtype)
 
 
+def _reference_weighted_sum(rows, index, y, weights):
+    out = torch.zeros(rows, y.shape[-1], dtype=torch.float32, device=y.device)
+    return out.index_add_(0, index, y.float() * weights.float().unsqueeze(-1))
+
+
 def _run(monkeypatch=None, **overrides):
     """Loss and gradients of one forward + backward of the tiny model (MTP depth 2, hash layer, ratios 0/4/128)."""
     if monkeypatch is not None:  # the plain autograd path
         monkeypatch.setattr(HyperConnection, "collapse", staticmethod(_reference_collapse))
         monkeypatch.setattr(HyperConnection, "expand", staticmethod(_reference_expand))
         monkeypatch.setattr(moe_module, "clamped_swiglu", _reference_swiglu)
+        monkeypatch.setattr(dispatch_module, "weighted_sum", _reference_weighted_sum)
     torch.manual_seed(0)
     config = DSV4Config.preset("tiny", num_nextn_predict_layers=2, swiglu_limit=0.05, **overrides)
     assert {0, 4, 128} <= set(config.compress_ratios) and config.num_hash_layers >= 1
@@ -84,7 +92,7 @@ def _grads(fn, inputs):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_autograd_functions_equal_the_autograd_path(dtype):
-    """collapse / expand / clamped_swiglu against the plain autograd code, streams in ``dtype``, mixing fp32."""
+    """collapse / expand / clamped_swiglu / the experts' weighted sum against the plain autograd code, streams in ``dtype``, mixing fp32."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 3, 4, 16, generator=g).to(dtype)
     y = torch.randn(2, 3, 16, generator=g).to(dtype)
@@ -93,7 +101,10 @@ def test_autograd_functions_equal_the_autograd_path(dtype):
     gate[0, :4] = up[0, :4] = 1.0  # exactly at the clamp bound (torch's clamp passes the gradient there)
     up[0, 4:8] = -1.0
     assert (gate > 1).any() and (up.abs() > 1).any()  # both clamps cut something
-    cases = [(HyperConnection.collapse, _reference_collapse, (x, pre)),
+    index = torch.randint(0, 40, (5000,), generator=g)  # more pairs than one step of the combine's backward
+    ys, w = torch.randn(5000, 16, generator=g).to(dtype), torch.rand(5000, generator=g)
+    cases = [(lambda a, b: weighted_sum(40, index, a, b), lambda a, b: _reference_weighted_sum(40, index, a, b), (ys, w)),
+             (HyperConnection.collapse, _reference_collapse, (x, pre)),
              (HyperConnection.expand, _reference_expand, (x, y, post, comb)),
              (lambda a, b: clamped_swiglu(a, b, 1.0), lambda a, b: _reference_swiglu(a, b, 1.0), (gate, up)),
              (lambda a, b: clamped_swiglu(a, b, None), lambda a, b: _reference_swiglu(a, b, None), (gate, up))]
