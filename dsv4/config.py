@@ -128,6 +128,8 @@ class DSV4Config:
     attention_chunk_size: int = 256
     loss_chunk_size: int = 1024  # rows per [rows, vocab] logits block of the chunked loss (return_logits=False)
     activation_checkpointing: str = "none"  # none | block | selective (dsv4.model.recompute)
+    # routed-expert rows per chunk (dsv4.model.moe): > 0 recomputes each chunk's SwiGLU + W2 in backward; 0 = one piece
+    moe_chunk_tokens: int = 0
     attention_backend: str = "auto"  # auto or a registered backend: torch | triton (dsv4.model.attention_backend)
 
     # ------------------------------------------------------------------ validation
@@ -153,7 +155,7 @@ class DSV4Config:
             value = getattr(self, name)
             if int(value) != value or value < 1:
                 fail(name, f"must be an integer >= 1, got {value!r}")
-        for name in ("n_shared_experts", "num_hash_layers", "num_nextn_predict_layers"):
+        for name in ("n_shared_experts", "num_hash_layers", "num_nextn_predict_layers", "moe_chunk_tokens"):
             value = getattr(self, name)
             if int(value) != value or value < 0:
                 fail(name, f"must be an integer >= 0, got {value!r}")

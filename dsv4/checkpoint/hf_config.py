@@ -41,7 +41,7 @@ INDEX_FILE = "model.safetensors.index.json"
 MAX_CONFIG_BYTES = 1 << 20  # a release config.json is a few KB
 # dsv4 training knobs that are not part of the release format.
 _DSV4_ONLY_FIELDS = ("mtp_loss_weight", "indexer_loss_coeff", "attention_chunk_size", "loss_chunk_size",
-                     "activation_checkpointing", "attention_backend")
+                     "activation_checkpointing", "moe_chunk_tokens", "attention_backend")
 QUANTIZATION_CONFIG: dict[str, Any] = {
     "quant_method": "fp8",
     "fmt": "e4m3",

@@ -69,9 +69,44 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
 
 
 def weighted_sum(rows: int, index: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``out[index[j]] += weights[j] * y[j]`` into fp32 ``[rows, d]``: expert outputs summed per token."""
-    out = torch.zeros(rows, y.shape[-1], dtype=torch.float32, device=y.device)
-    return out.index_add_(0, index, y.float() * weights.float().unsqueeze(-1))
+    """``out[index[j]] += weights[j] * y[j]`` into fp32 ``[rows, d]``: expert outputs summed per token.
+
+    The fp32 products are formed :data:`COMBINE_ROWS` pairs at a time (in pair order, so each token's sum is
+    accumulated in the same order as one ``index_add_``), in forward and in backward, which forms
+    ``dy[j] = weights[j] grad[index[j]]`` and ``dweights[j] = <grad[index[j]], y[j]>``: no fp32 ``[T, d]`` copy
+    exists, and ``y`` is saved in its own dtype."""
+    return _WeightedSum.apply(rows, index, y, weights)
+
+
+COMBINE_ROWS = 4096  # pairs per step of the combine, forward and backward: its fp32 temporaries are [4096, d]
+
+
+class _WeightedSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: int, index: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index, y, weights)
+        out = torch.zeros(rows, y.shape[-1], dtype=torch.float32, device=y.device)
+        w = weights.float().unsqueeze(-1)
+        for start in range(0, y.shape[0], COMBINE_ROWS):
+            stop = min(start + COMBINE_ROWS, y.shape[0])
+            out.index_add_(0, index[start:stop], y[start:stop].float() * w[start:stop])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        index, y, weights = ctx.saved_tensors
+        need_y, need_w = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        dy = torch.empty_like(y) if need_y else None
+        dw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device) if need_w else None
+        w = weights.float()
+        for start in range(0, y.shape[0], COMBINE_ROWS):
+            stop = min(start + COMBINE_ROWS, y.shape[0])
+            g = grad.index_select(0, index[start:stop])
+            if need_y:
+                dy[start:stop] = g * w[start:stop].unsqueeze(-1)
+            if need_w:
+                dw[start:stop] = (g * y[start:stop].float()).sum(-1)
+        return None, None, dy, None if dw is None else dw.to(weights.dtype)
 
 
 class LocalDispatcher:

@@ -17,7 +17,10 @@ so hyper-connections need no context-parallel communication. ``X'`` is returned 
 
 Memory: the mixing coefficients (norm, projection, Sinkhorn) are recomputed in backward (activation
 checkpoint), so a site saves no fp32 copy of the flattened streams and none of the ~``4 * iters`` Sinkhorn
-intermediates; only ``X`` and the small ``pre/post/comb`` tensors are kept.
+intermediates. ``collapse`` and ``expand`` are autograd functions that save their inputs as given (``X`` in its
+own dtype, one storage shared with the mixing checkpoint, the sub-layer output ``y [B, L, d]`` and the small
+``pre/post/comb``) and form the fp32 products again in backward, one stream ``[B, L, d]`` at a time: a site keeps
+no fp32 copy of ``X [B, L, hc, d]``.
 """
 
 from __future__ import annotations
@@ -110,22 +113,13 @@ class HyperConnection(nn.Module):
 
     @staticmethod
     def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        """``sum_i pre_i X_i``: ``[B, L, hc, d]`` x ``[B, L, hc]`` -> ``[B, L, d]`` in ``x.dtype``."""
-        xf = x.float()
-        # An explicit sum over the (few) streams: cheaper on CPU than a batched [hc]-sized matmul.
-        out = pre[..., 0, None] * xf[..., 0, :]
-        for i in range(1, x.shape[-2]):
-            out = out + pre[..., i, None] * xf[..., i, :]
-        return out.to(x.dtype)
+        """``sum_i pre_i X_i``: ``[B, L, hc, d]`` x ``[B, L, hc]`` -> ``[B, L, d]`` in ``x.dtype`` (fp32 math)."""
+        return _Collapse.apply(x, pre)
 
     @staticmethod
     def expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """``X'_j = post_j * y + sum_i comb[i, j] X_i``; returns ``[B, L, hc, d]`` in ``x.dtype``."""
-        xf = x.float()
-        out = post.unsqueeze(-1) * y.float().unsqueeze(-2)
-        for i in range(x.shape[-2]):
-            out = out + comb[..., i, :, None] * xf[..., i, None, :]
-        return out.to(x.dtype)
+        """``X'_j = post_j * y + sum_i comb[i, j] X_i``; returns ``[B, L, hc, d]`` in ``x.dtype`` (fp32 math)."""
+        return _Expand.apply(x, y, post, comb)
 
     def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Apply ``sublayer`` ([B, L, d] -> [B, L, d]) at this site: ``X -> X'`` (both ``[B, L, hc, d]``)."""
@@ -163,3 +157,64 @@ class HyperHead(nn.Module):
         m = _normed_projection(x, self.hc_fn, self.norm_eps)
         pre = torch.sigmoid(m * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
         return HyperConnection.collapse(x, pre)
+
+
+class _Collapse(torch.autograd.Function):
+    """``out = sum_i pre_i X_i`` in fp32, cast to ``X.dtype``. Saves ``X`` (its dtype) and ``pre``; backward:
+    ``dX_i = pre_i g`` and ``dpre_i = <g, X_i>`` (fp32, per stream)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, pre)
+        # An explicit sum over the (few) streams: cheaper on CPU than a batched [hc]-sized matmul.
+        out = pre[..., 0, None] * x[..., 0, :].float()
+        for i in range(1, x.shape[-2]):
+            out = out + pre[..., i, None] * x[..., i, :].float()
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, pre = ctx.saved_tensors
+        g = grad.float()
+        dx = dpre = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.empty_like(x)
+            for i in range(x.shape[-2]):
+                dx[..., i, :] = pre[..., i, None] * g
+        if ctx.needs_input_grad[1]:
+            dpre = torch.stack([(g * x[..., i, :].float()).sum(-1) for i in range(x.shape[-2])], dim=-1)
+            dpre = dpre.to(pre.dtype)
+        return dx, dpre
+
+
+class _Expand(torch.autograd.Function):
+    """``X'_j = post_j y + sum_i comb[i, j] X_i`` in fp32, cast to ``X.dtype``. Saves ``X``, ``y`` (their dtypes),
+    ``post``, ``comb``; backward (fp32): ``dy = sum_j post_j g_j``, ``dpost_j = <g_j, y>``,
+    ``dcomb[i, j] = <g_j, X_i>``, ``dX_i = sum_j comb[i, j] g_j``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, y, post, comb)
+        out = post.unsqueeze(-1) * y.float().unsqueeze(-2)
+        for i in range(x.shape[-2]):
+            out = out + comb[..., i, :, None] * x[..., i, None, :].float()
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, y, post, comb = ctx.saved_tensors
+        g = grad.float()
+        need_x, need_y, need_post, need_comb = ctx.needs_input_grad
+        dx = dy = dpost = dcomb = None
+        if need_y:
+            dy = (post.unsqueeze(-1) * g).sum(-2).to(y.dtype)
+        if need_post:
+            dpost = (g * y.float().unsqueeze(-2)).sum(-1).to(post.dtype)
+        if need_x:
+            dx = torch.empty_like(x)
+            for i in range(x.shape[-2]):
+                dx[..., i, :] = (comb[..., i, :, None] * g).sum(-2)
+        if need_comb:
+            dcomb = torch.stack([(g * x[..., i, None, :].float()).sum(-1) for i in range(x.shape[-2])], dim=-2)
+            dcomb = dcomb.to(comb.dtype)
+        return dx, dy, dpost, dcomb

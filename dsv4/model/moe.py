@@ -26,7 +26,13 @@ clean.
 
 Experts use the clamped SwiGLU in fp32: ``gate = min(x W1, limit)``, ``up = clamp(x W3, -limit, limit)``,
 ``h = silu(gate) * up`` cast back to the activation dtype, then ``W2``. ``swiglu_limit`` of ``None``/``0``
-disables the clamp. The routed expert math goes through a :class:`~dsv4.model.dispatch.TokenDispatcher`
+disables the clamp. The SwiGLU keeps only ``x W1`` and ``x W3`` (activation dtype) for backward.
+
+Chunked experts (``moe_chunk_tokens = c > 0``): :class:`GroupedExperts` runs its ``T`` dispatched rows in
+``ceil(T / c)`` chunks of ``c`` rows (the last one shorter); each chunk computes ``x W1`` and ``x W3`` (kept for
+backward) and its SwiGLU + ``W2`` is recomputed in backward, so between forward and backward the experts hold
+``x W1, x W3`` (two ``[T, I]`` in the activation dtype) and backward holds one chunk's SwiGLU intermediates at a
+time. ``0`` runs all rows at once and keeps the SwiGLU output for ``W2``'s backward. The values are the same. The routed expert math goes through a :class:`~dsv4.model.dispatch.TokenDispatcher`
 (default :class:`~dsv4.model.dispatch.LocalDispatcher`), so expert parallelism plugs in without touching this
 file.
 """
@@ -40,16 +46,53 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.model.dispatch import LocalDispatcher, TokenDispatcher, expert_counts
-from dsv4.model.recompute import is_recomputing
+from dsv4.model.recompute import is_recomputing, recomputed
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` computed in fp32, returned in ``gate.dtype``."""
-    g, u = gate.float(), up.float()
-    if limit:
-        g = g.clamp(max=limit)
-        u = u.clamp(min=-limit, max=limit)
-    return (F.silu(g) * u).to(gate.dtype)
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` computed in fp32, returned in ``gate.dtype``.
+
+    Saves ``gate`` and ``up`` as given (the compute dtype) for backward, which forms the fp32 values again: no
+    fp32 copy of ``[T, I]`` stays alive between forward and backward."""
+    return _ClampedSwiGLU.apply(gate, up, limit)
+
+
+class _ClampedSwiGLU(torch.autograd.Function):
+    """See :func:`clamped_swiglu`. Backward in fp32: with ``g = min(gate, limit)``, ``u = clamp(up)``:
+    ``dgate = silu'(g) * grad * u`` where ``gate <= limit``, ``dup = grad * silu(g)`` where ``-limit <= up <= limit``
+    (torch's clamp passes the gradient at the bounds)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        ctx.limit = limit
+        g, u = gate.float(), up.float()
+        if limit:
+            g = g.clamp(max=limit)
+            u = u.clamp(min=-limit, max=limit)
+        return (F.silu(g) * u).to(gate.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        limit = ctx.limit
+        grad = grad.float()
+        g, u = gate.float(), up.float()
+        if limit:
+            g = g.clamp(max=limit)
+            u = u.clamp(min=-limit, max=limit)
+        dgate = dup = None
+        if ctx.needs_input_grad[0]:  # the kernel autograd uses for F.silu
+            dgate = torch.ops.aten.silu_backward(grad * u, g)
+            if limit:
+                dgate = dgate.masked_fill_(gate.float() > limit, 0.0)
+            dgate = dgate.to(gate.dtype)
+        if ctx.needs_input_grad[1]:
+            dup = grad * F.silu(g)
+            if limit:
+                dup = dup.masked_fill_((up.float() < -limit) | (up.float() > limit), 0.0)
+            dup = dup.to(up.dtype)
+        return dgate, dup, None
 
 
 def expert_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -133,8 +176,12 @@ class GroupedExperts(nn.Module):
         expert_offset: int = 0,
         num_local_experts: int | None = None,
         init_std: float = 0.02,
+        chunk_tokens: int = 0,
     ) -> None:
         super().__init__()
+        if int(chunk_tokens) != chunk_tokens or chunk_tokens < 0:
+            raise ValueError(f"GroupedExperts: chunk_tokens must be an integer >= 0, got {chunk_tokens!r}")
+        self.chunk_tokens = int(chunk_tokens)
         self.num_experts = num_experts
         self.expert_offset = expert_offset
         self.num_local_experts = num_experts if num_local_experts is None else num_local_experts
@@ -163,9 +210,29 @@ class GroupedExperts(nn.Module):
         return self._ffn(x_sorted, tokens_per_expert, None)
 
     def _ffn(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
-        h = clamped_swiglu(self.project("w1", x, tokens_per_expert, offs),
-                           self.project("w3", x, tokens_per_expert, offs), self.swiglu_limit)
-        return self.project("w2", h, tokens_per_expert, offs)
+        """``x [T, d]`` grouped by local expert -> ``[T, d]``; in chunks of ``chunk_tokens`` rows when > 0 (see the
+        module docstring)."""
+        c = self.chunk_tokens
+        if not c:
+            return self._down(self.project("w1", x, tokens_per_expert, offs),
+                              self.project("w3", x, tokens_per_expert, offs), tokens_per_expert, offs)
+        ends = tokens_per_expert.cumsum(0)  # where each expert's rows end, on the counts' device
+        outs = []
+        for start, xc in zip(range(0, x.shape[0], c), x.split(c)):
+            size = xc.shape[0]
+            counts = torch.diff((ends - start).clamp(0, size), prepend=ends.new_zeros(1))  # each expert's rows here
+            offs_c = None if offs is None else (offs - start).clamp(0, size).to(torch.int32)
+            gate, up = self.project("w1", xc, counts, offs_c), self.project("w3", xc, counts, offs_c)
+            if torch.is_grad_enabled():
+                outs.append(recomputed(self._down, gate, up, counts, offs_c))
+            else:
+                outs.append(self._down(gate, up, counts, offs_c))
+        return torch.cat(outs)
+
+    def _down(self, gate: torch.Tensor, up: torch.Tensor, tokens_per_expert: torch.Tensor,
+              offs: torch.Tensor | None) -> torch.Tensor:
+        """``W2(clamped_swiglu(gate, up))`` for rows grouped by local expert: ``[T, I]`` x 2 -> ``[T, d]``."""
+        return self.project("w2", clamped_swiglu(gate, up, self.swiglu_limit), tokens_per_expert, offs)
 
     def expert_weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
         """The weights the projections multiply by for inputs of ``dtype`` (what decides between grouped GEMMs
@@ -278,6 +345,7 @@ class MoE(nn.Module):
             config.moe_intermediate_size,
             config.swiglu_limit,
             init_std=config.initializer_range,
+            chunk_tokens=config.moe_chunk_tokens,
         )
         n_shared = config.n_shared_experts or 0
         self.shared_experts = (

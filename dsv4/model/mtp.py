@@ -30,6 +30,7 @@ from dsv4.model.block import DSV4Block
 from dsv4.model.context_parallel import ContextParallel, is_parallel
 from dsv4.model.hyper_connections import HyperHead
 from dsv4.model.norm import RMSNorm
+from dsv4.model.recompute import recomputed
 
 
 class DocumentShift:
@@ -96,10 +97,21 @@ class MTPLayer(DSV4Block):
         self, x: torch.Tensor, shifted_embeds: torch.Tensor, shifted_ids: torch.Tensor, meta: AttentionMetadata,
         cp: ContextParallel | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [B, L, hc, d]``, ``shifted_embeds [B, L, d]`` -> ``(X' [B, L, hc, d], hidden [B, L, d])``."""
+        """``x [B, L, hc, d]``, ``shifted_embeds [B, L, d]`` -> ``(X' [B, L, hc, d], hidden [B, L, d])``.
+
+        Under ``activation_checkpointing=block`` (while autograd records) the depth saves only its inputs: the
+        projections, norms, the block, the hyper-head and the final norm are recomputed in backward. The
+        :class:`DocumentShift` (a CP exchange) runs in :class:`MultiTokenPrediction`, outside the recomputed region;
+        inside it only the block's attention exchanges, as a recomputed decoder block does."""
+        if self.activation_checkpointing == "block" and torch.is_grad_enabled():
+            return recomputed(self._depth, x, shifted_embeds, shifted_ids, meta, cp)
+        return self._depth(x, shifted_embeds, shifted_ids, meta, cp)
+
+    def _depth(self, x: torch.Tensor, shifted_embeds: torch.Tensor, shifted_ids: torch.Tensor, meta: AttentionMetadata,
+               cp: ContextParallel | None) -> tuple[torch.Tensor, torch.Tensor]:
         e = self.e_proj(self.enorm(shifted_embeds))
         x = e.unsqueeze(-2) + self.h_proj(self.hnorm(x))
-        x = super().forward(x, shifted_ids, meta, cp)
+        x = self._forward(x, shifted_ids, meta, cp)
         return x, self.norm(self.hc_head(x))
 
 

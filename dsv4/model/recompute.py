@@ -1,7 +1,9 @@
 """Activation recompute (``model.activation_checkpointing``): ``none`` | ``block`` | ``selective``.
 
-* ``block``: each decoder block (MTP blocks too) saves only its input streams ``[B, L, hc, d]``; everything inside is
-  recomputed in backward.
+* ``block``: each decoder block saves only its input streams ``[B, L, hc, d]``; everything inside is recomputed in
+  backward. Each MTP depth saves only its inputs (the streams and the shifted embeddings ``[B, L, d]``); its
+  projections, norms, block, hyper-head and final norm are recomputed. The MTP's document shift (a CP exchange)
+  runs outside the recomputed depth, once.
 * ``selective``: the two large internals of a block are recomputed: the attention sub-layer (projections,
   compressors, indexer, sparse attention) and the MoE FFN (routing, expert hidden ``[T, k, I]``); the
   hyper-connection streams around them are kept.

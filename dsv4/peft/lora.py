@@ -126,7 +126,7 @@ class LoRAGroupedExperts(GroupedExperts):
     def from_experts(cls, experts: GroupedExperts, lora: LoRAConfig | None, keep: str | None) -> "LoRAGroupedExperts":
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        for attr in ("num_experts", "expert_offset", "num_local_experts", "swiglu_limit", "init_std"):
+        for attr in ("num_experts", "expert_offset", "num_local_experts", "swiglu_limit", "init_std", "chunk_tokens"):
             setattr(new, attr, getattr(experts, attr))
         new.keep = keep
         new.rank = lora.rank if lora is not None else 0

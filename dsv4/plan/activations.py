@@ -31,7 +31,7 @@ from dsv4.model.block import DSV4Block
 from dsv4.model.hyper_connections import HyperConnection
 from dsv4.model.indexer import Indexer
 from dsv4.model.model import DSV4ForCausalLM
-from dsv4.model.moe import MoE, set_dispatcher
+from dsv4.model.moe import GroupedExperts, MoE, set_dispatcher
 from dsv4.model.mtp import MTPLayer
 from dsv4.plan.stand_ins import PlanCP, PlanDispatcher, plan_metadata
 from dsv4.plan.trace import AllocationTracer
@@ -41,6 +41,13 @@ from dsv4.plan.trace import AllocationTracer
 BLOCK_COMPONENTS: dict[type, str] = {DSV4Block: "hyper_connections", HyperConnection: "hyper_connections",
                                      DSV4Attention: "attention", Indexer: "indexer", MoE: "moe"}
 TOP_COMPONENTS: dict[type, str] = {MTPLayer: "mtp", HyperConnection: "mtp", DSV4Attention: "mtp", MoE: "mtp"}
+# Recomputed regions that are methods, not modules (torch checkpoint reruns the bound method in backward):
+# (module type, method) -> label. A recomputed MTP depth (MTPLayer._depth) runs its projections, norms and
+# hyper-head outside any labelled module; a chunk of routed experts recomputes its SwiGLU + W2 (_down).
+BLOCK_REGIONS: dict[tuple[type, str], str] = {(GroupedExperts, "_down"): "moe",
+                                              (HyperConnection, "_mixing"): "hyper_connections"}
+TOP_REGIONS: dict[tuple[type, str], str] = {(MTPLayer, "_depth"): "mtp", (GroupedExperts, "_down"): "mtp",
+                                            (HyperConnection, "_mixing"): "mtp"}
 
 
 @dataclass
@@ -97,14 +104,20 @@ class ActivationPlan:
 
 def trace_segment(name: str, kind: str, run: Callable[[torch.Tensor | None], torch.Tensor], source: torch.Tensor | None,
                   modules: nn.Module, labels: dict[type, str], default_label: str,
-                  held: set | frozenset = frozenset()) -> SegmentTrace:
+                  held: set | frozenset = frozenset(),
+                  regions: dict[tuple[type, str], str] | None = None) -> SegmentTrace:
     """Trace ``run(x)`` forward and backward. ``x`` stands for the previous segment's output: made from the
     ``source`` leaf (created outside the trace, so only ``x`` itself counts) by its recorded view op
     (``source._plan_view``), a non-leaf freed when the segment does not save it; None for the embedding.
-    ``held``: parameters whose gradients stay until the end of backward (their bytes: ``held_gradients``)."""
+    ``held``: parameters whose gradients stay until the end of backward (their bytes: ``held_gradients``);
+    ``regions``: ``{(module type, method name): label}`` for recomputed regions that are methods."""
     params = [p for p in modules.parameters() if p.requires_grad]
     with AllocationTracer(default_label) as tracer:
         tracer.label_modules(modules, labels)
+        for module in modules.modules():
+            for (owner_type, method), label in (regions or {}).items():
+                if isinstance(module, owner_type):
+                    tracer.label_method(module, method, label)
         x = None if source is None else source._plan_view(source.clone())
         y = run(x)
         del x
@@ -181,7 +194,8 @@ class StepTracer:
         kind = f"ratio {layer.compress_ratio}{', hash' if layer.mlp.gate.is_hash else ''}{', first' if index == 0 else ''}"
         return trace_segment(f"block {index} ({kind})", kind,
                              lambda x: layer(x, self.ids, self.meta, self.cp_arg),
-                             self.embedded if index == 0 else self.streams, layer, BLOCK_COMPONENTS, "block input")
+                             self.embedded if index == 0 else self.streams, layer, BLOCK_COMPONENTS, "block input",
+                             regions=BLOCK_REGIONS)
 
     def top(self) -> SegmentTrace:
         model, labels = self.model, self.ids
@@ -198,7 +212,7 @@ class StepTracer:
 
         top_modules = nn.ModuleList([model.model.hc_head, model.model.norm, model.mtp, model.lm_head])
         trace = trace_segment("top (head, MTP, loss)", "top", run, self.streams, top_modules, TOP_COMPONENTS,
-                              "head and loss", held=self.root_parameters)
+                              "head and loss", held=self.root_parameters, regions=TOP_REGIONS)
         outputs.clear()
         return trace
 

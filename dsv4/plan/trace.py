@@ -43,6 +43,7 @@ class AllocationTracer(TorchDispatchMode):
         self._saved_keys: set[int] = set()
         self._labels: list[str] = []
         self._hooks: list = []
+        self._undo: list = []
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def __enter__(self):
@@ -53,6 +54,8 @@ class AllocationTracer(TorchDispatchMode):
         super().__exit__(*exc)
         for hook in self._hooks:
             hook.remove()
+        for undo in reversed(self._undo):
+            undo()
         return self._saved_hooks.__exit__(*exc)
 
     def label_modules(self, model: nn.Module, labels: dict[type, str]) -> None:
@@ -61,7 +64,24 @@ class AllocationTracer(TorchDispatchMode):
             label = next((name for kind, name in labels.items() if isinstance(module, kind)), None)
             if label is not None:
                 self._hooks.append(module.register_forward_pre_hook(lambda *_, name=label: self._labels.append(name)))
-                self._hooks.append(module.register_forward_hook(lambda *_: self._labels.pop() and None))
+                # always_call: a recompute that torch stops early (the saved tensors it needs are back) still pops
+                self._hooks.append(module.register_forward_hook(lambda *_: self._labels.pop() and None,
+                                                                always_call=True))
+
+    def label_method(self, owner: nn.Module, name: str, label: str) -> None:
+        """Charge what ``owner.<name>(...)`` creates to ``label`` (until the tracer exits): the method is shadowed on
+        the instance, so a recompute that calls the bound method it captured in forward is labelled too."""
+        bound = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            self._labels.append(label)
+            try:
+                return bound(*args, **kwargs)
+            finally:
+                self._labels.pop()
+
+        owner.__dict__[name] = call
+        self._undo.append(lambda: owner.__dict__.pop(name, None))
 
     def reset_peak(self) -> None:
         self.peak = self.live

@@ -48,12 +48,13 @@ def _unpacked_batch():
     return {"input_ids": ids, "labels": labels, "attention_mask": attention_mask}
 
 
-def _model(activation_checkpointing="none"):
+def _model(activation_checkpointing="none", moe_chunk_tokens=0):
     from dsv4.config import DSV4Config
     from dsv4.model import DSV4ForCausalLM
 
     torch.manual_seed(0)
-    config = DSV4Config.preset("tiny", activation_checkpointing=activation_checkpointing)
+    config = DSV4Config.preset("tiny", activation_checkpointing=activation_checkpointing,
+                               moe_chunk_tokens=moe_chunk_tokens)
     assert {0, 4, 128} <= set(config.compress_ratios) and config.num_hash_layers >= 1
     assert config.hc_mult == 4 and config.num_nextn_predict_layers >= 1
     return DSV4ForCausalLM(config)
@@ -163,13 +164,13 @@ def _token_batch():
     return rows, TokenBatch.stack([rows[i] for i in range(len(rows))])
 
 
-def _training_step_body(rank, world_size, recompute):
+def _training_step_body(rank, world_size, recompute, moe_chunk_tokens=0):
     from dsv4.cp import CPContext
     from dsv4.training.loss import reduce_token_loss
     from dsv4.training.step import forward_outputs
 
     group = dist.new_group(list(range(world_size)))
-    model = _model(recompute)
+    model = _model(recompute, moe_chunk_tokens)
     _, batch = _token_batch()
     local = batch.cut(rank, world_size, model.config.shard_multiple)
     try:  # the batch knows which shard it is: a context of another rank or size is refused before the forward
@@ -186,17 +187,21 @@ def _training_step_body(rank, world_size, recompute):
             "traffic": cp.traffic.as_dict()}
 
 
-@pytest.mark.parametrize("world_size, recompute", [(2, "none"), (4, "none"), (2, "block"), (4, "selective")])
-def test_training_path_cp_matches_single_rank(world_size, recompute):
+@pytest.mark.parametrize("world_size, recompute, moe_chunk_tokens",
+                         [(2, "none", 0), (4, "none", 0), (2, "block", 64), (4, "selective", 0)])
+def test_training_path_cp_matches_single_rank(world_size, recompute, moe_chunk_tokens):
     """The training path (packer rows -> TokenBatch.cut -> forward_outputs with the CPContext) against one process
-    without recompute: a recomputed block exchanges again in backward, with the same data, on every rank."""
+    without recompute: a recomputed block (the MTP depth too; with chunked experts) exchanges again in backward, with
+    the same data, on every rank; the MTP's document shift runs once, outside the recomputed depth."""
     from dsv4.training.step import forward_outputs
 
     rows, batch = _token_batch()
     assert len(rows) >= 2 and bool((batch.seq_ids == 0).any())  # several rows, padding present
-    results = run_on_ranks(_training_step_body, world_size, args=(recompute,))
+    results = run_on_ranks(_training_step_body, world_size, args=(recompute, moe_chunk_tokens))
     if recompute != "none":  # the recompute really ran the exchanges a second time
         assert results[1]["traffic"]["halo"]["calls"] > results[1]["traffic"]["halo.backward"]["calls"]
+    for res in results:  # ids and labels shifted once per MTP depth, never again in backward
+        assert res["traffic"]["mtp_metadata"]["calls"] == 2, res["traffic"]["mtp_metadata"]
     torch.set_num_threads(1)
     model = _model()
     out = forward_outputs(model, batch)
