@@ -19,7 +19,8 @@
 
 Every variant skips a parameter whose ``grad`` is None (its parameter and state unchanged). Checkpoints (DCP,
 ``get_optimizer_state_dict``): the bf16 moments are saved as bf16; the 8-bit moments as torchao's ``OptimState8bit``
-(codes and scales, never dequantised), also inside the DTensors of FSDP2 and of expert parallelism.
+(codes and scales, never dequantised), also inside the DTensors of FSDP2 and of expert parallelism; an asynchronous
+save stages them through ``new_empty`` (:func:`_stageable`).
 """
 
 from __future__ import annotations
@@ -138,6 +139,10 @@ def adamw8bit_class() -> type:
     except ImportError as err:  # check_state_dtype names the key first; this is for direct use
         raise ImportError(f"`optim.state_dtype`=8bit needs torchao: {LOWBIT_INSTALL} ({err})") from None
 
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    _stageable(OptimState8bit)
+
     class AdamW8bit(TorchaoAdamW8bit):
         __doc__ = adamw8bit_class.__doc__
 
@@ -148,6 +153,24 @@ def adamw8bit_class() -> type:
 
     AdamW8bit.__module__ = __name__
     return AdamW8bit
+
+
+def _stageable(state_cls: type) -> None:
+    """Let DCP's asynchronous save stage ``state_cls`` (torchao's ``OptimState8bit``): its stager allocates each
+    tensor's host copy with ``new_empty`` and then copies the tensor's attributes (codes, scales, map) into it, an op
+    torchao 0.18 does not implement. Registered through torchao's own op table (``implements``), unless torchao has
+    one."""
+    op = torch.ops.aten.new_empty.default
+    if op in getattr(state_cls, "_ATEN_OP_TABLE", {}).get(state_cls, {}):
+        return
+
+    @state_cls.implements(op)
+    def _new_empty(func, types, args, kwargs):
+        x, size = args[0], args[1]
+        device = kwargs.get("device") or x.device
+        codes = torch.empty(size, dtype=torch.uint8, device=device)
+        scale = torch.empty(codes.numel() // x.block_size, dtype=x.scale.dtype, device=device)
+        return state_cls(codes, scale, x.qmap.to(device), x.signed, dtype=x.dtype)
 
 
 def _eager_on_cpu(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
