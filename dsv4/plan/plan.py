@@ -43,8 +43,8 @@ TERMS = ("parameters", "gradients", "optimizer", "activations", "communication")
 
 @dataclass(frozen=True)
 class PlanSetup:
-    """What the plan is for: the model, the step shape, the parallel layout, the optimizer's bytes per trainable
-    element and the device memory judged against."""
+    """What the plan is for: the model, the step shape, the parallel layout, the optimizer's state (its bytes per
+    trainable shard, :class:`~dsv4.plan.states.OptimizerProfile`) and the device memory judged against."""
 
     config: DSV4Config
     seq_len: int
