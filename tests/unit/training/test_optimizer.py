@@ -107,6 +107,11 @@ def test_8bit_runs_eagerly_on_cpu_with_the_schedule_and_skips_parameters_without
     assert isinstance(opt.state[big]["exp_avg"], OptimState8bit)  # >= 4096 elements, a multiple of 256
     assert type(opt.state[small]["exp_avg"]) is torch.Tensor  # 100 elements: fp32
     assert idle not in opt.state and torch.equal(idle, before)
+    # a resume under another schedule continues from the saved learning rate, filled into torchao's tensor
+    longer = warmup_cosine_schedule(opt, warmup_steps=2, total_steps=8, min_lr_ratio=0.1)
+    longer.load_state_dict(schedule.state_dict())
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(1e-2 * schedule.multiplier(3))
     # storage: codes (1 byte) + one fp32 scale per 256 + the 256-entry fp32 map, per moment; the small one fp32
     assert storage_bytes(opt.state[big]["exp_avg"]) == 4096 + 16 * 4 + 256 * 4
     assert optimizer_state_bytes(opt) == 2 * 4 + 2 * (4096 + 16 * 4 + 256 * 4) + 2 * 100 * 4
