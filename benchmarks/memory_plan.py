@@ -22,7 +22,10 @@ routing and metadata, per-segment traces composed, the state terms from the shar
 Variants: ``none`` / ``block`` / ``selective`` (``model.activation_checkpointing``, chunked loss), ``logits``
 (no recompute, the loss through full ``[L, vocab]`` logits held until backward is done), ``lora_fp8`` (no
 recompute, LoRA r=8 on every target over the base kept in FP8 / FP4: ``peft=lora peft.base_dtype=fp8``),
-``offload`` (no recompute, ``trainer.offload=optimizer``: FSDP2's CPU offload policy).
+``offload`` (no recompute, ``trainer.offload=optimizer``: FSDP2's CPU offload policy),
+``adam_bf16`` / ``adam_8bit`` (block recompute, AdamW moments in bf16 / 8 bits: ``optim.state_dtype``; the optimizer
+built by the recipe's factory, ``dsv4.training.optimizer.adamw``, and also reported term by term: the plan's
+``optimizer`` against the real state's storage bytes).
 
 Host offload on CPU: the host is the device, so a measurement cannot tell the two apart; what it validates is the
 sum. For ``offload`` the predicted value is the plan's device total plus its host term (``host_offload_bytes``:
@@ -32,6 +35,7 @@ are added although the last gradients arrive after the peak); ``memory_plan.pred
 
     python benchmarks/memory_plan.py                                  # tiny and mid, S = 16384, CP 1 2 4
     python benchmarks/memory_plan.py --models tiny --cp 1 2 --seq-len 4096 --variants none
+    python benchmarks/memory_plan.py --variants block adam_bf16 adam_8bit --seq-len 4096    # optimizer state dtypes
 """
 
 from __future__ import annotations
@@ -49,7 +53,10 @@ MODELS: dict[str, dict] = {
                 n_routed_experts=16, moe_intermediate_size=256, num_experts_per_tok=2, index_head_dim=64,
                 index_n_heads=4, index_topk=32, vocab_size=32768, sliding_window=64, attention_chunk_size=256),
 }
-VARIANTS = ("none", "block", "selective", "logits", "lora_fp8", "offload")
+VARIANTS = ("none", "block", "selective", "logits", "lora_fp8", "offload", "adam_bf16", "adam_8bit")
+# optim.state_dtype of each variant (the others: float32); the adam_* variants recompute blocks, so that the optimizer
+# state is a large share of the step
+STATE_DTYPES = {"adam_bf16": "bfloat16", "adam_8bit": "8bit"}
 
 
 def _lora(variant: str):
@@ -58,29 +65,33 @@ def _lora(variant: str):
     return LoRAConfig(base_dtype="fp8") if variant == "lora_fp8" else None
 
 
-def _adamw(params):
-    import torch
+def _adamw(variant: str):
+    """The optimizer factory of ``variant``: the recipe's (``dsv4.training.optimizer.adamw``, as
+    conf/optim/adamw.yaml) with the variant's ``state_dtype``."""
+    from functools import partial
 
-    return torch.optim.AdamW(params, lr=1e-4, foreach=False)  # as conf/optim/adamw.yaml
+    from dsv4.training.optimizer import adamw
+
+    return partial(adamw, lr=1e-4, betas=[0.9, 0.999], weight_decay=0.01,
+                   state_dtype=STATE_DTYPES.get(variant, "float32"))
 
 
 def model_config(model: str, variant: str):
     from dsv4.config import DSV4Config
 
-    recompute = "none" if variant in ("logits", "lora_fp8", "offload") else variant
+    recompute = ("none" if variant in ("logits", "lora_fp8", "offload") else "block" if variant in STATE_DTYPES
+                 else variant)
     return DSV4Config.preset("tiny", activation_checkpointing=recompute, **MODELS[model])
 
 
-def predicted_bytes(model: str, variant: str, seq_len: int, cp: int) -> tuple[int, int]:
-    """``(device total, host offload)`` of the plan."""
+def predicted_plan(model: str, variant: str, seq_len: int, cp: int):
     from dsv4.plan.plan import PlanSetup, memory_plan
     from dsv4.plan.states import optimizer_profile
 
     setup = PlanSetup(model_config(model, variant), seq_len, cp=cp, dp=1, ep=1, chunked_loss=variant != "logits",
-                      optimizer=optimizer_profile(_adamw), lora=_lora(variant),
+                      optimizer=optimizer_profile(_adamw(variant)), lora=_lora(variant),
                       offload="optimizer" if variant == "offload" else "none")
-    plan = memory_plan(setup)
-    return plan.total, plan.host_offload_bytes
+    return memory_plan(setup)
 
 
 def _mmap_large_blocks() -> None:
@@ -101,7 +112,7 @@ def _build(config, meshes, variant: str):
     if _lora(variant) is not None:
         apply_lora(model, _lora(variant))
     model = apply_fsdp(model, meshes, offload=variant == "offload")
-    return model, _adamw([p for p in model.parameters() if p.requires_grad])
+    return model, _adamw(variant)([p for p in model.parameters() if p.requires_grad])
 
 
 def _step(model, optimizer, meshes, cp, batch, variant: str) -> None:
@@ -135,13 +146,14 @@ def _state_bytes(model, optimizer) -> int:
         t = t.to_local() if isinstance(t, DTensor) else t
         return t.untyped_storage().nbytes()
 
-    tensors = [*model.parameters(), *model.buffers(),
-               *(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
-    return sum(nbytes(t) for t in tensors)
+    from dsv4.training.optimizer import optimizer_state_bytes
+
+    # the optimizer state through its real storage (torchao's 8-bit moments are tensor subclasses)
+    return sum(nbytes(t) for t in (*model.parameters(), *model.buffers())) + optimizer_state_bytes(optimizer)
 
 
-def _rank_body(rank: int, world_size: int, model_name: str, variant: str, seq_len: int) -> tuple[float, float]:
-    """``(resident-set peak MiB, tensor peak MiB)`` of this rank: see the module docstring."""
+def _rank_body(rank: int, world_size: int, model_name: str, variant: str, seq_len: int) -> tuple[float, float, float]:
+    """``(resident-set peak MiB, tensor peak MiB, optimizer state MiB)`` of this rank: see the module docstring."""
     import ctypes
     import gc
 
@@ -171,7 +183,9 @@ def _rank_body(rank: int, world_size: int, model_name: str, variant: str, seq_le
     rss = max(peak_rss_kib() - base, 0) / 1024
     with AllocationTracer() as tracer:
         _step(model, optimizer, meshes, cp, batch, variant)
-    return rss, (_state_bytes(model, optimizer) + tracer.peak) / 2**20
+    from dsv4.training.optimizer import optimizer_state_bytes
+
+    return rss, (_state_bytes(model, optimizer) + tracer.peak) / 2**20, optimizer_state_bytes(optimizer) / 2**20
 
 
 def main() -> None:
@@ -184,12 +198,14 @@ def main() -> None:
     for model in args.models:
         for variant in args.variants:
             for cp in args.cp:
-                device, host = predicted_bytes(model, variant, args.seq_len, cp)
+                plan = predicted_plan(model, variant, args.seq_len, cp)
+                device, host = plan.total, plan.host_offload_bytes
                 predicted = (device + host) / 2**20
                 per_rank = run_on_ranks(_rank_body, cp, args=(model, variant, args.seq_len), timeout=7200)
                 rss, tensors = max(r[0] for r in per_rank), max(r[1] for r in per_rank)
                 shape = {"model": model, "seq_len": args.seq_len, "cp": cp, "tokens_per_rank": args.seq_len // cp,
-                         "variant": variant, "step": "forward+backward+AdamW", "dtype": "float32"}
+                         "variant": variant, "step": "forward+backward+AdamW", "dtype": "float32",
+                         "optim_state_dtype": STATE_DTYPES.get(variant, "float32")}
                 emit("memory_plan.predicted", shape, round(predicted, 1), "MiB")
                 if variant == "offload":
                     emit("memory_plan.predicted_device", shape, round(device / 2**20, 1), "MiB")
@@ -198,6 +214,10 @@ def main() -> None:
                 emit("memory_plan.measured_rss", shape, round(rss, 1), "MiB")
                 emit("memory_plan.tensors_over_predicted", shape, round(tensors / predicted, 3), "ratio")
                 emit("memory_plan.rss_over_predicted", shape, round(rss / predicted, 3), "ratio")
+                if variant in STATE_DTYPES:  # the optimizer term alone: rank 0 holds the largest shards
+                    emit("memory_plan.optimizer_predicted", shape, round(plan.per_rank_bytes["optimizer"] / 2**20, 3),
+                         "MiB")
+                    emit("memory_plan.optimizer_measured", shape, round(max(r[2] for r in per_rank), 3), "MiB")
 
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ TERMS = ("parameters", "gradients", "optimizer", "activations", "communication")
 
 @dataclass(frozen=True)
 class PlanSetup:
-    """What the plan is for: the model, the step shape, the parallel layout, the optimizer's bytes per trainable
-    element and the device memory judged against."""
+    """What the plan is for: the model, the step shape, the parallel layout, the optimizer's state (its bytes per
+    trainable shard, :class:`~dsv4.plan.states.OptimizerProfile`) and the device memory judged against."""
 
     config: DSV4Config
     seq_len: int
@@ -188,8 +188,9 @@ class MemoryPlan:
                  "adapters: fp32 shards; frozen base: compute-dtype shards" + (
                      " + kept FP8 / FP4 buffers (replicated)" if setup.lora.base_dtype == "fp8" else "")),
             _row("gradients", s.gradients, "fp32 shards of the trainable parameters (filled during backward)"),
-            _row("optimizer", s.optimizer, f"{setup.optimizer.state_bytes:g} bytes per trainable element; the step "
-                 f"allocates {_size(s.step_temporary)} ({setup.optimizer.step_temporary.replace('_', ' ')})"),
+            _row("optimizer", s.optimizer, f"{setup.optimizer.state_dtype} moments, {setup.optimizer.state_bytes:g} "
+                 f"bytes per trainable element of a large shard; the step allocates {_size(s.step_temporary)} "
+                 f"({setup.optimizer.step_temporary.replace('_', ' ')})"),
             _row("activations", acts.peak, f"peak, at the {acts.phase}"),
         ]
         if self.offload is not None:  # the device's parameters, gradients and optimizer rows
@@ -254,6 +255,7 @@ class MemoryPlan:
                       "activation_checkpointing": setup.config.activation_checkpointing,
                       "loss_chunk_size": setup.config.loss_chunk_size,
                       "attention_backend": setup.config.attention_backend,
+                      "optimizer_state_dtype": setup.optimizer.state_dtype,
                       "optimizer_state_bytes_per_element": setup.optimizer.state_bytes,
                       "optimizer_step_temporary": setup.optimizer.step_temporary, "offload": setup.offload,
                       "lora": None if setup.lora is None else setup.lora.as_dict()},

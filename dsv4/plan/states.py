@@ -9,8 +9,10 @@ ep`` for routed experts.
 * parameters: the fp32 shards (master weights) of trainable parameters, frozen ones (a LoRA base) in the dtype they
   are stored in (their unit's compute dtype), and the buffers (unsharded; a kept FP8 / FP4 LoRA base is buffers);
 * gradients: fp32 shards of the trainable parameters (frozen ones, ``requires_grad=False``, have none);
-* optimizer: bytes per trainable shard element (:func:`optimizer_profile` measures them on the configured
-  optimizer: AdamW keeps two fp32 moments, 8 bytes), and the step's temporary (its ``foreach`` / ``fused``);
+* optimizer: the real state bytes of each trainable shard, measured on the configured optimizer at that shard's
+  element count (:func:`optimizer_profile`: AdamW's two moments are 8 bytes per element in fp32, 4 in bf16, ~2.03 in
+  8 bits, small tensors staying fp32; plus a step counter per tensor), and the step's temporary (its ``foreach`` /
+  ``fused``);
 * communication buffers: the gathered parameters of the two largest units in their compute dtype (the running
   unit and the one FSDP prefetches), the root unit's (gathered once and kept until backward ends), and the fp32
   reduce-scatter input of the unit with the most trainable elements (the root's reduce comes after the others).
@@ -19,7 +21,7 @@ ep`` for routed experts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -68,33 +70,85 @@ def parameter_owners(model: nn.Module, units: list[FsdpUnit]) -> dict[nn.Paramet
 
 @dataclass(frozen=True)
 class OptimizerProfile:
-    """What the optimizer keeps and what its step allocates, per trainable fp32 element: ``state_bytes`` (kept
-    between steps) and ``step_temporary``: ``"all"`` (a multi-tensor update: one fp32 value per element at once,
-    torch's ``foreach`` default on GPUs), ``"per_tensor"`` (one tensor at a time: two fp32 copies of the largest
-    shard) or ``"none"`` (a fused kernel)."""
+    """What the optimizer keeps and what its step allocates. ``bytes_for(n)``: the real storage bytes of the state
+    the optimizer keeps for one trainable fp32 tensor (shard) of ``n`` elements, step counter included (``measure``,
+    from :func:`optimizer_profile`; without one, ``n x state_bytes``); ``state_bytes``: bytes per element of a large
+    tensor (for the report); ``state_dtype``: what the moments are stored in (``optim.state_dtype``);
+    ``step_temporary``: ``"all"`` (a multi-tensor update: one fp32 value per element at once, torch's ``foreach``
+    default on GPUs), ``"per_tensor"`` (one tensor at a time: two fp32 copies of the largest shard) or ``"none"`` (a
+    fused kernel)."""
 
     state_bytes: float = 8.0
     step_temporary: str = "all"
+    state_dtype: str = "float32"
+    measure: Callable[[int], int] | None = field(default=None, compare=False, repr=False)
+
+    def bytes_for(self, numel: int) -> int:
+        """State bytes of one trainable tensor (shard) of ``numel`` elements."""
+        return self.measure(numel) if self.measure is not None else int(numel * self.state_bytes)
+
+
+class StateMeter:
+    """Real optimizer state bytes as a function of a tensor's element count, measured on the configured optimizer.
+
+    ``meter(n)`` builds the optimizer on a probe parameter of ``n`` fp32 elements, takes one step and sums the storage
+    of its state (:func:`dsv4.training.optimizer.optimizer_state_bytes`: DTensor local tensors and tensor-subclass
+    inner tensors, e.g. torchao's uint8 codes, fp32 block scales and quantization map). Above ``cap`` elements the
+    probe is ``m = cap + n mod block`` elements (the same size class for a block-quantizing optimizer: the same
+    remainder modulo its block, above its small-tensor threshold) and the bytes are extended linearly:
+    ``bytes(m) + (n - m) / block x (bytes(m + block) - bytes(m))``, exact for state that is affine in the element
+    count within a size class (fp32, bf16, 8-bit codes with one scale per block). Each size is measured once."""
+
+    def __init__(self, build_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 block: int = 256, cap: int = 1 << 16) -> None:
+        if cap % block or cap < 4096:
+            raise ValueError(f"StateMeter: cap={cap} must be a multiple of block={block} and >= 4096")
+        self.build_optimizer, self.block, self.cap = build_optimizer, block, cap
+        self._measured: dict[int, int] = {}
+
+    def measured(self, numel: int) -> int:
+        """The state bytes of one real step on a probe of ``numel`` elements."""
+        if numel not in self._measured:
+            from dsv4.training.optimizer import optimizer_state_bytes
+
+            probe = nn.Parameter(torch.zeros(numel))
+            optimizer = self.build_optimizer([probe])
+            probe.grad = torch.full_like(probe, 1e-3)
+            optimizer.step()
+            self._measured[numel] = optimizer_state_bytes(optimizer)
+        return self._measured[numel]
+
+    def per_element(self) -> float:
+        """Bytes per element of a large tensor (a multiple of the block)."""
+        return (self.measured(self.cap + self.block) - self.measured(self.cap)) / self.block
+
+    def __call__(self, numel: int) -> int:
+        if numel <= self.cap:
+            return self.measured(numel)
+        m = self.cap + numel % self.block
+        return self.measured(m) + (numel - m) // self.block * (self.measured(m + self.block) - self.measured(m))
 
 
 def optimizer_profile(build_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> OptimizerProfile:
-    """Measure the state: one step of the optimizer on a probe parameter, then the bytes of its per-element state
-    tensors (step counters and other scalars are not per element). The step's temporary follows the optimizer's
-    ``fused`` / ``foreach`` settings."""
+    """Measure the state of the configured optimizer (:class:`StateMeter`, per element count) and name its moments'
+    dtype (the factory's ``state_dtype`` keyword; ``float32`` without one). The step's temporary follows the
+    optimizer's ``fused`` / ``foreach`` settings (an optimizer without a ``foreach`` option updates per tensor)."""
+    meter = StateMeter(build_optimizer)
     probe = nn.Parameter(torch.zeros(64, 4))
     optimizer = build_optimizer([probe])
     probe.grad = torch.full_like(probe, 1e-3)
     optimizer.step()
-    state = optimizer.state.get(probe, {})
-    per_element = [t for t in state.values() if isinstance(t, torch.Tensor) and t.numel() == probe.numel()]
+    stateful = any(isinstance(t, torch.Tensor) and t.numel() == probe.numel()
+                   for t in optimizer.state.get(probe, {}).values())
     defaults = optimizer.defaults
-    if not per_element or defaults.get("fused"):
+    if not stateful or defaults.get("fused"):
         temporary = "none"
-    elif defaults.get("foreach") is False:
+    elif defaults.get("foreach", False) is False:
         temporary = "per_tensor"
     else:
         temporary = "all"
-    return OptimizerProfile(float(sum(t.element_size() for t in per_element)), temporary)
+    state_dtype = str(getattr(build_optimizer, "keywords", {}).get("state_dtype", "float32"))
+    return OptimizerProfile(meter.per_element(), temporary, state_dtype, meter)
 
 
 def gradient_shard_bytes(modules: list[nn.Module], owners: dict[nn.Parameter, FsdpUnit], mesh_size: dict[str, int],
@@ -116,7 +170,7 @@ def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.d
     units = fsdp_units(model, compute_dtype)
     owners = parameter_owners(model, units)
     mesh_size = {"dp_cp": world, "edp": world // ep}
-    master, trainable, largest_shard = 0, 0, 0
+    master, trainable, largest_shard, optimizer_bytes = 0, 0, 0, 0
     gathered: dict[int, int] = {}
     reduced: dict[int, int] = {}  # per unit: the trainable elements its gradient reduce-scatter takes in
     for p, unit in owners.items():
@@ -124,6 +178,7 @@ def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.d
         master += local * p.element_size()
         if p.requires_grad:
             trainable += local
+            optimizer_bytes += optimizer.bytes_for(local)
             largest_shard = max(largest_shard, local)
             reduced[id(unit)] = reduced.get(id(unit), 0) + local * mesh_size[unit.mesh]
         gathered[id(unit)] = gathered.get(id(unit), 0) + local * mesh_size[unit.mesh] * unit.param_dtype.itemsize
@@ -135,7 +190,7 @@ def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.d
     return StateBytes(
         parameters=master + buffers,
         gradients=trainable * 4,
-        optimizer=int(trainable * optimizer.state_bytes),
+        optimizer=optimizer_bytes,
         step_temporary={"all": trainable, "per_tensor": 2 * largest_shard, "none": 0}[optimizer.step_temporary] * 4,
         gathered=two_largest,
         root_gathered=gathered.get(id(root), 0),

@@ -308,7 +308,7 @@ class DSV4LightningModule(L.LightningModule):
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         """Forward, backward and the optimizer step (Lightning's closure), then the MoE bias update and the step
         statistics, so that callbacks' ``on_train_batch_end`` see this step's numbers."""
-        lr = optimizer.param_groups[0]["lr"]
+        lr = float(optimizer.param_groups[0]["lr"])  # a value: some optimizers keep a tensor the schedule fills
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         self.log("train/lr", lr, on_step=True, rank_zero_only=True)
         if self.spec.skip_nonfinite_steps:

@@ -95,8 +95,11 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
                  self.min_lr_ratio, self.total_steps)
         # the optimizer's learning rate of the next step (restored with the optimizer) is this schedule's
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["lr"] = base * after
-        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+            if isinstance(group["lr"], torch.Tensor):  # an optimizer that keeps it as a tensor (torchao's AdamW8bit)
+                group["lr"].fill_(float(base * after))
+            else:
+                group["lr"] = base * after
+        self._last_lr = [float(group["lr"]) for group in self.optimizer.param_groups]
 
 
 def warmup_cosine_schedule(

@@ -274,7 +274,13 @@ def _instantiate(cfg: Any, key: str, *args: Any, **kwargs: Any) -> Any:
 
 def build_optimization(cfg: DictConfig) -> tuple[OptimizerFactory, SchedulerFactory | None]:
     """``(optimizer, scheduler or None)`` factories from ``cfg.optim`` / ``cfg.scheduler``, checked on a probe
-    parameter."""
+    parameter; ``optim.state_dtype`` is checked first (ValueError naming it; ImportError naming it and the install
+    command when ``8bit`` needs torchao)."""
+    state_dtype = cfg.optim.get("state_dtype")
+    if state_dtype is not None:  # our AdamW factory's key: a clear error before anything is built
+        from dsv4.training.optimizer import check_state_dtype
+
+        check_state_dtype(state_dtype)
     optimizer = _instantiate(cfg.optim, "optim")
     scheduler = _instantiate(cfg.scheduler, "scheduler") if cfg.get("scheduler") else None
     try:

@@ -66,3 +66,35 @@ def test_step_temporary_follows_the_profile():
     temp = {kind: state_bytes(model, world=1, ep=1, compute_dtype=torch.float32,
                               optimizer=OptimizerProfile(8, kind)).step_temporary for kind in ("all", "per_tensor", "none")}
     assert temp == {"all": 4 * trainable, "per_tensor": 8 * largest, "none": 0}
+
+
+@pytest.mark.parametrize("state_dtype,lora", [("float32", False), ("bfloat16", False), ("8bit", False),
+                                              ("8bit", True)])
+def test_optimizer_term_is_the_real_state_after_one_step(state_dtype, lora):
+    """The plan's optimizer term (measured per shard size on the factory) equals the storage bytes of the real
+    optimizer's state after one step of the tiny model: fp32 / bf16 moments, torchao's 8-bit codes, block scales
+    and maps for the tensors of >= 4096 elements and a multiple of 256, fp32 for the others, and step counters;
+    under LoRA the adapters' state only."""
+    from functools import partial
+
+    from dsv4.peft import LoRAConfig, apply_lora
+    from dsv4.training.optimizer import adamw, optimizer_state_bytes
+
+    factory = partial(adamw, lr=1e-3, betas=[0.9, 0.95], weight_decay=0.0, state_dtype=state_dtype)
+    profile = optimizer_profile(factory)
+    assert profile.state_dtype == state_dtype
+    assert profile.state_bytes == {"float32": 8, "bfloat16": 4, "8bit": 2 * (1 + 4 / 256)}[state_dtype]
+    meta, model = _meta_model(), DSV4ForCausalLM(DSV4Config.preset("tiny"))
+    if lora:
+        for m in (meta, model):
+            apply_lora(m, LoRAConfig(rank=8))
+    planned = state_bytes(meta, world=1, ep=1, compute_dtype=torch.float32, optimizer=profile).optimizer
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = factory(trainable)
+    for p in trainable:
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()
+    assert optimizer_state_bytes(optimizer) == planned
+    if lora:  # the adapters alone, some of them (the experts' stacked adapters) in 8 bits
+        assert len(optimizer.state) == len(trainable) < sum(1 for _ in model.parameters())
+        assert any(type(s["exp_avg"]).__name__ == "OptimState8bit" for s in optimizer.state.values())
