@@ -29,7 +29,8 @@ Experts use the clamped SwiGLU in fp32: ``gate = min(x W1, limit)``, ``up = clam
 disables the clamp. The SwiGLU keeps only ``x W1`` and ``x W3`` (activation dtype) for backward.
 
 Chunked experts (``moe_chunk_tokens = c > 0``): :class:`GroupedExperts` runs its ``T`` dispatched rows in
-``ceil(T / c)`` chunks of ``c`` rows (the last one shorter); each chunk computes ``x W1`` and ``x W3`` (kept for
+chunks of consecutive whole experts of at most ``c`` rows (:func:`expert_chunks`; an expert with more rows is a chunk
+of its own, so every expert's GEMMs see exactly the rows they see unchunked); each chunk computes ``x W1`` and ``x W3`` (kept for
 backward) and its SwiGLU + ``W2`` is recomputed in backward, so between forward and backward the experts hold
 ``x W1, x W3`` (two ``[T, I]`` in the activation dtype) and backward holds one chunk's SwiGLU intermediates at a
 time. ``0`` runs all rows at once and keeps the SwiGLU output for ``W2``'s backward. The values are the same. The routed expert math goes through a :class:`~dsv4.model.dispatch.TokenDispatcher`
@@ -133,6 +134,21 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) ->
     return F.grouped_mm(x, weight.transpose(-2, -1), offs=offs)
 
 
+def expert_chunks(tokens_per_expert: list[int], chunk_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive local experts grouped into chunks of at most ``chunk_tokens`` rows: ``[(first, end), ...]``
+    (experts ``first .. end - 1``), covering every expert in order. An expert with more rows than ``chunk_tokens`` is
+    a chunk of its own: a chunk never splits an expert, so each expert's GEMMs see exactly its rows, as unchunked."""
+    chunks: list[tuple[int, int]] = []
+    first, rows = 0, 0
+    for e, n in enumerate(tokens_per_expert):
+        if rows and rows + n > chunk_tokens:
+            chunks.append((first, e))
+            first, rows = e, 0
+        rows += n
+    chunks.append((first, len(tokens_per_expert)))
+    return chunks
+
+
 def expert_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
                   offs: torch.Tensor | None) -> torch.Tensor:
     """``x [T, in]`` rows grouped by expert (``tokens_per_expert [G]`` rows each) times each group's
@@ -216,17 +232,19 @@ class GroupedExperts(nn.Module):
         if not c:
             return self._down(self.project("w1", x, tokens_per_expert, offs),
                               self.project("w3", x, tokens_per_expert, offs), tokens_per_expert, offs)
-        ends = tokens_per_expert.cumsum(0)  # where each expert's rows end, on the counts' device
+        counts = tokens_per_expert.tolist()  # chunk bounds are whole experts: known on the host
         outs = []
-        for start, xc in zip(range(0, x.shape[0], c), x.split(c)):
-            size = xc.shape[0]
-            counts = torch.diff((ends - start).clamp(0, size), prepend=ends.new_zeros(1))  # each expert's rows here
-            offs_c = None if offs is None else (offs - start).clamp(0, size).to(torch.int32)
-            gate, up = self.project("w1", xc, counts, offs_c), self.project("w3", xc, counts, offs_c)
+        for first, end in expert_chunks(counts, c):
+            start, stop = sum(counts[:first]), sum(counts[:end])
+            xc = x[start:stop]
+            counts_c = torch.zeros_like(tokens_per_expert)
+            counts_c[first:end] = tokens_per_expert[first:end]
+            offs_c = None if offs is None else counts_c.to(device=x.device).cumsum(0).to(torch.int32)
+            gate, up = self.project("w1", xc, counts_c, offs_c), self.project("w3", xc, counts_c, offs_c)
             if torch.is_grad_enabled():
-                outs.append(recomputed(self._down, gate, up, counts, offs_c))
+                outs.append(recomputed(self._down, gate, up, counts_c, offs_c))
             else:
-                outs.append(self._down(gate, up, counts, offs_c))
+                outs.append(self._down(gate, up, counts_c, offs_c))
         return torch.cat(outs)
 
     def _down(self, gate: torch.Tensor, up: torch.Tensor, tokens_per_expert: torch.Tensor,
