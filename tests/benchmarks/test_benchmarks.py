@@ -226,3 +226,32 @@ def test_data_prepare_tree_memory_attributes_ranks_and_helpers():
     assert memory.ranks[1]["rss_anon"] >= 90 << 10  # KiB
     assert memory.ranks[0]["rss_anon"] < 60 << 10 and memory.helpers["rss_anon"] < 60 << 10
     assert memory.ranks[1]["hwm"] >= memory.ranks[1]["rss_anon"]
+
+
+def test_svg_line_chart_puts_every_point_inside_the_plot_area():
+    import re
+
+    from svg_chart import line_chart, nice_ticks
+
+    assert nice_ticks(0.0, 1.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert nice_ticks(2.3, 7.9) == [3.0, 4.0, 5.0, 6.0, 7.0]
+    svg = line_chart({"a": [(0, 1.0), (10, 3.0)], "b <&>": [(0, 2.0), (5, 2.5)]}, title="t", x_label="x",
+                     y_label="y", width=400, height=300)
+    lines = re.findall(r'<polyline points="([^"]+)"', svg)
+    assert len(lines) == 2 and "b &lt;&amp;&gt;" in svg
+    # plot area: x in [70, 380], y in [40, 245] (margins left 70, right 20, top 40, bottom 55)
+    points = [tuple(map(float, p.split(","))) for line in lines for p in line.split()]
+    assert all(70 <= x <= 380 and 40 <= y <= 245 for x, y in points), points
+    assert points[0][0] == 70 and points[1][0] == 380  # the x axis spans the data
+    with pytest.raises(ValueError, match="at least one point"):
+        line_chart({"empty": []}, title="t", x_label="x", y_label="y")
+
+
+def test_optimizer_state_moving_average_and_model_overrides():
+    from optimizer_state import model_overrides, moving_average
+
+    assert moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert model_overrides("tiny") == ["model=tiny"]
+    assert "model.compress_ratios=[0,4,128,4,128,4,128,4]" in model_overrides("mid")
+    with pytest.raises(ValueError, match="unknown model 'huge'"):
+        model_overrides("huge")

@@ -1,0 +1,128 @@
+"""AdamW moments in less memory (``optim.state_dtype``) against the loss they reach: fp32, bf16 and 8-bit moments.
+
+For each model and each ``optim.state_dtype`` the recipe trains ``--steps`` optimizer steps on one CPU process
+(``cp=1``, the embedded standard-library data, ``seq_len`` ``--seq-len``, the default optimizer and schedule, the
+same seed, so every run sees the same batches in the same order and starts from the same weights); ``train/loss`` is
+read from the run's CSV log. Per model and option:
+
+* ``optimizer_state.final_loss``: mean ``train/loss`` over the last ``--window`` steps;
+* ``optimizer_state.final_gap``: that minus the fp32 moments' (positive: the cheaper state ends higher);
+* ``optimizer_state.max_abs_gap``: the largest ``|loss - fp32 loss|`` at any one step.
+
+With ``--plot-dir`` it writes ``optimizer_state_<model>.svg`` there: the loss curves (a moving average over
+``--window`` steps) of every option. Models: ``tiny`` (``conf/model/tiny.yaml``) and ``mid`` (``MODELS`` of
+``benchmarks/memory_plan.py``: hidden 512, 8 layers, 16 experts, vocabulary 32768).
+
+    python benchmarks/optimizer_state.py --plot-dir docs/images                  # tiny and mid, 300 steps
+    python benchmarks/optimizer_state.py --models tiny --steps 20 --state-dtypes float32 bfloat16   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import emit
+from memory_plan import MODELS
+from svg_chart import line_chart
+
+REPO = Path(__file__).resolve().parents[1]
+STATE_DTYPES = ("float32", "bfloat16", "8bit")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _override(value) -> str:
+    """A Hydra command-line value: lists as ``[a,b]``."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+def model_overrides(model: str) -> list[str]:
+    """``model=tiny`` plus the field overrides that make ``model`` (``MODELS``)."""
+    if model not in MODELS:
+        raise ValueError(f"--models: unknown model {model!r}; known: {sorted(MODELS)}")
+    return ["model=tiny", *(f"model.{k}={_override(v)}" for k, v in MODELS[model].items())]
+
+
+def train_losses(model: str, state_dtype: str, steps: int, seq_len: int, work: Path) -> dict[int, float]:
+    """Run the recipe for ``steps`` steps with ``optim.state_dtype=state_dtype``; ``{step: train/loss}``."""
+    run_dir = work / f"{model}-{state_dtype}"
+    cmd = [sys.executable, str(REPO / "recipes" / "finetune.py"), *model_overrides(model), "cp=1",
+           f"seq_len={seq_len}", f"trainer.max_steps={steps}", "logger=csv", "checkpoint.every_n_steps=0",
+           "plan.enabled=false", f"data.cache_dir={work / 'data-cache'}", f"optim.state_dtype={state_dtype}",
+           f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "WANDB_MODE": "offline", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    out: dict[int, float] = {}
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            if row.get("train/loss"):
+                out[int(row["step"])] = float(row["train/loss"])
+    if sorted(out) != list(range(steps)):
+        raise RuntimeError(f"{run_dir}: expected train/loss at steps 0..{steps - 1}, got {len(out)} steps")
+    return out
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Mean of the last ``window`` values at each position (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["tiny", "mid"])
+    parser.add_argument("--state-dtypes", nargs="+", default=list(STATE_DTYPES), choices=STATE_DTYPES)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--window", type=int, default=20, help="steps averaged for the final loss and the plot")
+    parser.add_argument("--plot-dir", type=Path, default=None)
+    args = parser.parse_args()
+    if "float32" not in args.state_dtypes:
+        raise ValueError("--state-dtypes must include float32: the gaps are measured against it")
+    if not 1 <= args.window <= args.steps:
+        raise ValueError(f"--window={args.window} must be between 1 and --steps={args.steps}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            curves = {dt: train_losses(model, dt, args.steps, args.seq_len, Path(tmp)) for dt in args.state_dtypes}
+            reference = [curves["float32"][s] for s in range(args.steps)]
+            final_ref = sum(reference[-args.window:]) / args.window
+            for dt, losses in curves.items():
+                values = [losses[s] for s in range(args.steps)]
+                shape = {"model": model, "state_dtype": dt, "steps": args.steps, "seq_len": args.seq_len,
+                         "window": args.window}
+                final = sum(values[-args.window:]) / args.window
+                emit("optimizer_state.final_loss", shape, round(final, 5), "loss")
+                emit("optimizer_state.final_gap", shape, round(final - final_ref, 5), "loss")
+                emit("optimizer_state.max_abs_gap", shape,
+                     round(max(abs(a - b) for a, b in zip(values, reference)), 5), "loss")
+            if args.plot_dir is not None:
+                args.plot_dir.mkdir(parents=True, exist_ok=True)
+                series = {f"moments {dt}": list(enumerate(moving_average([curves[dt][s] for s in range(args.steps)],
+                                                                         args.window)))
+                          for dt in args.state_dtypes}
+                svg = line_chart(series, title=f"{model} model: train/loss by AdamW moment precision "
+                                 f"({args.window}-step moving average)", x_label="optimizer step",
+                                 y_label="train/loss")
+                (args.plot_dir / f"optimizer_state_{model}.svg").write_text(svg)
+
+
+if __name__ == "__main__":
+    main()
