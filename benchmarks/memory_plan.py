@@ -25,7 +25,8 @@ recompute, LoRA r=8 on every target over the base kept in FP8 / FP4: ``peft=lora
 ``offload`` (no recompute, ``trainer.offload=optimizer``: FSDP2's CPU offload policy),
 ``adam_bf16`` / ``adam_8bit`` (block recompute, AdamW moments in bf16 / 8 bits: ``optim.state_dtype``; the optimizer
 built by the recipe's factory, ``dsv4.training.optimizer.adamw``, and also reported term by term: the plan's
-``optimizer`` against the real state's storage bytes).
+``optimizer`` against the real state's storage bytes), ``chunked`` (block recompute, routed experts in chunks of whole
+experts of at most 1024 rows: ``model.moe_chunk_tokens``).
 
 Host offload on CPU: the host is the device, so a measurement cannot tell the two apart; what it validates is the
 sum. For ``offload`` the predicted value is the plan's device total plus its host term (``host_offload_bytes``:
@@ -53,7 +54,8 @@ MODELS: dict[str, dict] = {
                 n_routed_experts=16, moe_intermediate_size=256, num_experts_per_tok=2, index_head_dim=64,
                 index_n_heads=4, index_topk=32, vocab_size=32768, sliding_window=64, attention_chunk_size=256),
 }
-VARIANTS = ("none", "block", "selective", "logits", "lora_fp8", "offload", "adam_bf16", "adam_8bit")
+VARIANTS = ("none", "block", "selective", "logits", "lora_fp8", "offload", "adam_bf16", "adam_8bit", "chunked")
+CHUNK_TOKENS = 1024  # the chunked variant's model.moe_chunk_tokens (chunks of whole experts, at most this many rows)
 # optim.state_dtype of each variant (the others: float32); the adam_* variants recompute blocks, so that the optimizer
 # state is a large share of the step
 STATE_DTYPES = {"adam_bf16": "bfloat16", "adam_8bit": "8bit"}
@@ -79,9 +81,10 @@ def _adamw(variant: str):
 def model_config(model: str, variant: str):
     from dsv4.config import DSV4Config
 
-    recompute = ("none" if variant in ("logits", "lora_fp8", "offload") else "block" if variant in STATE_DTYPES
-                 else variant)
-    return DSV4Config.preset("tiny", activation_checkpointing=recompute, **MODELS[model])
+    recompute = ("none" if variant in ("logits", "lora_fp8", "offload") else
+                 "block" if variant in STATE_DTYPES or variant == "chunked" else variant)
+    return DSV4Config.preset("tiny", activation_checkpointing=recompute, **MODELS[model],
+                             moe_chunk_tokens=CHUNK_TOKENS if variant == "chunked" else 0)
 
 
 def predicted_plan(model: str, variant: str, seq_len: int, cp: int):

@@ -9,11 +9,14 @@ Layout per GPU count: CP 8 (the sequence split over 8 ranks), DP = GPUs / 8, EP 
 DP x CP with bf16 compute and fp32 master weights / AdamW state (``conf/optim/adamw.yaml``), block recompute, the
 chunked loss, one sequence per replica, the attention kernel a GPU run of this install uses (``auto``: Triton
 where it imports). Prints one JSON object per plan (per-rank total in GiB, with the terms in ``shape``); ``--markdown``
-also prints the table (per-rank GiB; a check mark where it fits 80 GiB and 141 GiB devices).
+also prints the table (per-rank GiB; a check mark where it fits 80 GiB and 141 GiB devices). ``--state-dtype``
+(``optim.state_dtype``), ``--moe-chunk-tokens`` (``model.moe_chunk_tokens``) and ``--offload`` (``trainer.offload``;
+the host term is in ``shape``) plan the memory options.
 
     python benchmarks/plan_table.py --markdown
     python benchmarks/plan_table.py --models flash --seq-lens 131072 --gpus 64
     python benchmarks/plan_table.py --peft lora --base-dtype fp8 --ep 0 --markdown   # LoRA: experts over every GPU
+    python benchmarks/plan_table.py --state-dtype bfloat16 --moe-chunk-tokens 4096 --markdown   # bf16 moments, chunks
 """
 
 from __future__ import annotations
@@ -48,23 +51,33 @@ def main() -> None:
     parser.add_argument("--peft", choices=["none", "lora"], default="none")
     parser.add_argument("--base-dtype", choices=["bf16", "fp8"], default="fp8")
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--state-dtype", choices=["float32", "bfloat16", "8bit"], default="float32",
+                        help="optim.state_dtype: what the AdamW moments are stored in")
+    parser.add_argument("--moe-chunk-tokens", type=int, default=0, help="model.moe_chunk_tokens (0: unchunked)")
+    parser.add_argument("--offload", choices=["none", "optimizer"], default="none", help="trainer.offload")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     lora = LoRAConfig(rank=args.rank, base_dtype=args.base_dtype) if args.peft == "lora" else None
-    optimizer = optimizer_profile(instantiate(OmegaConf.load(ADAMW), _convert_="all"))  # the recipe's AdamW
+    optim = OmegaConf.load(ADAMW)
+    optim.state_dtype = args.state_dtype
+    optimizer = optimizer_profile(instantiate(optim, _convert_="all"))  # the recipe's AdamW
     backend = resolve_attention_backend("auto", "cuda")  # what a GPU run of this install uses
     rows = {}
     for model in args.models:
-        config = DSV4Config.preset(model, activation_checkpointing="block", attention_backend=backend)
+        config = DSV4Config.preset(model, activation_checkpointing="block", attention_backend=backend,
+                                   moe_chunk_tokens=args.moe_chunk_tokens)
         for seq_len in args.seq_lens:
             for gpus in args.gpus:
                 ep = args.ep or gpus
                 plan = memory_plan(PlanSetup(config, seq_len, cp=args.cp, dp=gpus // args.cp, ep=ep,
-                                             compute_dtype=torch.bfloat16, optimizer=optimizer, lora=lora))
+                                             compute_dtype=torch.bfloat16, optimizer=optimizer, lora=lora,
+                                             offload=args.offload))
                 terms = {k: round(v / GIB, 2) for k, v in plan.per_rank_bytes.items()}
                 shape = {"model": model, "seq_len": seq_len, "gpus": gpus, "cp": args.cp, "dp": gpus // args.cp,
                          "ep": ep, "recompute": "block", "attention": backend, "per_rank_gib": terms,
-                         "peak": plan.peak_phase,
+                         "peak": plan.peak_phase, "optim_state_dtype": args.state_dtype,
+                         "moe_chunk_tokens": args.moe_chunk_tokens, "offload": args.offload,
+                         "host_offload_gib": round(plan.host_offload_bytes / GIB, 2),
                          "peft": "none" if lora is None else f"lora r={lora.rank}, base {lora.base_dtype}"}
                 emit("plan_table.per_rank_total", shape, terms["total"], "GiB")
                 rows[(model, seq_len, gpus)] = terms["total"]

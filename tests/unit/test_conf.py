@@ -73,6 +73,9 @@ def test_every_group_option_composes_and_builds(tmp_path, monkeypatch):
     assert (lora.rank, lora.alpha, lora.base_dtype) == (4, 16.0, "fp8") and "routed_experts" in lora.targets
     cfg = _compose(["experiment=flash_cp8"])
     assert cfg.cp == 8 and model_config(cfg.model).num_hidden_layers == 43 and cfg.dispatcher.name == "alltoall"
+    cfg = _compose(["experiment=flash_128k_80g"])
+    assert (cfg.cp, cfg.dp, cfg.ep, cfg.optim.state_dtype) == (16, 4, 8, "bfloat16")
+    assert model_config(cfg.model).moe_chunk_tokens == 6144
 
 
 def test_groups_select_what_is_built():
