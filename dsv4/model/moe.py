@@ -40,6 +40,7 @@ file.
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
@@ -233,9 +234,10 @@ class GroupedExperts(nn.Module):
             return self._down(self.project("w1", x, tokens_per_expert, offs),
                               self.project("w3", x, tokens_per_expert, offs), tokens_per_expert, offs)
         counts = tokens_per_expert.tolist()  # chunk bounds are whole experts: known on the host
+        row_starts = list(itertools.accumulate(counts, initial=0))  # expert e's rows: [row_starts[e], row_starts[e + 1])
         outs = []
         for first, end in expert_chunks(counts, c):
-            start, stop = sum(counts[:first]), sum(counts[:end])
+            start, stop = row_starts[first], row_starts[end]
             xc = x[start:stop]
             counts_c = torch.zeros_like(tokens_per_expert)
             counts_c[first:end] = tokens_per_expert[first:end]
