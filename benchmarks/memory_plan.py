@@ -29,10 +29,11 @@ built by the recipe's factory, ``dsv4.training.optimizer.adamw``, and also repor
 experts of at most 1024 rows: ``model.moe_chunk_tokens``).
 
 Host offload on CPU: the host is the device, so a measurement cannot tell the two apart; what it validates is the
-sum. For ``offload`` the predicted value is the plan's device total plus its host term (``host_offload_bytes``:
-parameter shards, gradients, optimizer state; an upper bound, since the device peak and every gradient on the host
-are added although the last gradients arrive after the peak); ``memory_plan.predicted_device`` and
-``memory_plan.predicted_host`` are printed as well. How the bytes split between a GPU and its host is not measured.
+plan of one shared memory (``MemoryPlan.shared_memory_total``: each phase's device bytes without FSDP's staging
+copies, which are the shards themselves here, plus what the host holds in that phase: parameter shards, optimizer
+state, the gradients reduced so far); ``memory_plan.predicted_device`` and ``memory_plan.predicted_host`` (the GPU
+plan's device total and host term) are printed as well. How the bytes split between a GPU and its host is not
+measured.
 
     python benchmarks/memory_plan.py                                  # tiny and mid, S = 16384, CP 1 2 4
     python benchmarks/memory_plan.py --models tiny --cp 1 2 --seq-len 4096 --variants none
@@ -203,7 +204,7 @@ def main() -> None:
             for cp in args.cp:
                 plan = predicted_plan(model, variant, args.seq_len, cp)
                 device, host = plan.total, plan.host_offload_bytes
-                predicted = (device + host) / 2**20
+                predicted = plan.shared_memory_total / 2**20  # the plan's total where host offload is off
                 per_rank = run_on_ranks(_rank_body, cp, args=(model, variant, args.seq_len), timeout=7200)
                 rss, tensors = max(r[0] for r in per_rank), max(r[1] for r in per_rank)
                 shape = {"model": model, "seq_len": args.seq_len, "cp": cp, "tokens_per_rank": args.seq_len // cp,

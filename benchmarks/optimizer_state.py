@@ -15,6 +15,9 @@ With ``--plot-dir`` it writes ``optimizer_state_<model>.svg`` there: the loss cu
 
     python benchmarks/optimizer_state.py --plot-dir docs/images                  # tiny and mid, 300 steps
     python benchmarks/optimizer_state.py --models tiny --steps 20 --state-dtypes float32 bfloat16   # a quick look
+
+With ``--work-dir`` the runs are kept there, and a run whose log already holds every step is read, not repeated
+(so an interrupted benchmark resumes with the runs it had finished).
 """
 
 from __future__ import annotations
@@ -58,7 +61,10 @@ def model_overrides(model: str) -> list[str]:
 
 def train_losses(model: str, state_dtype: str, steps: int, seq_len: int, work: Path) -> dict[int, float]:
     """Run the recipe for ``steps`` steps with ``optim.state_dtype=state_dtype``; ``{step: train/loss}``."""
-    run_dir = work / f"{model}-{state_dtype}"
+    run_dir = work / f"{model}-{state_dtype}-{steps}steps-seq{seq_len}"
+    done = _read_losses(run_dir) if (run_dir / "csv" / "metrics.csv").exists() else {}
+    if sorted(done) == list(range(steps)):
+        return done
     cmd = [sys.executable, str(REPO / "recipes" / "finetune.py"), *model_overrides(model), "cp=1",
            f"seq_len={seq_len}", f"trainer.max_steps={steps}", "logger=csv", "checkpoint.every_n_steps=0",
            "plan.enabled=false", f"data.cache_dir={work / 'data-cache'}", f"optim.state_dtype={state_dtype}",
@@ -67,13 +73,19 @@ def train_losses(model: str, state_dtype: str, steps: int, seq_len: int, work: P
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    out = _read_losses(run_dir)
+    if sorted(out) != list(range(steps)):
+        raise RuntimeError(f"{run_dir}: expected train/loss at steps 0..{steps - 1}, got {len(out)} steps")
+    return out
+
+
+def _read_losses(run_dir: Path) -> dict[int, float]:
+    """``{step: train/loss}`` of a run's CSV log."""
     out: dict[int, float] = {}
     with open(run_dir / "csv" / "metrics.csv") as f:
         for row in csv.DictReader(f):
             if row.get("train/loss"):
                 out[int(row["step"])] = float(row["train/loss"])
-    if sorted(out) != list(range(steps)):
-        raise RuntimeError(f"{run_dir}: expected train/loss at steps 0..{steps - 1}, got {len(out)} steps")
     return out
 
 
@@ -94,14 +106,16 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--window", type=int, default=20, help="steps averaged for the final loss and the plot")
     parser.add_argument("--plot-dir", type=Path, default=None)
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep the runs here and reuse finished ones")
     args = parser.parse_args()
     if "float32" not in args.state_dtypes:
         raise ValueError("--state-dtypes must include float32: the gaps are measured against it")
     if not 1 <= args.window <= args.steps:
         raise ValueError(f"--window={args.window} must be between 1 and --steps={args.steps}")
     with tempfile.TemporaryDirectory() as tmp:
+        work = args.work_dir or Path(tmp)
         for model in args.models:
-            curves = {dt: train_losses(model, dt, args.steps, args.seq_len, Path(tmp)) for dt in args.state_dtypes}
+            curves = {dt: train_losses(model, dt, args.steps, args.seq_len, work) for dt in args.state_dtypes}
             reference = [curves["float32"][s] for s in range(args.steps)]
             final_ref = sum(reference[-args.window:]) / args.window
             for dt, losses in curves.items():

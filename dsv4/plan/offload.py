@@ -7,7 +7,8 @@ the device holds for it, briefly (:attr:`OffloadBytes.device_staging`):
 
 * ``gather_staging``: before a unit's all-gather FSDP copies each of its shards to the device (and casts the copy to
   the unit's compute dtype when that differs); the largest unit's copies, freed once they are in the all-gather
-  buffer (which the plan's ``gathered`` term already counts);
+  buffer (which the plan's ``gathered`` term already counts); ``gather_cast``: the cast copies alone, the largest
+  unit's (all that stays when host and device are one memory, where the copy to the device is the shard itself);
 * ``reduce_staging``: a reduce-scatter's fp32 output (the unit's gradient shard) before its copy to the host; the
   largest unit's.
 
@@ -30,7 +31,7 @@ from dsv4.plan.states import StateBytes, shard_elements
 class OffloadBytes:
     """Per-rank bytes. Host: ``parameters`` (sharded parameters, every unit), ``gradients`` and ``optimizer`` (as
     :class:`~dsv4.plan.states.StateBytes`), ``step_temporary`` (the optimizer step's, on the host). Device:
-    ``gather_staging`` and ``reduce_staging`` (module docstring). Traffic per step: ``host_to_device``,
+    ``gather_staging``, ``gather_cast`` and ``reduce_staging`` (module docstring). Traffic per step: ``host_to_device``,
     ``device_to_host``."""
 
     parameters: int
@@ -41,6 +42,7 @@ class OffloadBytes:
     reduce_staging: int
     host_to_device: int
     device_to_host: int
+    gather_cast: int = 0
 
     @property
     def host(self) -> int:
@@ -59,12 +61,13 @@ def offload_bytes(units: list[FsdpUnit], owners: dict[nn.Parameter, FsdpUnit], m
     temporary are ``states``' own terms, all of which move to the host."""
     shard = {id(u): 0 for u in units}  # stored bytes of each unit's shards
     staged = {id(u): 0 for u in units}  # what a unit's all-gather copies to the device (with the compute-dtype cast)
+    cast = {id(u): 0 for u in units}  # the compute-dtype cast copies alone
     grads = {id(u): 0 for u in units}  # fp32 gradient shard bytes of each unit
     for p, unit in owners.items():
         local = shard_elements(p, mesh_size[unit.mesh])
         shard[id(unit)] += local * p.element_size()
-        staged[id(unit)] += local * (p.element_size() + (unit.param_dtype.itemsize if p.dtype != unit.param_dtype
-                                                         else 0))
+        cast[id(unit)] += local * unit.param_dtype.itemsize if p.dtype != unit.param_dtype else 0
+        staged[id(unit)] += local * p.element_size()
         if p.requires_grad:
             grads[id(unit)] += local * 4
     gathers = {id(u): 1 if u is units[-1] or not u.reshard_after_forward else 2 for u in units}
@@ -73,7 +76,8 @@ def offload_bytes(units: list[FsdpUnit], owners: dict[nn.Parameter, FsdpUnit], m
         gradients=states.gradients,
         optimizer=states.optimizer,
         step_temporary=states.step_temporary,
-        gather_staging=max(staged.values(), default=0),
+        gather_staging=max((staged[k] + cast[k] for k in staged), default=0),
+        gather_cast=max(cast.values(), default=0),
         reduce_staging=max(grads.values(), default=0),
         host_to_device=sum(shard[k] * gathers[k] for k in shard),
         device_to_host=sum(grads.values()),

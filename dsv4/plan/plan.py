@@ -152,6 +152,22 @@ class MemoryPlan:
         return self.checkpoint_bytes if self.setup.async_checkpoint else 0
 
     @property
+    def shared_memory_total(self) -> int:
+        """The peak when host and device are one memory (a run on the CPU). Without offload ``total``. With it, each
+        phase's device bytes, less FSDP's staging copies (a copy to the same memory is the shard itself; a cast to
+        the compute dtype stays), plus what the host holds in that phase: the parameter shards, the optimizer state
+        and the gradient shards reduced so far (at the optimizer step every gradient and the step's temporary)."""
+        o = self.offload
+        if o is None:
+            return self.total
+        host = o.parameters + o.optimizer
+        phases = [self.phase_bytes["optimizer step"] + host + o.gradients + o.step_temporary]
+        for phase in self.activations.phases:
+            reduced = 0 if phase.backward_of is None else sum(self.segment_gradients[phase.backward_of + 1:])
+            phases.append(self.phase_bytes[phase.name] - o.device_staging + o.gather_cast + host + reduced)
+        return max(phases)
+
+    @property
     def host_offload_bytes(self) -> int:
         """Host memory host offload holds (0 without it): the sharded parameters, their gradients and the
         optimizer state; the optimizer step adds its temporary there (:attr:`OffloadBytes.step_temporary`)."""

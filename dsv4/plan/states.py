@@ -11,8 +11,9 @@ ep`` for routed experts.
 * gradients: fp32 shards of the trainable parameters (frozen ones, ``requires_grad=False``, have none);
 * optimizer: the real state bytes of each trainable shard, measured on the configured optimizer at that shard's
   element count (:func:`optimizer_profile`: AdamW's two moments are 8 bytes per element in fp32, 4 in bf16, ~2.03 in
-  8 bits, small tensors staying fp32; plus a step counter per tensor), and the step's temporary (its ``foreach`` /
-  ``fused``);
+  8 bits, small tensors staying fp32; plus a step counter per tensor), and the step's temporary: what one step
+  allocates, measured on the same optimizer per element count (:class:`StateMeter`), for the largest shard when the
+  update runs one tensor at a time, for every shard at once under ``foreach``, none under ``fused``;
 * communication buffers: the gathered parameters of the two largest units in their compute dtype (the running
   unit and the one FSDP prefetches), the root unit's (gathered once and kept until backward ends), and the fp32
   reduce-scatter input of the unit with the most trainable elements (the root's reduce comes after the others).
@@ -71,68 +72,115 @@ def parameter_owners(model: nn.Module, units: list[FsdpUnit]) -> dict[nn.Paramet
 @dataclass(frozen=True)
 class OptimizerProfile:
     """What the optimizer keeps and what its step allocates. ``bytes_for(n)``: the real storage bytes of the state
-    the optimizer keeps for one trainable fp32 tensor (shard) of ``n`` elements, step counter included (``measure``,
+    the optimizer keeps for one trainable fp32 tensor (shard) of ``n`` elements, step counter included (``meter``,
     from :func:`optimizer_profile`; without one, ``n x state_bytes``); ``state_bytes``: bytes per element of a large
     tensor (for the report); ``state_dtype``: what the moments are stored in (``optim.state_dtype``);
-    ``step_temporary``: ``"all"`` (a multi-tensor update: one fp32 value per element at once, torch's ``foreach``
-    default on GPUs), ``"per_tensor"`` (one tensor at a time: two fp32 copies of the largest shard) or ``"none"`` (a
-    fused kernel)."""
+    ``step_temporary``: ``"all"`` (a multi-tensor update: every shard's temporaries at once, torch's ``foreach``
+    default on GPUs), ``"per_tensor"`` (one tensor at a time: the largest shard's) or ``"none"`` (a fused kernel).
+    ``step_bytes_for(n)`` / ``carried_bytes_for(n)``: what one step allocates for a tensor of ``n`` elements, and
+    what of it a per-tensor update keeps during the next tensor's (``meter``, from :func:`optimizer_profile`;
+    without one, torch's AdamW: one fp32 copy per element under ``foreach``, two per
+    tensor and one more kept into the next tensor's, none fused)."""
 
     state_bytes: float = 8.0
     step_temporary: str = "all"
     state_dtype: str = "float32"
-    measure: Callable[[int], int] | None = field(default=None, compare=False, repr=False)
+    meter: StateMeter | None = field(default=None, compare=False, repr=False)
 
     def bytes_for(self, numel: int) -> int:
         """State bytes of one trainable tensor (shard) of ``numel`` elements."""
-        return self.measure(numel) if self.measure is not None else int(numel * self.state_bytes)
+        return self.meter(numel) if self.meter is not None else int(numel * self.state_bytes)
+
+    def step_bytes_for(self, numel: int) -> int:
+        """Bytes one step allocates (its peak above the parameter, gradient and state) for a tensor of ``numel``
+        elements."""
+        if self.meter is not None:
+            return self.meter.step(numel)
+        return numel * {"all": 4, "per_tensor": 8, "none": 0}[self.step_temporary]
+
+    def carried_bytes_for(self, numel: int) -> int:
+        """Bytes a per-tensor step of a tensor of ``numel`` elements keeps during the next tensor's step."""
+        if self.meter is not None:
+            return self.meter.carried(numel)
+        return numel * 4 if self.step_temporary == "per_tensor" else 0
 
 
 class StateMeter:
-    """Real optimizer state bytes as a function of a tensor's element count, measured on the configured optimizer.
+    """Real optimizer state bytes, and what a step allocates, as functions of a tensor's element count, measured on
+    the configured optimizer.
 
     ``meter(n)`` builds the optimizer on a probe parameter of ``n`` fp32 elements, takes one step and sums the storage
     of its state (:func:`dsv4.training.optimizer.optimizer_state_bytes`: DTensor local tensors and tensor-subclass
-    inner tensors, e.g. torchao's uint8 codes, fp32 block scales and quantization map). Above ``cap`` elements the
-    probe is ``m = cap + n mod block`` elements (the same size class for a block-quantizing optimizer: the same
-    remainder modulo its block, above its small-tensor threshold) and the bytes are extended linearly:
-    ``bytes(m) + (n - m) / block x (bytes(m + block) - bytes(m))``, exact for state that is affine in the element
-    count within a size class (fp32, bf16, 8-bit codes with one scale per block). Each size is measured once."""
+    inner tensors, e.g. torchao's uint8 codes, fp32 block scales and quantization map); ``meter.step(n)`` is the peak
+    of the storage a second step allocates (:class:`~dsv4.plan.trace.AllocationTracer`: the update's temporaries, as
+    the optimizer runs here: torchao's 8-bit update eagerly on a CPU, about 14 fp32 copies of the tensor, where CUDA
+    compiles it into fewer). Above ``cap`` elements the probe is ``m = cap + n mod block`` elements (the same size
+    class for a block-quantizing optimizer: the same remainder modulo its block, above its small-tensor threshold)
+    and the bytes are extended linearly: ``bytes(m) + (n - m) / block x (bytes(m + block) - bytes(m))``, exact for
+    bytes that are affine in the element count within a size class (fp32, bf16, 8-bit codes with one scale per block,
+    and the elementwise temporaries of their updates). Each size is measured once."""
 
     def __init__(self, build_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                  block: int = 256, cap: int = 1 << 16) -> None:
         if cap % block or cap < 4096:
             raise ValueError(f"StateMeter: cap={cap} must be a multiple of block={block} and >= 4096")
         self.build_optimizer, self.block, self.cap = build_optimizer, block, cap
-        self._measured: dict[int, int] = {}
+        self._measured: dict[int, tuple[int, int, int]] = {}  # numel -> (state, step peak, carried) bytes
 
-    def measured(self, numel: int) -> int:
-        """The state bytes of one real step on a probe of ``numel`` elements."""
+    def measured(self, numel: int, which: int = 0) -> int:
+        """Real steps on probes of ``numel`` elements: the state bytes (``which=0``), the peak a step allocates
+        (``which=1``) and what a step leaves allocated into the next tensor's update (``which=2``: the peak of a step
+        over two such probes less the single probe's; torch's per-tensor AdamW keeps one tensor's ``denom`` alive
+        until the next tensor's is computed)."""
         if numel not in self._measured:
             from dsv4.training.optimizer import optimizer_state_bytes
 
-            probe = nn.Parameter(torch.zeros(numel))
-            optimizer = self.build_optimizer([probe])
+            one = self._probe_step(1, numel)
+            self._measured[numel] = (optimizer_state_bytes(one[0]), one[1],
+                                     max(self._probe_step(2, numel)[1] - one[1], 0))
+        return self._measured[numel][which]
+
+    def _probe_step(self, count: int, numel: int) -> tuple[torch.optim.Optimizer, int]:
+        """The optimizer over ``count`` probes after a second step, and that step's peak allocation."""
+        from dsv4.plan.trace import AllocationTracer
+
+        probes = [nn.Parameter(torch.zeros(numel)) for _ in range(count)]
+        optimizer = self.build_optimizer(probes)
+        for probe in probes:
             probe.grad = torch.full_like(probe, 1e-3)
+        optimizer.step()  # creates the state
+        with AllocationTracer() as tracer:
             optimizer.step()
-            self._measured[numel] = optimizer_state_bytes(optimizer)
-        return self._measured[numel]
+        return optimizer, tracer.peak
 
     def per_element(self) -> float:
-        """Bytes per element of a large tensor (a multiple of the block)."""
+        """State bytes per element of a large tensor (a multiple of the block)."""
         return (self.measured(self.cap + self.block) - self.measured(self.cap)) / self.block
 
-    def __call__(self, numel: int) -> int:
+    def _extended(self, numel: int, which: int) -> int:
         if numel <= self.cap:
-            return self.measured(numel)
+            return self.measured(numel, which)
         m = self.cap + numel % self.block
-        return self.measured(m) + (numel - m) // self.block * (self.measured(m + self.block) - self.measured(m))
+        step = self.measured(m + self.block, which) - self.measured(m, which)
+        return self.measured(m, which) + (numel - m) // self.block * step
+
+    def __call__(self, numel: int) -> int:
+        return self._extended(numel, 0)
+
+    def step(self, numel: int) -> int:
+        """What one step allocates for a tensor of ``numel`` elements (its peak)."""
+        return self._extended(numel, 1)
+
+    def carried(self, numel: int) -> int:
+        """What a per-tensor step of a tensor of ``numel`` elements leaves allocated during the next tensor's."""
+        return self._extended(numel, 2)
 
 
 def optimizer_profile(build_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> OptimizerProfile:
     """Measure the state of the configured optimizer (:class:`StateMeter`, per element count) and name its moments'
-    dtype (the factory's ``state_dtype`` keyword; ``float32`` without one). The step's temporary follows the
-    optimizer's ``fused`` / ``foreach`` settings (an optimizer without a ``foreach`` option updates per tensor)."""
+    dtype (the factory's ``state_dtype`` keyword; ``float32`` without one). Whether the step's temporaries are one
+    tensor's or all at once follows the optimizer's ``fused`` / ``foreach`` settings (an optimizer without a
+    ``foreach`` option updates per tensor); their size is measured (:meth:`StateMeter.step`)."""
     meter = StateMeter(build_optimizer)
     probe = nn.Parameter(torch.zeros(64, 4))
     optimizer = build_optimizer([probe])
@@ -170,7 +218,9 @@ def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.d
     units = fsdp_units(model, compute_dtype)
     owners = parameter_owners(model, units)
     mesh_size = {"dp_cp": world, "edp": world // ep}
-    master, trainable, largest_shard, optimizer_bytes = 0, 0, 0, 0
+    master, trainable, optimizer_bytes = 0, 0, 0
+    step_bytes: list[int] = []  # what the step allocates for each trainable shard
+    carried: list[int] = []  # and what a per-tensor step keeps into the next shard's
     gathered: dict[int, int] = {}
     reduced: dict[int, int] = {}  # per unit: the trainable elements its gradient reduce-scatter takes in
     for p, unit in owners.items():
@@ -179,7 +229,8 @@ def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.d
         if p.requires_grad:
             trainable += local
             optimizer_bytes += optimizer.bytes_for(local)
-            largest_shard = max(largest_shard, local)
+            step_bytes.append(optimizer.step_bytes_for(local))
+            carried.append(optimizer.carried_bytes_for(local))
             reduced[id(unit)] = reduced.get(id(unit), 0) + local * mesh_size[unit.mesh]
         gathered[id(unit)] = gathered.get(id(unit), 0) + local * mesh_size[unit.mesh] * unit.param_dtype.itemsize
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -191,7 +242,8 @@ def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.d
         parameters=master + buffers,
         gradients=trainable * 4,
         optimizer=optimizer_bytes,
-        step_temporary={"all": trainable, "per_tensor": 2 * largest_shard, "none": 0}[optimizer.step_temporary] * 4,
+        step_temporary=(max(step_bytes, default=0) + max(carried, default=0) if optimizer.step_temporary == "per_tensor"
+                        else sum(step_bytes)),
         gathered=two_largest,
         root_gathered=gathered.get(id(root), 0),
         reduce_buffer=max((n for key, n in reduced.items() if key != id(root)), default=0) * 4,

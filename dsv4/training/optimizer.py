@@ -125,6 +125,7 @@ class BF16AdamW(torch.optim.Optimizer):
                 denom = v.div_(1 - beta2 ** t).sqrt_().add_(eps)
                 param.mul_(1 - lr * decay)
                 param.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
+                del grad, m, v, denom  # free this tensor's fp32 moments before the next tensor's are made
         return loss
 
 

@@ -120,7 +120,8 @@ def test_checkpoint_bytes_match_a_real_save(tmp_path):
 def test_host_offload_moves_the_shards_gradients_and_optimizer_state_off_the_device(tiny_plan):
     """trainer.offload=optimizer, same layout as ``tiny_plan``: each phase's device bytes fall by exactly what moved
     (the parameter shards, the optimizer state, the gradient shards already reduced; the optimizer step with its
-    gradients and temporary entirely) less FSDP's staging copies; the host term is the moved state."""
+    gradients and temporary entirely) less FSDP's staging copies; the host term is the moved state; on one memory
+    the peak is the plain plan's."""
     from dataclasses import replace
 
     host = memory_plan(replace(tiny_plan.setup, offload="optimizer"))
@@ -146,6 +147,10 @@ def test_host_offload_moves_the_shards_gradients_and_optimizer_state_off_the_dev
             moved = o.parameters + o.optimizer + reduced - o.gather_staging - o.reduce_staging
         assert before - host.phase_bytes[name] == moved, name
     assert host.total == max(host.phase_bytes.values()) < tiny_plan.total
+    # host and device one memory (a CPU run): the staging copies are the shards themselves (fp32 compute, no cast),
+    # so every phase holds what it holds without offload
+    assert o.gather_cast == 0 and tiny_plan.setup.compute_dtype == torch.float32
+    assert host.shared_memory_total == tiny_plan.shared_memory_total == tiny_plan.total
     data = json.loads(json.dumps(host.as_dict()))
     assert data["setup"]["offload"] == "optimizer" and tiny_plan.as_dict()["host_offload_bytes"] is None
     assert data["host_offload_bytes"]["per_rank"] == host.host_offload_bytes
