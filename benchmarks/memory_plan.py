@@ -204,7 +204,7 @@ def main() -> None:
             for cp in args.cp:
                 plan = predicted_plan(model, variant, args.seq_len, cp)
                 device, host = plan.total, plan.host_offload_bytes
-                predicted = plan.shared_memory_total / 2**20  # the plan's total where host offload is off
+                predicted = plan.shared_memory_total / 2**20  # host and device one memory: total unless offloaded
                 per_rank = run_on_ranks(_rank_body, cp, args=(model, variant, args.seq_len), timeout=7200)
                 rss, tensors = max(r[0] for r in per_rank), max(r[1] for r in per_rank)
                 shape = {"model": model, "seq_len": args.seq_len, "cp": cp, "tokens_per_rank": args.seq_len // cp,

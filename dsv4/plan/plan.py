@@ -39,7 +39,7 @@ from dsv4.parallel.expert_shard import shard_experts
 from dsv4.parallel.wrap import OFFLOAD, fsdp_units, store_frozen_in_compute_dtype
 from dsv4.peft.apply import apply_lora
 from dsv4.peft.config import LoRAConfig
-from dsv4.plan.activations import ActivationPlan, StepTracer, cast_for_compute, plan_activations
+from dsv4.plan.activations import ActivationPlan, Phase, StepTracer, cast_for_compute, plan_activations
 from dsv4.plan.offload import OffloadBytes, offload_bytes
 from dsv4.plan.states import OptimizerProfile, StateBytes, gradient_shard_bytes, parameter_owners, state_bytes
 
@@ -129,8 +129,7 @@ class MemoryPlan:
         fixed = device["parameters"] + device["optimizer"]
         phases = [("optimizer step", fixed + device["gradients"] + step_temporary)]
         for phase in self.activations.phases:
-            reduced = 0 if phase.backward_of is None or o is not None else sum(
-                self.segment_gradients[phase.backward_of + 1:])
+            reduced = 0 if o is not None else self._reduced_before(phase)
             phases.append((phase.name, fixed + device["communication"] + phase.activations + reduced))
         self.phase_bytes = dict(phases)
         self.peak_phase, self.per_rank_bytes["total"] = max(phases, key=lambda p: p[1])
@@ -163,9 +162,14 @@ class MemoryPlan:
         host = o.parameters + o.optimizer
         phases = [self.phase_bytes["optimizer step"] + host + o.gradients + o.step_temporary]
         for phase in self.activations.phases:
-            reduced = 0 if phase.backward_of is None else sum(self.segment_gradients[phase.backward_of + 1:])
-            phases.append(self.phase_bytes[phase.name] - o.device_staging + o.gather_cast + host + reduced)
+            phases.append(self.phase_bytes[phase.name] - o.device_staging + o.gather_cast + host
+                          + self._reduced_before(phase))
         return max(phases)
+
+    def _reduced_before(self, phase: Phase) -> int:
+        """The gradient shard bytes FSDP has reduced when ``phase`` runs: those of the segments after the one whose
+        backward it is (none in forward)."""
+        return 0 if phase.backward_of is None else sum(self.segment_gradients[phase.backward_of + 1:])
 
     @property
     def host_offload_bytes(self) -> int:

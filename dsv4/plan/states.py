@@ -125,20 +125,30 @@ class StateMeter:
         if cap % block or cap < 4096:
             raise ValueError(f"StateMeter: cap={cap} must be a multiple of block={block} and >= 4096")
         self.build_optimizer, self.block, self.cap = build_optimizer, block, cap
-        self._measured: dict[int, tuple[int, int, int]] = {}  # numel -> (state, step peak, carried) bytes
+        self._one: dict[int, tuple[int, int]] = {}  # numel -> (state bytes, a step's peak) on one probe
+        self._two: dict[int, int] = {}  # numel -> a step's peak on two probes
 
-    def measured(self, numel: int, which: int = 0) -> int:
-        """Real steps on probes of ``numel`` elements: the state bytes (``which=0``), the peak a step allocates
-        (``which=1``) and what a step leaves allocated into the next tensor's update (``which=2``: the peak of a step
-        over two such probes less the single probe's; torch's per-tensor AdamW keeps one tensor's ``denom`` alive
-        until the next tensor's is computed)."""
-        if numel not in self._measured:
+    def measured(self, numel: int) -> int:
+        """The state bytes of real steps on a probe of ``numel`` elements."""
+        return self._one_probe(numel)[0]
+
+    def _one_probe(self, numel: int) -> tuple[int, int]:
+        if numel not in self._one:
             from dsv4.training.optimizer import optimizer_state_bytes
 
-            one = self._probe_step(1, numel)
-            self._measured[numel] = (optimizer_state_bytes(one[0]), one[1],
-                                     max(self._probe_step(2, numel)[1] - one[1], 0))
-        return self._measured[numel][which]
+            optimizer, peak = self._probe_step(1, numel)
+            self._one[numel] = (optimizer_state_bytes(optimizer), peak)
+        return self._one[numel]
+
+    def _step_peak(self, numel: int) -> int:
+        return self._one_probe(numel)[1]
+
+    def _carried(self, numel: int) -> int:
+        """A step's peak over two probes of ``numel`` elements less one probe's: what an update leaves allocated into
+        the next tensor's (torch's per-tensor AdamW keeps one tensor's ``denom`` until the next one's is made)."""
+        if numel not in self._two:
+            self._two[numel] = self._probe_step(2, numel)[1]
+        return max(self._two[numel] - self._step_peak(numel), 0)
 
     def _probe_step(self, count: int, numel: int) -> tuple[torch.optim.Optimizer, int]:
         """The optimizer over ``count`` probes after a second step, and that step's peak allocation."""
@@ -157,23 +167,23 @@ class StateMeter:
         """State bytes per element of a large tensor (a multiple of the block)."""
         return (self.measured(self.cap + self.block) - self.measured(self.cap)) / self.block
 
-    def _extended(self, numel: int, which: int) -> int:
+    def _extended(self, numel: int, measure: Callable[[int], int]) -> int:
         if numel <= self.cap:
-            return self.measured(numel, which)
+            return measure(numel)
         m = self.cap + numel % self.block
-        step = self.measured(m + self.block, which) - self.measured(m, which)
-        return self.measured(m, which) + (numel - m) // self.block * step
+        return measure(m) + (numel - m) // self.block * (measure(m + self.block) - measure(m))
 
     def __call__(self, numel: int) -> int:
-        return self._extended(numel, 0)
+        return self._extended(numel, self.measured)
 
     def step(self, numel: int) -> int:
         """What one step allocates for a tensor of ``numel`` elements (its peak)."""
-        return self._extended(numel, 1)
+        return self._extended(numel, self._step_peak)
 
     def carried(self, numel: int) -> int:
-        """What a per-tensor step of a tensor of ``numel`` elements leaves allocated during the next tensor's."""
-        return self._extended(numel, 2)
+        """What a per-tensor step of a tensor of ``numel`` elements leaves allocated during the next tensor's
+        (measured on two probes only when asked)."""
+        return self._extended(numel, self._carried)
 
 
 def optimizer_profile(build_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> OptimizerProfile:
@@ -230,7 +240,8 @@ def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.d
             trainable += local
             optimizer_bytes += optimizer.bytes_for(local)
             step_bytes.append(optimizer.step_bytes_for(local))
-            carried.append(optimizer.carried_bytes_for(local))
+            if optimizer.step_temporary == "per_tensor":
+                carried.append(optimizer.carried_bytes_for(local))
             reduced[id(unit)] = reduced.get(id(unit), 0) + local * mesh_size[unit.mesh]
         gathered[id(unit)] = gathered.get(id(unit), 0) + local * mesh_size[unit.mesh] * unit.param_dtype.itemsize
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())

@@ -78,11 +78,10 @@ def test_optimizer_term_is_the_real_state_after_one_step(state_dtype, lora):
     and maps for the tensors of >= 4096 elements and a multiple of 256, fp32 for the others, and step counters;
     under LoRA the adapters' state only. The plan's step temporary equals the peak a second real step allocates
     (one tensor at a time: the largest tensor's temporaries; torchao's eager 8-bit update makes ~14 fp32 copies)."""
-    from dsv4.plan.trace import AllocationTracer
-
     from functools import partial
 
     from dsv4.peft import LoRAConfig, apply_lora
+    from dsv4.plan.trace import AllocationTracer
     from dsv4.training.optimizer import adamw, optimizer_state_bytes
 
     factory = partial(adamw, lr=1e-3, betas=[0.9, 0.95], weight_decay=0.0, state_dtype=state_dtype)
