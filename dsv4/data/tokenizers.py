@@ -10,6 +10,10 @@ so its value never reaches the loss).
 * :class:`HFTokenizer` wraps a ``tokenizers`` JSON file or a tokenizer directory (``tokenizer.json``, or anything
   ``transformers.AutoTokenizer`` reads) from a **local path only**; nothing is downloaded from a hub.
   ``encode`` adds no special tokens unless asked to (same reason as above).
+
+Both also have ``encode_with_offsets(text) -> (ids, offsets)``: the ids of ``encode(text)`` and each token's
+``(start, end)`` character offsets in ``text`` (chat data derives its loss mask from them,
+:mod:`dsv4.data.chat`). A tokenizer object without it can tokenize text documents but not chats.
 """
 
 from __future__ import annotations
@@ -44,6 +48,16 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The bytes of ``text`` and, for each, the offsets ``(i, i + 1)`` of the character ``i`` it belongs to."""
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        for i, char in enumerate(text):
+            piece = char.encode("utf-8")
+            ids.extend(piece)
+            offsets.extend([(i, i + 1)] * len(piece))
+        return ids, offsets
 
     def decode(self, ids: Sequence[int]) -> str:
         bad = [i for i in ids if not 0 <= int(i) < 256]
@@ -192,6 +206,17 @@ class HFTokenizer:
         if self._hf is not None:
             return list(self._hf.encode(text, add_special_tokens=self.add_special_tokens))
         return list(self._fast.encode(text, add_special_tokens=self.add_special_tokens).ids)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of :meth:`encode` and each token's ``(start, end)`` character offsets in ``text``."""
+        if self._hf is not None:
+            if not getattr(self._hf, "is_fast", False):
+                raise ValueError(f"HFTokenizer: {str(self.path)!r} loads as {type(self._hf).__name__}, which reports "
+                                 "no token offsets (chat data needs them); point data.tokenizer at its tokenizer.json")
+            out = self._hf(text, add_special_tokens=self.add_special_tokens, return_offsets_mapping=True)
+            return list(out["input_ids"]), [(int(s), int(e)) for s, e in out["offset_mapping"]]
+        encoding = self._fast.encode(text, add_special_tokens=self.add_special_tokens)
+        return list(encoding.ids), list(encoding.offsets)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids]

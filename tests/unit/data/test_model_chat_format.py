@@ -10,6 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from dsv4.data import HFTokenizer, chat_segments, tokenize_chat
+from dsv4.data.chat import render_chat
 from dsv4.data.datamodule import DSV4DataModule
 from dsv4.data.deepseek_v4_chat import SPECIAL_TOKENS
 from dsv4.data.tokenizers import single_id
@@ -77,6 +78,7 @@ def test_real_tokenizer_masks_exactly_the_assistant_turns(tmp_path):
     tok = HFTokenizer(write_tokenizer_dir(tmp_path / "ckpt"))
     assert all(single_id(tok, t) is not None for t in SPECIAL_TOKENS)
     ids, mask = tokenize_chat(REASONING_CHAT, tok, "deepseek_v4")
+    assert ids == tok.encode(render_chat(REASONING_CHAT, "deepseek_v4"))
     supervised = [i for i, m in zip(ids, mask) if m]
     assert supervised == tok.encode(f"add</think>4{E}") + tok.encode(f"add again</think>6{E}")
     prompt = [i for i, m in zip(ids, mask) if not m]
@@ -102,7 +104,8 @@ def test_tokenizer_config_template_multi_turn_reasoning_by_hand(tmp_path):
         (f"<think>add again</think>6{E}", True),
     ]
     ids, mask = tokenize_chat(REASONING_CHAT, tok, tok.chat_template, template_vars=tok.template_vars)
-    assert ids == [i for text, _ in segments for i in tok.encode(text)]
+    assert ids == tok.encode("".join(text for text, _ in segments))
+    assert ids == tok.encode(render_chat(REASONING_CHAT, tok.chat_template, template_vars=tok.template_vars))
     assert [i for i, m in zip(ids, mask) if m] == tok.encode(f"<think>add</think>4{E}") + tok.encode(
         f"<think>add again</think>6{E}")
 

@@ -1,4 +1,4 @@
-"""dsv4.data.tokenizers: byte round trips and a local `tokenizers` WordLevel tokenizer (no network)."""
+"""dsv4.data.tokenizers: byte round trips, a local `tokenizers` WordLevel tokenizer (no network) and token offsets."""
 
 from __future__ import annotations
 
@@ -74,3 +74,12 @@ def test_build_tokenizer_specs():
     assert build_tokenizer(tok) is tok
     with pytest.raises(ValueError, match=r"lacks \['encode', 'decode', 'vocab_size', 'pad_id'\]"):
         build_tokenizer(object())
+
+
+def test_offsets_are_character_offsets(tmp_path):
+    ids, offsets = ByteTokenizer().encode_with_offsets("aé🚀")
+    assert ids == list("aé🚀".encode()) and offsets == [(0, 1), (1, 2), (1, 2), (2, 3), (2, 3), (2, 3), (2, 3)]
+    write_wordlevel(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    for tok in (HFTokenizer(tmp_path / "tokenizer.json"), HFTokenizer(tmp_path)):  # tokenizers / transformers
+        assert tok.encode_with_offsets("hello  wörld bye") == ([2, 1, 5], [(0, 5), (7, 12), (13, 16)])
