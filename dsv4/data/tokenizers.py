@@ -9,7 +9,9 @@ so its value never reaches the loss).
   == t`` for every string; ``decode`` of an arbitrary byte sequence replaces invalid UTF-8 with U+FFFD.
 * :class:`HFTokenizer` wraps a ``tokenizers`` JSON file or a tokenizer directory (``tokenizer.json``, or anything
   ``transformers.AutoTokenizer`` reads) from a **local path only**; nothing is downloaded from a hub.
-  ``encode`` adds no special tokens unless asked to (same reason as above).
+  ``encode`` adds no special tokens unless asked to (same reason as above). A directory that
+  ``AutoTokenizer`` cannot load but that holds a ``tokenizer.json`` is read through that file (one INFO line names
+  the file and the exception), and so is every directory when transformers is not installed.
 
 Both also have ``encode_with_offsets(text) -> (ids, offsets)``: the ids of ``encode(text)`` and each token's
 ``(start, end)`` character offsets in ``text`` (chat data derives its loss mask from them,
@@ -20,10 +22,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+
+log = logging.getLogger("dsv4")
 
 _INSTALL_HINT = "pip install datasets tokenizers"
 
@@ -101,11 +106,15 @@ class HFTokenizer:
             except Exception as exc:  # no config / unknown class: fall back to tokenizer.json when there is one
                 if not json_file.is_file():
                     raise ValueError(f"HFTokenizer: transformers cannot load {str(self.path)!r}: {exc}") from exc
+                log.info("tokenizer: reading %s with the tokenizers library: transformers.AutoTokenizer cannot load "
+                         "%s (%s: %s)", json_file, self.path, type(exc).__name__, exc)
         elif self.path.is_dir() and not json_file.is_file():
             raise ValueError(
                 f"HFTokenizer: directory {str(self.path)!r} has no tokenizer.json and transformers is not "
                 "installed (pip install transformers, or point at a tokenizer.json file)"
             )
+        elif self.path.is_dir():
+            log.info("tokenizer: reading %s with the tokenizers library: transformers is not installed", json_file)
         if self._hf is None:
             try:
                 from tokenizers import Tokenizer as _FastTokenizer
