@@ -14,7 +14,7 @@ Batches are :class:`dsv4.batch.TokenBatch` (``input_ids``, ``labels``, ``seq_ids
 """
 
 from dsv4.batch import IGNORE_INDEX, TokenBatch
-from dsv4.data.chat import DEFAULT_CHAT_TEMPLATE, chat_segments, tokenize_chat
+from dsv4.data.chat import DEFAULT_CHAT_TEMPLATE, chat_segments, render_chat, tokenize_chat
 from dsv4.data.dataset import DistributedPackedSampler, build_packed_dataset
 from dsv4.data.packer import PackedRows, PackStats, first_fit_decreasing, pack_documents
 from dsv4.data.sources import (DATA_KINDS, DATA_SOURCES, DataSource, Document, SourceArgs, build_documents,
@@ -44,6 +44,7 @@ __all__ = [
     "hf_documents",
     "jsonl_documents",
     "pack_documents",
+    "render_chat",
     "stdlib_corpus",
     "tokenize_chat",
 ]

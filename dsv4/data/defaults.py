@@ -1,13 +1,16 @@
 """The data group resolved against the model: which tokenizer and chat template a run uses, checked at start-up.
 
 ``data.tokenizer=auto`` (the default of every ``conf/data/*.yaml``) is the tokenizer of ``model.checkpoint`` when
-that directory holds a ``tokenizer.json``, else the byte tokenizer (the built-in tiny model and corpus). Any other
-value is used as given (``byte`` or a local tokenizer file / directory).
+that directory holds a ``tokenizer.json``, and the byte tokenizer without a ``model.checkpoint`` (the built-in tiny
+model and corpus). A ``model.checkpoint`` without a ``tokenizer.json`` is refused (ValueError naming the directory and
+the two choices, ``data.tokenizer=byte`` or a tokenizer path) rather than trained on bytes. Any other value is used
+as given (``byte`` or a local tokenizer file / directory).
 
 ``data.chat_template_file=null`` is the tokenizer's own chat format: its Jinja template (``chat_template.jinja``
 beside it, or ``tokenizer_config.json``'s ``chat_template``), else DeepSeek-V4's encoding rules
 (:mod:`dsv4.data.deepseek_v4_chat`) when every special token they need is one id of the tokenizer (a DeepSeek-V4
-release has no Jinja template), else the built-in role-marker template (:data:`dsv4.data.chat.DEFAULT_CHAT_TEMPLATE`).
+release has no Jinja template), else the built-in role-marker template (:data:`dsv4.data.chat.DEFAULT_CHAT_TEMPLATE`;
+one INFO line says it was chosen and why).
 ``deepseek_v4`` selects those encoding rules, any other value is a Jinja template file.
 
 :func:`resolve_data_source` returns the keyword arguments of :func:`dsv4.data.build_documents` with ``tokenizer``
@@ -32,15 +35,18 @@ TOKENIZER_AUTO = "auto"
 
 
 def resolve_tokenizer_spec(spec: Any, checkpoint: str | None) -> Any:
-    """``auto`` -> ``checkpoint`` when it holds a ``tokenizer.json``, else ``byte``; anything else unchanged."""
+    """``auto`` -> ``checkpoint`` when it holds a ``tokenizer.json``, ``byte`` without a checkpoint, and a ValueError
+    naming ``checkpoint`` and the choices when it holds no tokenizer; anything else unchanged."""
     if spec != TOKENIZER_AUTO:
         return spec
-    if checkpoint and (Path(checkpoint) / "tokenizer.json").is_file():
+    if not checkpoint:
+        return "byte"
+    if (Path(checkpoint) / "tokenizer.json").is_file():
         return str(checkpoint)
-    if checkpoint:
-        log.warning("data.tokenizer=auto: model.checkpoint=%s holds no tokenizer.json; using the byte tokenizer "
-                    "(set data.tokenizer to the model's tokenizer)", checkpoint)
-    return "byte"
+    raise ValueError(
+        f"`data.tokenizer`=auto: `model.checkpoint`={str(checkpoint)!r} holds no tokenizer (no tokenizer.json in "
+        "that directory); choose one: data.tokenizer=byte (UTF-8 bytes, 256 ids) or data.tokenizer=<path to a "
+        "tokenizer.json or a tokenizer directory>")
 
 
 def resolve_chat_template(tokenizer: Tokenizer, chat_template_file: str | None) -> str | None:
@@ -59,6 +65,8 @@ def resolve_chat_template(tokenizer: Tokenizer, chat_template_file: str | None) 
     if getattr(tokenizer, "vocab_size", 0) > len(DEEPSEEK_V4_TOKENS) and all(
             single_id(tokenizer, t) is not None for t in DEEPSEEK_V4_TOKENS):
         return DEEPSEEK_V4_FORMAT
+    log.info("data: chat records (if any) render with the built-in role-marker template (<|user|>\\n...<|end|>): "
+             "the tokenizer %r has no chat template and data.chat_template_file is not set", tokenizer)
     return None
 
 

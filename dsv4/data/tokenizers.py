@@ -9,17 +9,26 @@ so its value never reaches the loss).
   == t`` for every string; ``decode`` of an arbitrary byte sequence replaces invalid UTF-8 with U+FFFD.
 * :class:`HFTokenizer` wraps a ``tokenizers`` JSON file or a tokenizer directory (``tokenizer.json``, or anything
   ``transformers.AutoTokenizer`` reads) from a **local path only**; nothing is downloaded from a hub.
-  ``encode`` adds no special tokens unless asked to (same reason as above).
+  ``encode`` adds no special tokens unless asked to (same reason as above). A directory that
+  ``AutoTokenizer`` cannot load but that holds a ``tokenizer.json`` is read through that file (one INFO line names
+  the file and the exception), and so is every directory when transformers is not installed.
+
+Both also have ``encode_with_offsets(text) -> (ids, offsets)``: the ids of ``encode(text)`` and each token's
+``(start, end)`` character offsets in ``text`` (chat data derives its loss mask from them,
+:mod:`dsv4.data.chat`). A tokenizer object without it can tokenize text documents but not chats.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+
+log = logging.getLogger("dsv4")
 
 _INSTALL_HINT = "pip install datasets tokenizers"
 
@@ -44,6 +53,16 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The bytes of ``text`` and, for each, the offsets ``(i, i + 1)`` of the character ``i`` it belongs to."""
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        for i, char in enumerate(text):
+            piece = char.encode("utf-8")
+            ids.extend(piece)
+            offsets.extend([(i, i + 1)] * len(piece))
+        return ids, offsets
 
     def decode(self, ids: Sequence[int]) -> str:
         bad = [i for i in ids if not 0 <= int(i) < 256]
@@ -87,11 +106,15 @@ class HFTokenizer:
             except Exception as exc:  # no config / unknown class: fall back to tokenizer.json when there is one
                 if not json_file.is_file():
                     raise ValueError(f"HFTokenizer: transformers cannot load {str(self.path)!r}: {exc}") from exc
+                log.info("tokenizer: reading %s with the tokenizers library: transformers.AutoTokenizer cannot load "
+                         "%s (%s: %s)", json_file, self.path, type(exc).__name__, exc)
         elif self.path.is_dir() and not json_file.is_file():
             raise ValueError(
                 f"HFTokenizer: directory {str(self.path)!r} has no tokenizer.json and transformers is not "
                 "installed (pip install transformers, or point at a tokenizer.json file)"
             )
+        elif self.path.is_dir():
+            log.info("tokenizer: reading %s with the tokenizers library: transformers is not installed", json_file)
         if self._hf is None:
             try:
                 from tokenizers import Tokenizer as _FastTokenizer
@@ -192,6 +215,17 @@ class HFTokenizer:
         if self._hf is not None:
             return list(self._hf.encode(text, add_special_tokens=self.add_special_tokens))
         return list(self._fast.encode(text, add_special_tokens=self.add_special_tokens).ids)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of :meth:`encode` and each token's ``(start, end)`` character offsets in ``text``."""
+        if self._hf is not None:
+            if not getattr(self._hf, "is_fast", False):
+                raise ValueError(f"HFTokenizer: {str(self.path)!r} loads as {type(self._hf).__name__}, which reports "
+                                 "no token offsets (chat data needs them); point data.tokenizer at its tokenizer.json")
+            out = self._hf(text, add_special_tokens=self.add_special_tokens, return_offsets_mapping=True)
+            return list(out["input_ids"]), [(int(s), int(e)) for s, e in out["offset_mapping"]]
+        encoding = self._fast.encode(text, add_special_tokens=self.add_special_tokens)
+        return list(encoding.ids), list(encoding.offsets)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids]

@@ -62,9 +62,10 @@ class DataConfig:
     ``truncate_left`` keeps a conversation's last turns, the ones with the answer; ``conf/data/stdlib.yaml`` splits
     its source files). Held-out data, at most one of: ``val``, source keys that override the training source's for a
     second source (e.g. ``{path: val.jsonl}``), or ``val_fraction``, the share of the documents held out by seed
-    (:mod:`dsv4.data.validation`). ``tokenizer=auto``: the tokenizer of ``model.checkpoint``, else byte
-    (:mod:`dsv4.data.defaults`); ``cache_dir``: where prepared datasets are kept (null: tokenize in memory at every
-    start), ``num_proc``: tokenizing processes (null: min(8, CPUs)), see :mod:`dsv4.data.prepared`."""
+    (:mod:`dsv4.data.validation`). ``tokenizer=auto``: the tokenizer of ``model.checkpoint`` (refused when it has
+    none), byte without one (:mod:`dsv4.data.defaults`); ``cache_dir``: where prepared datasets are kept (null:
+    tokenize in memory at every start), ``num_proc``: tokenizing processes (null: min(8, CPUs)), see
+    :mod:`dsv4.data.prepared`."""
 
     kind: str = "stdlib"
     path: Optional[str] = None

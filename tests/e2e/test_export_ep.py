@@ -35,7 +35,8 @@ def test_dp2_ep2_export_holds_the_loaded_weights(tmp_path):
     source = _source(7)
     export_hf_checkpoint(source, tmp_path / "in", dtype="float32")
     run_recipe([*FAST, "dp=2", "ep=2", "trainer.max_steps=1", "checkpoint.every_n_steps=0", "optim.lr=0",
-                f"model.checkpoint={tmp_path / 'in'}", f"export.hf_dir={tmp_path / 'out'}", "export.dtype=float32"],
+                f"model.checkpoint={tmp_path / 'in'}", "data.tokenizer=byte", f"export.hf_dir={tmp_path / 'out'}",
+                "export.dtype=float32"],
                tmp_path / "run")
     assert_export_holds_the_loaded_weights(source.state_dict(), load_model_from_hf(tmp_path / "out").state_dict())
 
@@ -48,7 +49,7 @@ def test_cp2_ep2_lora_merged_export_equals_the_one_process_export(tmp_path):
 
     export_hf_checkpoint(_source(11), tmp_path / "base", dtype="quantized")
     run_recipe([*FAST, "cp=2", "ep=2", "peft=lora", "peft.base_dtype=fp8", "peft.rank=4", "peft.alpha=8",
-                f"model.checkpoint={tmp_path / 'base'}", "optim.lr=1e-2", "trainer.max_steps=2",
+                f"model.checkpoint={tmp_path / 'base'}", "data.tokenizer=byte", "optim.lr=1e-2", "trainer.max_steps=2",
                 "checkpoint.every_n_steps=0", f"export.adapter_dir={tmp_path / 'adapter'}", "export.merge=true",
                 f"export.hf_dir={tmp_path / 'merged'}", "export.dtype=float32"], tmp_path / "run")
     model = _source(0)

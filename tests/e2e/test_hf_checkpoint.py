@@ -18,8 +18,8 @@ def test_load_then_train_then_export(tmp_path):
     source = DSV4ForCausalLM(DSV4Config.preset("tiny"))
     export_hf_checkpoint(source, tmp_path / "in", dtype="float32")
     run_recipe([*FAST, "cp=2", "trainer.max_steps=1", "checkpoint.every_n_steps=0", "optim.lr=0",
-                f"model.checkpoint={tmp_path / 'in'}", f"export.hf_dir={tmp_path / 'out'}", "export.dtype=float32"],
-               tmp_path / "run")
+                f"model.checkpoint={tmp_path / 'in'}", "data.tokenizer=byte", f"export.hf_dir={tmp_path / 'out'}",
+                "export.dtype=float32"], tmp_path / "run")
     assert_export_holds_the_loaded_weights(source.state_dict(), load_model_from_hf(tmp_path / "out").state_dict())
 
 
@@ -31,8 +31,8 @@ def test_model_checkpoint_reads_a_transformers_directory(tmp_path):
     hf = random_hf_model(tiny_hf_config(compress_rates={C: 4, H: 128}, index_n_heads=2))
     hf.save_pretrained(str(tmp_path / "in"))
     proc = run_recipe([*FAST, "cp=2", "trainer.max_steps=1", "checkpoint.every_n_steps=0", "optim.lr=0",
-                       f"model.checkpoint={tmp_path / 'in'}", f"export.hf_dir={tmp_path / 'out'}",
-                       "export.dtype=float32"], tmp_path / "run")
+                       f"model.checkpoint={tmp_path / 'in'}", "data.tokenizer=byte",
+                       f"export.hf_dir={tmp_path / 'out'}", "export.dtype=float32"], tmp_path / "run")
     assert "holds no MTP weights: the 1 MTP depth(s) keep their fresh initialisation" in proc.stdout + proc.stderr
     want = load_model_from_hf(tmp_path / "in", attention_chunk_size=64).state_dict()
     got = load_model_from_hf(tmp_path / "out").state_dict()

@@ -27,7 +27,8 @@ def test_indexer_warmup_trains_only_the_indexer(tmp_path):
     torch.manual_seed(5)
     base = tmp_path / "base"
     export_hf_checkpoint(DSV4ForCausalLM(DSV4Config.preset("tiny")), str(base), dtype="float32")
-    run_recipe([*FAST, "cp=2", f"model.checkpoint={base}", "model.indexer_loss_coeff=0.01", "model.index_topk=8",
+    run_recipe([*FAST, "cp=2", f"model.checkpoint={base}", "data.tokenizer=byte", "model.indexer_loss_coeff=0.01",
+                "model.index_topk=8",
                 "model.attention_backend=torch", "indexer_warmup_steps=3", "trainer.max_steps=3",
                 "checkpoint.every_n_steps=0", "optim.lr=1e-2", f"export.hf_dir={tmp_path / 'out'}",
                 "export.dtype=float32"], tmp_path / "run")

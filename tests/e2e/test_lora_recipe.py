@@ -38,7 +38,7 @@ def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     base = _base_checkpoint(root / "base")
     args = [*FAST, "cp=2", "peft=lora", "peft.base_dtype=fp8", "peft.rank=4", "peft.alpha=8", f"model.checkpoint={base}",
-            "optim.lr=1e-2", *(f"model.{k}={v}" for k, v in MODEL.items())]
+            "data.tokenizer=byte", "optim.lr=1e-2", *(f"model.{k}={v}" for k, v in MODEL.items())]
     run = root / "run"
     run_recipe([*args, "trainer.max_steps=4", "checkpoint.every_n_steps=2", f"export.adapter_dir={root / 'adapter'}",
                 "export.merge=true", f"export.hf_dir={root / 'merged'}", "export.dtype=float32"], run)

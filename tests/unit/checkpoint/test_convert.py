@@ -95,7 +95,8 @@ def test_converter_writes_a_lora_runs_adapter_and_merged_model(tmp_path_factory,
     torch.manual_seed(11)
     export_hf_checkpoint(DSV4ForCausalLM(DSV4Config.preset("tiny")), str(root / "base"), dtype="quantized")
     _run(root, ["peft=lora", "peft.rank=4", "peft.alpha=8", "peft.base_dtype=fp8", "optim.lr=1e-2",
-                f"model.checkpoint={root / 'base'}", f"export.adapter_dir={root / 'adapter'}", "export.merge=true",
+                f"model.checkpoint={root / 'base'}", "data.tokenizer=byte", f"export.adapter_dir={root / 'adapter'}",
+                "export.merge=true",
                 f"export.hf_dir={root / 'merged'}", "export.dtype=float32"])
     with pytest.raises(ValueError, match="a LoRA run's checkpoint .*pass --adapter .* or --merge"):
         export_run(root / "run", str(tmp_path / "x"))

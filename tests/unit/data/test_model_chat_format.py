@@ -1,16 +1,20 @@
 """The model's own tokenizer and chat format: DeepSeek-V4's encoding rules by hand (reasoning, tool calls), a real
 BPE tokenizer with a tokenizer_config.json chat template, ``data.tokenizer=auto`` from ``model.checkpoint``, and
-the start-up refusals (a tokenizer larger than the embedding, missing special tokens)."""
+the start-up refusals (a tokenizer larger than the embedding, missing special tokens, a checkpoint without a
+tokenizer), and the logged choice of the built-in template."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from dsv4.data import HFTokenizer, chat_segments, tokenize_chat
+from dsv4.data import ByteTokenizer, HFTokenizer, chat_segments, tokenize_chat
+from dsv4.data.chat import render_chat
 from dsv4.data.datamodule import DSV4DataModule
+from dsv4.data.defaults import resolve_chat_template
 from dsv4.data.deepseek_v4_chat import SPECIAL_TOKENS
 from dsv4.data.tokenizers import single_id
 from dsv4.training.schema import register_schema
@@ -77,6 +81,7 @@ def test_real_tokenizer_masks_exactly_the_assistant_turns(tmp_path):
     tok = HFTokenizer(write_tokenizer_dir(tmp_path / "ckpt"))
     assert all(single_id(tok, t) is not None for t in SPECIAL_TOKENS)
     ids, mask = tokenize_chat(REASONING_CHAT, tok, "deepseek_v4")
+    assert ids == tok.encode(render_chat(REASONING_CHAT, "deepseek_v4"))
     supervised = [i for i, m in zip(ids, mask) if m]
     assert supervised == tok.encode(f"add</think>4{E}") + tok.encode(f"add again</think>6{E}")
     prompt = [i for i, m in zip(ids, mask) if not m]
@@ -102,7 +107,8 @@ def test_tokenizer_config_template_multi_turn_reasoning_by_hand(tmp_path):
         (f"<think>add again</think>6{E}", True),
     ]
     ids, mask = tokenize_chat(REASONING_CHAT, tok, tok.chat_template, template_vars=tok.template_vars)
-    assert ids == [i for text, _ in segments for i in tok.encode(text)]
+    assert ids == tok.encode("".join(text for text, _ in segments))
+    assert ids == tok.encode(render_chat(REASONING_CHAT, tok.chat_template, template_vars=tok.template_vars))
     assert [i for i, m in zip(ids, mask) if m] == tok.encode(f"<think>add</think>4{E}") + tok.encode(
         f"<think>add again</think>6{E}")
 
@@ -140,3 +146,31 @@ def test_tokenizer_without_the_formats_special_tokens_is_refused(tmp_path):
                                          r"\['<｜begin▁of▁sentence｜>'"):
         build_run_spec(_compose(["seq_len=256", "data=jsonl", f"data.path={data}",
                                  "data.chat_template_file=deepseek_v4"]))
+
+
+def test_checkpoint_without_a_tokenizer_stops_the_spec_naming_it(tmp_path):
+    """``data=jsonl data.path=... model.checkpoint=<dir without tokenizer.json>`` (data.tokenizer=auto): the run
+    spec, resolved before any rank starts, refuses it naming the directory and the two choices."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "hi"}\n')
+    overrides = ["seq_len=256", f"model.checkpoint={ckpt}", "data=jsonl", f"data.path={data}"]
+    with pytest.raises(ValueError, match=rf"`model.checkpoint`='{ckpt}' holds no tokenizer .*data.tokenizer=byte .* or "
+                                         r"data.tokenizer=<path to a tokenizer.json or a tokenizer directory>"):
+        build_run_spec(_compose(overrides))
+    assert build_run_spec(_compose([*overrides, "data.tokenizer=byte"])).data["tokenizer"] == "byte"
+
+
+def test_the_built_in_template_is_logged_when_chosen(tmp_path, caplog):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with caplog.at_level(logging.INFO, logger="dsv4"):
+        assert resolve_chat_template(ByteTokenizer(), str(template)) == template.read_text()
+        assert resolve_chat_template(HFTokenizer(write_tokenizer_dir(tmp_path / "ckpt")), None) == "deepseek_v4"
+        assert caplog.records == []
+        assert resolve_chat_template(ByteTokenizer(), None) is None
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO and record.getMessage() == (
+        "data: chat records (if any) render with the built-in role-marker template (<|user|>\\n...<|end|>): the "
+        "tokenizer ByteTokenizer(vocab_size=256, pad_id=0) has no chat template and data.chat_template_file is not set")

@@ -1,12 +1,15 @@
-"""dsv4.data.tokenizers: byte round trips and a local `tokenizers` WordLevel tokenizer (no network)."""
+"""dsv4.data.tokenizers: byte round trips, a local `tokenizers` WordLevel tokenizer (no network), token offsets, the
+logged tokenizer.json fallback, and data.tokenizer=auto against model.checkpoint."""
 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
 from dsv4.data import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
+from dsv4.data.defaults import resolve_tokenizer_spec
 
 VOCAB = {"[PAD]": 0, "[UNK]": 1, "hello": 2, "world": 3, "good": 4, "bye": 5, "<|end|>": 6}
 
@@ -74,3 +77,35 @@ def test_build_tokenizer_specs():
     assert build_tokenizer(tok) is tok
     with pytest.raises(ValueError, match=r"lacks \['encode', 'decode', 'vocab_size', 'pad_id'\]"):
         build_tokenizer(object())
+
+
+def test_offsets_are_character_offsets(tmp_path):
+    ids, offsets = ByteTokenizer().encode_with_offsets("aé🚀")
+    assert ids == list("aé🚀".encode()) and offsets == [(0, 1), (1, 2), (1, 2), (2, 3), (2, 3), (2, 3), (2, 3)]
+    write_wordlevel(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    for tok in (HFTokenizer(tmp_path / "tokenizer.json"), HFTokenizer(tmp_path)):  # tokenizers / transformers
+        assert tok.encode_with_offsets("hello  wörld bye") == ([2, 1, 5], [(0, 5), (7, 12), (13, 16)])
+
+
+def test_autotokenizer_failure_reads_tokenizer_json_and_says_why(tmp_path, caplog):
+    write_wordlevel(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"5": 3}}))
+    with caplog.at_level(logging.INFO, logger="dsv4"):
+        tok = HFTokenizer(tmp_path)
+    assert tok._hf is None and tok.encode("hello world") == [2, 3]
+    lines = [r.getMessage() for r in caplog.records if r.name == "dsv4"]
+    assert len(lines) == 1 and all(r.levelno == logging.INFO for r in caplog.records if r.name == "dsv4")
+    assert lines[0].startswith(f"tokenizer: reading {tmp_path / 'tokenizer.json'} with the tokenizers library: "
+                               f"transformers.AutoTokenizer cannot load {tmp_path} (TypeError: Found a <class 'int'>")
+
+
+def test_auto_tokenizer_is_the_checkpoints_or_refused(tmp_path):
+    assert resolve_tokenizer_spec("auto", None) == "byte"
+    assert resolve_tokenizer_spec("byte", str(tmp_path)) == "byte"
+    with pytest.raises(ValueError, match=rf"`data.tokenizer`=auto: `model.checkpoint`='{tmp_path}' holds no tokenizer "
+                                         r"\(no tokenizer.json in that directory\); choose one: data.tokenizer=byte "
+                                         r"\(UTF-8 bytes, 256 ids\) or data.tokenizer=<path to a tokenizer.json"):
+        resolve_tokenizer_spec("auto", str(tmp_path))
+    write_wordlevel(tmp_path / "tokenizer.json")
+    assert resolve_tokenizer_spec("auto", str(tmp_path)) == str(tmp_path)
