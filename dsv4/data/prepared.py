@@ -10,14 +10,10 @@ document ids and positions). The directory holds
 * ``pieces.npy`` ``int64 [P, 3]``: ``(document index, first token, length)`` of every piece, rows back to back;
   ``row_ptr.npy`` ``int64 [N + 1]``: row ``r`` holds pieces ``row_ptr[r]:row_ptr[r + 1]``. Document ids
   (``1..k``, 0 on padding) and positions (``0..len-1``) of a row follow from them and the shard multiple;
-* ``meta.json``: the key's inputs (:func:`prepared_fingerprint`), the :class:`~dsv4.data.packer.PackStats`, the
-  row count and the tokens.
+* ``meta.json``: the key's inputs (:func:`~dsv4.data.prepared_key.prepared_fingerprint`), the
+  :class:`~dsv4.data.packer.PackStats`, the row count and the tokens.
 
-**The key** is a SHA-256 over everything that changes the result: the format version, the source keys (kind, path,
-keys, limits, seed, split, options), every input file's path, size and modification time (a directory: every file
-under it; the bundled corpus: the standard library's files), the tokenizer (``byte``, or the SHA-256 of its
-files), the chat template text, ``seq_len``, the shard multiple, ``overlong`` and the pad id. ``cp`` does not
-change the packing (it is checked: ``seq_len`` a multiple of ``cp`` x the shard multiple) and is not in the key.
+The key (which inputs give which directory) is :mod:`dsv4.data.prepared_key`.
 
 **Building** happens once per key: the builder holds ``<dir>.lock`` (``fcntl.flock``), writes into a temporary
 directory next to the final one and renames it into place when complete, so a reader sees a finished directory or
@@ -39,14 +35,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import multiprocessing
 import os
 import shutil
 import sys
-import sysconfig
 import tempfile
 import time
 from array import array
@@ -60,97 +54,15 @@ import torch
 from dsv4.batch import IGNORE_INDEX, TokenBatch
 from dsv4.config import check_cp_length
 from dsv4.data.packer import OVERLONG, PackStats, _positive_int, first_fit_decreasing
+from dsv4.data.prepared_key import prepared_fingerprint, prepared_path
 from dsv4.data.sources import Document, Record, record_document, source_args
 
 log = logging.getLogger("dsv4")
 
-FORMAT_VERSION = 1
 CHUNK = 64  # records per task handed to a tokenizing process
 ROW_BLOCK = 256  # rows materialised at once
 PROGRESS_EVERY_S = 10.0
 ARRAYS = ("input_ids", "labels", "pieces", "row_ptr")
-
-
-# ------------------------------------------------------------------------------------------------------- key
-
-
-def _sha256_files(paths: Iterable[Path]) -> str:
-    digest = hashlib.sha256()
-    for path in paths:
-        digest.update(path.name.encode())
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
-def _input_files(path: Path) -> list[list]:
-    """``[relative path, size, mtime_ns]`` of a file, or of every file under a directory (sorted)."""
-    if path.is_file():
-        stat = path.stat()
-        return [[str(path.resolve()), stat.st_size, stat.st_mtime_ns]]
-    found = []
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames.sort()
-        for name in sorted(filenames):
-            file = Path(dirpath) / name
-            with contextlib.suppress(OSError):
-                stat = file.stat()
-                found.append([file.relative_to(path).as_posix(), stat.st_size, stat.st_mtime_ns])
-    return [[str(path.resolve())], *found]
-
-
-def _size_mtime(path: Path) -> list[int]:
-    stat = path.stat()
-    return [stat.st_size, stat.st_mtime_ns]
-
-
-def _tokenizer_fingerprint(spec: Any) -> str:
-    if spec is None or spec == "byte":
-        return "byte"
-    if not isinstance(spec, (str, os.PathLike)):
-        return repr(spec)
-    from dsv4.data.tokenizers import HFTokenizer
-
-    return "sha256:" + _sha256_files(HFTokenizer(spec).files())
-
-
-def prepared_fingerprint(source: Mapping[str, Any], seq_len: int, shard_multiple: int, overlong: str,
-                         pad_id: int = 0) -> dict[str, Any]:
-    """Everything the prepared rows depend on (see the module docstring), JSON-serialisable."""
-    keys = {k: v for k, v in source.items() if k not in ("tokenizer", "chat_template", "chat_template_file")}
-    path = source.get("path")
-    if path is None and source.get("kind", "stdlib") == "stdlib":
-        path = sysconfig.get_paths()["stdlib"]
-    template = source.get("chat_template")
-    if template is None and source.get("chat_template_file") not in (None, "deepseek_v4"):
-        template = Path(source["chat_template_file"]).read_text(encoding="utf-8")
-    elif template is None:
-        template = source.get("chat_template_file")
-    if source.get("kind", "stdlib") == "stdlib":  # the corpus's own file selection (site-packages skipped)
-        from dsv4.data.sources import stdlib_files
-
-        inputs = [[str(Path(path).resolve())]] + [[f.relative_to(path).as_posix(), *_size_mtime(f)]
-                                                  for f in stdlib_files(path)]
-    else:
-        inputs = _input_files(Path(path)) if path is not None and Path(path).exists() else None
-    return {
-        "format_version": FORMAT_VERSION,
-        "source": json.loads(json.dumps(keys, default=str)),
-        "inputs": inputs,
-        "tokenizer": _tokenizer_fingerprint(source.get("tokenizer", "byte")),
-        "chat_template_sha256": None if template is None else hashlib.sha256(template.encode()).hexdigest(),
-        "seq_len": int(seq_len),
-        "shard_multiple": int(shard_multiple),
-        "overlong": overlong,
-        "pad_id": int(pad_id),
-    }
-
-
-def prepared_path(cache_dir: str | os.PathLike, fingerprint: Mapping[str, Any]) -> Path:
-    """``<cache_dir>/<kind>-<first 20 hex digits of the SHA-256 of the fingerprint>``."""
-    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:20]
-    return Path(os.path.expanduser(str(cache_dir))) / f"{fingerprint['source'].get('kind', 'stdlib')}-{digest}"
 
 
 # -------------------------------------------------------------------------------------------------- dataset

@@ -1,12 +1,11 @@
 """dsv4.data.prepared: the on-disk dataset equals the in-memory packing token for token, is built once (atomic,
-locked) and reused by a second start without tokenizing, and its key follows the inputs."""
+locked) and reused by a second start without tokenizing (its key: test_prepared_key.py)."""
 
 from __future__ import annotations
 
 import fcntl
 import json
 import logging
-import os
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ import torch
 from dsv4.data import build_documents, build_packed_dataset
 from dsv4.data.datamodule import DSV4DataModule
 from dsv4.data.defaults import resolve_data_source
-from dsv4.data.prepared import PreparedRows, prepare_dataset, prepared_fingerprint, prepared_path
+from dsv4.data.prepared import PreparedRows, prepare_dataset
+from dsv4.data.prepared_key import prepared_fingerprint, prepared_path
 from tests.unit.data.model_tokenizer import write_tokenizer_dir
 
 CHATS = [
@@ -74,21 +74,6 @@ def test_second_start_reuses_without_tokenizing(tmp_path, chat_source, caplog, m
                      f"{json.loads((first.path / 'meta.json').read_text())['tokens']} tokens)"]
     assert second.path == first.path and len(second) == len(first)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [first.path.name, first.path.name + ".lock"]
-
-
-def test_key_follows_every_input(tmp_path, chat_source):
-    def key(source=chat_source, seq_len=64, overlong="truncate_left"):
-        return prepared_path(tmp_path, prepared_fingerprint(source, seq_len, 8, overlong)).name
-
-    base = key()
-    assert key() == base and base.startswith("jsonl-")
-    assert key(seq_len=128) != base and key(overlong="split") != base
-    assert key({**chat_source, "chat_template": None}) != base
-    os.utime(chat_source["path"], ns=(1, 1))  # the data file changed (modification time)
-    assert key() != base
-    ckpt = tmp_path / "ckpt" / "tokenizer.json"
-    ckpt.write_text(ckpt.read_text().replace('"hello"', '"hellO"'))  # another tokenizer, same path
-    assert key() != key({**chat_source, "tokenizer": "byte"})
 
 
 def test_a_held_lock_times_out_naming_the_path(tmp_path, chat_source):
