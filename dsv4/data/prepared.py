@@ -15,11 +15,12 @@ document ids and positions). The directory holds
 
 The key (which inputs give which directory) is :mod:`dsv4.data.prepared_key`.
 
-**Building** happens once per key: the builder holds ``<dir>.lock`` (``fcntl.flock``), writes into a temporary
-directory next to the final one and renames it into place when complete, so a reader sees a finished directory or
-none. Every other process (the ranks of a ``torchrun`` launch, a second job) waits on the lock, up to
-``wait_timeout_s`` (a TimeoutError names the lock and the directory), then maps the finished one. A start that
-finds the directory logs ``data: reusing prepared dataset <dir> (N rows, T tokens)`` and tokenizes nothing.
+**Building** happens once per key: the builder holds ``<dir>.lock`` (a :class:`filelock.FileLock`: ``flock`` on
+the lock file), writes into a temporary directory next to the final one and renames it into place when complete,
+so a reader sees a finished directory or none. Every other process (the ranks of a ``torchrun`` launch, a second
+job) waits on the lock, up to ``wait_timeout_s`` (a TimeoutError names the lock and the directory), then maps the
+finished one. A start that finds the directory logs ``data: reusing prepared dataset <dir> (N rows, T tokens)``
+and tokenizes nothing.
 
 **Streaming**: records are read one at a time from the source (``DataSource.records``: JSONL lines, dataset rows,
 corpus files), tokenized by ``num_proc`` worker processes in chunks of :data:`CHUNK` records, and appended to flat
@@ -34,7 +35,6 @@ same way. Progress: a ``tqdm`` bar on a terminal, else a plain ``data: tokenized
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import multiprocessing
@@ -50,6 +50,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
+from filelock import FileLock, Timeout
 
 from dsv4.batch import IGNORE_INDEX, TokenBatch
 from dsv4.config import check_cp_length
@@ -353,27 +354,24 @@ def _build(source: Mapping[str, Any], seq_len: int, multiple: int, overlong: str
 
 @contextlib.contextmanager
 def _exclusive(lock_path: Path, target: Path, timeout_s: float) -> Iterator[None]:
+    """Hold ``lock_path`` (a :class:`filelock.FileLock`); a process that finds it held logs once that it waits, and
+    raises TimeoutError naming the lock and ``target`` after ``timeout_s`` seconds."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a+") as handle:
-        deadline = time.monotonic() + timeout_s
-        waited = False
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not waited:
-                    log.info("data: waiting for another process to prepare %s (lock %s)", target, lock_path)
-                    waited = True
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"data: waited {timeout_s:.0f} s for another process to prepare {target} (lock {lock_path} "
-                        "is still held); if no process is preparing it, delete the lock file") from None
-                time.sleep(0.5)
+    lock = FileLock(lock_path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("data: waiting for another process to prepare %s (lock %s)", target, lock_path)
         try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            lock.acquire(timeout=timeout_s, poll_interval=0.5)
+        except Timeout:
+            raise TimeoutError(
+                f"data: waited {timeout_s:.0f} s for another process to prepare {target} (lock {lock_path} is still "
+                "held); if no process is preparing it, delete the lock file") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _complete(path: Path) -> bool:

@@ -1,14 +1,17 @@
 """dsv4.data.prepared: the on-disk dataset equals the in-memory packing token for token, is built once (atomic,
-locked) and reused by a second start without tokenizing (its key: test_prepared_key.py)."""
+locked: a waiting process reuses it) and reused by a second start without tokenizing (its key:
+test_prepared_key.py)."""
 
 from __future__ import annotations
 
 import fcntl
 import json
 import logging
+import multiprocessing
 
 import pytest
 import torch
+from filelock import FileLock
 
 from dsv4.data import build_documents, build_packed_dataset
 from dsv4.data.datamodule import DSV4DataModule
@@ -84,6 +87,47 @@ def test_a_held_lock_times_out_naming_the_path(tmp_path, chat_source):
         with pytest.raises(TimeoutError, match=f"for another process to prepare {target} "):
             prepare_dataset(chat_source, 64, 8, tmp_path, overlong="truncate_left", wait_timeout_s=0.3)
     assert not target.exists()
+
+
+def _prepare_in_child(source, cache, queue) -> None:
+    """A second process: report when it waits for the lock, then what it logged and found."""
+    lines = []
+
+    class Report(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+            if record.getMessage().startswith("data: waiting"):
+                queue.put("waiting")
+
+    logger = logging.getLogger("dsv4")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Report())
+    rows = prepare_dataset(source, 64, 8, cache, overlong="truncate_left", wait_timeout_s=120)
+    queue.put((lines, str(rows.path), len(rows)))
+
+
+def test_processes_waiting_on_the_lock_build_once_and_reuse(tmp_path, chat_source):
+    target = prepared_path(tmp_path, prepared_fingerprint(chat_source, 64, 8, "truncate_left"))
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    with FileLock(target.with_name(target.name + ".lock")):
+        children = [context.Process(target=_prepare_in_child, args=(chat_source, tmp_path, queue))
+                    for _ in range(2)]
+        for child in children:
+            child.start()
+        assert [queue.get(timeout=120) for _ in children] == ["waiting", "waiting"]
+        assert not target.exists()
+    reports = sorted((queue.get(timeout=120) for _ in children), key=lambda r: r[0][-1])  # prepared < reusing
+    for child in children:
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    (builder, *_), (reuser, *_) = reports
+    rows = PreparedRows(target)
+    assert {r[1:] for r in reports} == {(str(target), len(rows))}
+    wait = f"data: waiting for another process to prepare {target} (lock {target}.lock)"
+    assert builder[0] == wait and builder[-1].startswith(f"data: prepared dataset {target} ({len(rows)} rows")
+    assert reuser == [wait, f"data: reusing prepared dataset {target} ({len(rows)} rows, "
+                            f"{json.loads((target / 'meta.json').read_text())['tokens']} tokens)"]
 
 
 def test_bad_data_leaves_nothing_behind(tmp_path):
