@@ -1,6 +1,6 @@
-"""dsv4.data.prepared: the on-disk dataset equals the in-memory packing token for token, is built once (atomic,
-locked: a waiting process reuses it) and reused by a second start without tokenizing (its key:
-test_prepared_key.py)."""
+"""dsv4.data.prepared: the on-disk dataset equals the in-memory packing token for token (also across tokenizing
+chunks and row blocks), is built once (atomic, locked: a waiting process reuses it) and reused by a second start
+without tokenizing (its key: test_prepared_key.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import fcntl
 import json
 import logging
 import multiprocessing
+import time
 
 import pytest
 import torch
 from filelock import FileLock
 
-from dsv4.data import build_documents, build_packed_dataset
+from dsv4.data import build_documents, build_packed_dataset, prepared
 from dsv4.data.datamodule import DSV4DataModule
 from dsv4.data.defaults import resolve_data_source
 from dsv4.data.prepared import PreparedRows, prepare_dataset
@@ -59,6 +60,30 @@ def test_prepared_rows_equal_the_in_memory_packing(tmp_path, chat_source, overlo
     assert memory.stats.num_empty_documents == 7 and memory.stats.num_unsupervised_pieces >= 7
     arrays = prepared.arrays
     assert isinstance(arrays["input_ids"], __import__("numpy").memmap) and not arrays["input_ids"].flags.writeable
+
+
+_TOKENIZE_CHUNK = prepared._tokenize_chunk
+
+
+def _first_chunk_last(chunk):
+    """A tokenizing process's task, the first chunk finishing after the others: results taken as they finish (not
+    in order) would put it last."""
+    if chunk[0][0].endswith(":1"):
+        time.sleep(0.3)
+    return _TOKENIZE_CHUNK(chunk)
+
+
+def test_rows_across_chunks_and_row_blocks_equal_the_in_memory_packing(tmp_path, chat_source, monkeypatch):
+    """35 records in 12 chunks of 3 over two tokenizing processes (the first chunk finishing last); 25 rows written
+    in blocks of 4, the last one partial."""
+    monkeypatch.setattr(prepared, "CHUNK", 3)
+    monkeypatch.setattr(prepared, "ROW_BLOCK", 4)
+    monkeypatch.setattr(prepared, "_tokenize_chunk", _first_chunk_last)
+    documents = build_documents(**chat_source)
+    assert len(documents) == 35
+    memory = build_packed_dataset(documents, 32, 8, cp_size=2, overlong="split")
+    assert len(memory) > 4 and len(memory) % 4, len(memory)
+    _assert_same_rows(memory, prepare_dataset(chat_source, 32, 8, tmp_path, cp_size=2, overlong="split", num_proc=2))
 
 
 def test_prepared_bundled_corpus_equals_in_memory(tmp_path):
