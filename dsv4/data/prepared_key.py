@@ -12,7 +12,8 @@ directory exactly when their fingerprints are equal. The fingerprint holds
 * ``tokenizer``: ``byte``, or ``sha256:`` over the name and content of every file the tokenizer is built from
   (:func:`tokenizer_files`);
 * ``chat_template``: SHA-256 of each template text a chat may be rendered with (:func:`chat_template_fingerprint`);
-* ``seq_len``, ``shard_multiple``, ``overlong`` and ``pad_id``.
+* ``seq_len``, ``shard_multiple``, ``overlong``, ``pad_id`` and ``val_split`` (``{fraction, seed}`` of a
+  ``data.val_fraction`` split, None without one).
 
 ``cp`` does not change the packing (``seq_len`` is checked to be a multiple of ``cp`` x the shard multiple) and is
 not in the key.
@@ -36,7 +37,7 @@ import sysconfig
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz",
                    ".npy", ".tflite", ".ot")
@@ -197,9 +198,9 @@ def _source_inputs(source: Mapping[str, Any]) -> list[list] | None:
 
 
 def prepared_fingerprint(source: Mapping[str, Any], seq_len: int, shard_multiple: int, overlong: str,
-                         pad_id: int = 0) -> dict[str, Any]:
+                         pad_id: int = 0, val_split: tuple[float, int] | None = None) -> dict[str, Any]:
     """Everything the prepared rows of ``source`` (keyword arguments of :func:`~dsv4.data.build_documents`) depend
-    on, JSON-serialisable (see the module docstring)."""
+    on, JSON-serialisable (see the module docstring); ``val_split``: ``(fraction, seed)`` of a held-out split."""
     keys = {k: v for k, v in source.items() if k not in ("tokenizer", "chat_template", "chat_template_file")}
     return {
         "format_version": FORMAT_VERSION,
@@ -211,6 +212,7 @@ def prepared_fingerprint(source: Mapping[str, Any], seq_len: int, shard_multiple
         "shard_multiple": int(shard_multiple),
         "overlong": overlong,
         "pad_id": int(pad_id),
+        "val_split": None if val_split is None else {"fraction": float(val_split[0]), "seed": int(val_split[1])},
     }
 
 

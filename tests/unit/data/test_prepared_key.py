@@ -97,6 +97,8 @@ def test_the_key_follows_the_data_keys_and_file(tmp_path, source):
     assert _key(tmp_path, source, seq_len=128) != base and _key(tmp_path, source, overlong="split") != base
     assert _key(tmp_path, {**source, "max_documents": 3}) != base
     assert _key(tmp_path, source, pad_id=1) != base
+    split = _key(tmp_path, source, val_split=(0.1, 0))
+    assert split not in (base, _key(tmp_path, source, val_split=(0.1, 1)), _key(tmp_path, source, val_split=(0.2, 0)))
     assert _key(tmp_path, {**source, "tokenizer": "byte"}) != base
     os.utime(source["path"], ns=(1, 1))  # the data file changed (modification time)
     assert _key(tmp_path, source) != base
