@@ -108,7 +108,8 @@ def child(mode: str, data: str, ckpt: str, cache: str, seq_len: int, num_proc: i
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     from dsv4.data import build_documents, build_packed_dataset
-    from dsv4.data.prepared import prepare_dataset, prepared_fingerprint, prepared_path
+    from dsv4.data.prepared import prepare_dataset
+    from dsv4.data.prepared_key import prepared_fingerprint, prepared_path
 
     source = _source(data, ckpt)
     start = time.perf_counter()

@@ -3,8 +3,8 @@
 The overrides are those of ``recipes/finetune.py`` (the same Hydra config is composed, ``conf/finetune.yaml``, and
 resolved by :func:`dsv4.training.spec.build_run_spec`), so ``python -m dsv4.data prepare data=jsonl
 data.path=train.jsonl seq_len=8192 model.checkpoint=/ckpt`` prepares exactly the dataset that the recipe with
-the same overrides maps at start-up. Prints the prepared directory and its packing line; exit status 2 on bad
-arguments.
+the same overrides maps at start-up (held-out data too). Prints the packing line and the directory of the training
+rows, then of the held-out rows; exit status 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -29,15 +29,17 @@ def compose_finetune(overrides: list[str]):
 
 
 def prepare(overrides: list[str]):
-    """Prepare (or find) the dataset of a fine-tune with ``overrides``; returns the :class:`PreparedRows`."""
-    from dsv4.data.prepared import prepare_dataset
+    """Prepare (or find) the data of a fine-tune with ``overrides``: the training rows and, with ``data.val_fraction``
+    or ``data.val``, the held-out rows (as the recipe's data module prepares them). Returns ``(training rows,
+    held-out rows or None)``, :class:`~dsv4.data.prepared.PreparedRows`."""
+    from dsv4.data.datamodule import DSV4DataModule
     from dsv4.training.spec import build_run_spec
 
     spec = build_run_spec(compose_finetune(overrides))
     if spec.data_cache_dir is None:
         raise ValueError("`data.cache_dir` is null: there is nowhere to prepare the dataset; set data.cache_dir=DIR")
-    return prepare_dataset(dict(spec.data), spec.seq_len, spec.model.shard_multiple, spec.data_cache_dir,
-                           cp_size=spec.parallel.chunks, overlong=spec.overlong, num_proc=spec.data_num_proc)
+    data = DSV4DataModule.from_spec(spec)
+    return data.build_dataset(), data.build_val_dataset()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,9 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    rows = prepare(argv[1:])
+    rows, val_rows = prepare(argv[1:])
     print(rows.stats.summary())
     print(rows.path)
+    if val_rows is not None:
+        print(f"validation {val_rows.stats.summary()}")
+        print(val_rows.path)
     return 0
 
 

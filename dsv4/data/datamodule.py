@@ -1,11 +1,12 @@
 """`DSV4DataModule`: documents -> packed rows -> a dp-sharded, resumable DataLoader of ``TokenBatch`` es.
 
 With ``cache_dir`` the rows are prepared once on disk and memory-mapped (:mod:`dsv4.data.prepared`; every later
-start and every rank maps the same directory read-only); without it every rank tokenizes and packs in memory.
-Either way every rank has the same packed rows (deterministic), then reads only its data-parallel share; the ranks of
-one CP group get identical rows (the strategy shards them along the sequence). The data position (epoch, rows
-consumed) is saved in Lightning checkpoints through ``state_dict`` / ``load_state_dict`` (the same on every dp
-rank, so rank 0's copy restores all of them).
+start and every rank maps the same directory read-only), the held-out rows too (``val_fraction``: one prepared
+split of the training source; ``val_source``: that source prepared on its own); without it every rank tokenizes and
+packs in memory. Either way every rank has the same packed rows (deterministic), then reads only its data-parallel
+share; the ranks of one CP group get identical rows (the strategy shards them along the sequence). The data position
+(epoch, rows consumed) is saved in Lightning checkpoints through ``state_dict`` / ``load_state_dict`` (the same on
+every dp rank, so rank 0's copy restores all of them).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader
 from dsv4.batch import TokenBatch
 from dsv4.data.dataset import DistributedPackedSampler, build_packed_dataset
 from dsv4.data.packer import PackedRows
-from dsv4.data.prepared import PreparedRows, prepare_dataset
+from dsv4.data.prepared import PreparedRows, prepare_dataset, prepare_split_dataset
 from dsv4.data.sources import build_documents
 from dsv4.data.validation import ValidationShard, split_documents
 
@@ -28,8 +29,8 @@ class DSV4DataModule(L.LightningDataModule):
     ``shard_multiple`` (the model's), ``micro_batch_size``, ``cp_size``, ``seed``, ``pad_id``, ``overlong``
     (documents longer than a row, :data:`~dsv4.data.packer.OVERLONG`); ``val_source`` / ``val_fraction`` (at most
     one): the held-out data (see the module docstring); ``cache_dir`` (prepared datasets; None: in memory) and
-    ``num_proc`` (tokenizing processes of a prepare). The held-out rows are always packed in memory; with
-    ``val_fraction`` the training rows are too (the split needs every document), so ``cache_dir`` is not used."""
+    ``num_proc`` (tokenizing processes of a prepare). With ``cache_dir`` the held-out rows are prepared like the
+    training rows; the rows are the same as without it."""
 
     def __init__(
         self,
@@ -60,9 +61,20 @@ class DSV4DataModule(L.LightningDataModule):
                              "source or read a second source, not both")
         self.val_source = dict(val_source) if val_source is not None else None
         self.val_fraction = val_fraction
-        self.val_dataset: PackedRows | None = None
+        self.val_dataset: PackedRows | PreparedRows | None = None
         self._val_documents: list | None = None
         self._dp = (0, 1)  # (dp rank, dp size), set in setup
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> DSV4DataModule:
+        """The data module of a resolved run (:class:`~dsv4.training.spec.RunSpec`): the recipe and ``python -m
+        dsv4.data prepare`` build it here, so both reach the same prepared directories."""
+        validation = spec.validation
+        return cls(source=dict(spec.data), seq_len=spec.seq_len, shard_multiple=spec.model.shard_multiple,
+                   micro_batch_size=spec.micro_batch_size, cp_size=spec.parallel.chunks, seed=spec.seed,
+                   overlong=spec.overlong,
+                   val_source=dict(validation.source) if validation.source is not None else None,
+                   val_fraction=validation.fraction, cache_dir=spec.data_cache_dir, num_proc=spec.data_num_proc)
 
     @property
     def has_validation(self) -> bool:
@@ -73,14 +85,21 @@ class DSV4DataModule(L.LightningDataModule):
         return build_packed_dataset(documents, self.seq_len, self.shard_multiple, pad_id=self.pad_id,
                                     cp_size=self.cp_size, overlong=self.overlong)
 
+    def _prepared(self, source: dict[str, Any]) -> PreparedRows:
+        return prepare_dataset(source, self.seq_len, self.shard_multiple, self.cache_dir, cp_size=self.cp_size,
+                               overlong=self.overlong, pad_id=self.pad_id, num_proc=self.num_proc)
+
     def build_dataset(self) -> PackedRows | PreparedRows:
         """Tokenize and pack, or map the prepared copy (validates the data: raises before training starts); with
-        ``val_fraction`` the held-out documents are left out (in memory)."""
-        if self.dataset is None and self.cache_dir is not None and self.val_fraction is None:
-            self.dataset = prepare_dataset(
-                self.source, self.seq_len, self.shard_multiple, self.cache_dir, cp_size=self.cp_size,
-                overlong=self.overlong, pad_id=self.pad_id, num_proc=self.num_proc,
-            )
+        ``val_fraction`` the held-out documents are left out (and packed or prepared as the held-out rows)."""
+        if self.dataset is None and self.cache_dir is not None:
+            if self.val_fraction is not None:
+                self.dataset, self.val_dataset = prepare_split_dataset(
+                    self.source, self.seq_len, self.shard_multiple, self.cache_dir, val_fraction=self.val_fraction,
+                    seed=self.seed, cp_size=self.cp_size, overlong=self.overlong, pad_id=self.pad_id,
+                    num_proc=self.num_proc)
+            else:
+                self.dataset = self._prepared(self.source)
         if self.dataset is None:
             documents = build_documents(**self.source)
             if self.val_fraction is not None:
@@ -88,15 +107,17 @@ class DSV4DataModule(L.LightningDataModule):
             self.dataset = self._pack(documents)
         return self.dataset
 
-    def build_val_dataset(self) -> PackedRows | None:
-        """The packed held-out rows (None without validation data); raises on bad data like :meth:`build_dataset`."""
+    def build_val_dataset(self) -> PackedRows | PreparedRows | None:
+        """The packed (or prepared) held-out rows (None without validation data); raises on bad data like
+        :meth:`build_dataset`."""
         if self.val_dataset is None and self.has_validation:
             if self.val_source is not None:
-                documents = build_documents(**self.val_source)
+                self.val_dataset = (self._prepared(self.val_source) if self.cache_dir is not None
+                                    else self._pack(build_documents(**self.val_source)))
             else:
                 self.build_dataset()
-                documents = self._val_documents
-            self.val_dataset = self._pack(documents)
+                if self.val_dataset is None:
+                    self.val_dataset = self._pack(self._val_documents)
         return self.val_dataset
 
     def setup(self, stage: str | None = None) -> None:

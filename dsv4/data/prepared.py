@@ -1,156 +1,75 @@
 """Data prepared once: documents tokenized and packed into memory-mapped arrays on disk, reused by every later start.
 
 :func:`prepare_dataset` returns the packed rows of a data source as a :class:`PreparedRows` dataset read from
-``<cache_dir>/<kind>-<key>/``; the rows are identical, token for token, to those of the in-memory
-:func:`~dsv4.data.dataset.build_packed_dataset` for the same inputs (same documents, order, packing, labels,
-document ids and positions). The directory holds
+``<cache_dir>/<kind>-<key>/`` (the key: :mod:`dsv4.data.prepared_key`); the rows are identical, token for token,
+to those of the in-memory :func:`~dsv4.data.dataset.build_packed_dataset` for the same inputs (same documents,
+order, packing, labels, document ids and positions). :func:`prepare_split_dataset` does the same for a
+``data.val_fraction`` split: the training rows in ``<dir>/train/`` and the held-out rows in ``<dir>/val/``, each
+equal to the in-memory packing of its part of :func:`~dsv4.data.validation.split_documents` (the documents are
+tokenized once; the split is chosen on document indices, then each part is packed). A rows directory holds
 
 * ``input_ids.npy`` / ``labels.npy``: ``int32 [N, S]`` (``numpy.load(mmap_mode="r")``: a rank reads only the rows
   it is given; pages it never touches are never read);
 * ``pieces.npy`` ``int64 [P, 3]``: ``(document index, first token, length)`` of every piece, rows back to back;
   ``row_ptr.npy`` ``int64 [N + 1]``: row ``r`` holds pieces ``row_ptr[r]:row_ptr[r + 1]``. Document ids
   (``1..k``, 0 on padding) and positions (``0..len-1``) of a row follow from them and the shard multiple;
-* ``meta.json``: the key's inputs (:func:`prepared_fingerprint`), the :class:`~dsv4.data.packer.PackStats`, the
-  row count and the tokens.
+* ``meta.json``: the key's inputs (:func:`~dsv4.data.prepared_key.prepared_fingerprint`), the
+  :class:`~dsv4.data.packer.PackStats`, the row count and the tokens of its documents.
 
-**The key** is a SHA-256 over everything that changes the result: the format version, the source keys (kind, path,
-keys, limits, seed, split, options), every input file's path, size and modification time (a directory: every file
-under it; the bundled corpus: the standard library's files), the tokenizer (``byte``, or the SHA-256 of its
-files), the chat template text, ``seq_len``, the shard multiple, ``overlong`` and the pad id. ``cp`` does not
-change the packing (it is checked: ``seq_len`` a multiple of ``cp`` x the shard multiple) and is not in the key.
+A split directory holds ``train/``, ``val/`` and a ``meta.json`` (the fingerprint, each part's row and document
+count, the tokens), written last.
 
-**Building** happens once per key: the builder holds ``<dir>.lock`` (``fcntl.flock``), writes into a temporary
-directory next to the final one and renames it into place when complete, so a reader sees a finished directory or
-none. Every other process (the ranks of a ``torchrun`` launch, a second job) waits on the lock, up to
-``wait_timeout_s`` (a TimeoutError names the lock and the directory), then maps the finished one. A start that
-finds the directory logs ``data: reusing prepared dataset <dir> (N rows, T tokens)`` and tokenizes nothing.
+**Building** happens once per key: the builder holds ``<dir>.lock`` (a :class:`filelock.FileLock`: ``flock`` on
+the lock file), writes into a temporary directory next to the final one and renames it into place when complete,
+so a reader sees a finished directory or none. Every other process (the ranks of a ``torchrun`` launch, a second
+job) waits on the lock, up to ``wait_timeout_s`` (a TimeoutError names the lock and the directory), then maps the
+finished one. A start that finds the directory logs ``data: reusing prepared dataset <dir> (N rows, T tokens)``
+(a split: ``(N training rows, M held-out rows, T tokens)``) and tokenizes nothing.
 
 **Streaming**: records are read one at a time from the source (``DataSource.records``: JSONL lines, dataset rows,
-corpus files), tokenized by ``num_proc`` worker processes in chunks of :data:`CHUNK` records, and appended to flat
-``int32`` token and label files; only per-document piece tables (a few integers per document) stay in memory.
-The rows are then written in blocks of :data:`ROW_BLOCK` rows into ``numpy.lib.format.open_memmap`` arrays. A
-corpus larger than host memory is prepared with memory proportional to its number of documents, not its tokens. A
-registered source without ``records`` is tokenized in memory by its ``documents`` factory and then written the
-same way. Progress: a ``tqdm`` bar on a terminal, else a plain ``data: tokenized ...`` line every
-:data:`PROGRESS_EVERY_S` seconds.
+corpus files), tokenized by ``num_proc`` worker processes in chunks of :data:`CHUNK` records (results taken in
+submission order), and appended to flat ``int32`` token and label files; only per-document tables (a few integers
+per document and piece) stay in memory. The rows are then written in blocks of :data:`ROW_BLOCK` rows into
+``numpy.lib.format.open_memmap`` arrays. A corpus larger than host memory is prepared with memory proportional to
+its number of documents, not its tokens. A registered source without ``records`` is tokenized in memory by its
+``documents`` factory and then written the same way. Progress: a ``tqdm`` bar on a terminal, else a plain
+``data: tokenized ...`` line every :data:`PROGRESS_EVERY_S` seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import json
 import logging
 import multiprocessing
 import os
 import shutil
 import sys
-import sysconfig
 import tempfile
 import time
 from array import array
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
+from filelock import FileLock, Timeout
 
 from dsv4.batch import IGNORE_INDEX, TokenBatch
 from dsv4.config import check_cp_length
 from dsv4.data.packer import OVERLONG, PackStats, _positive_int, first_fit_decreasing
+from dsv4.data.prepared_key import prepared_fingerprint, prepared_path
 from dsv4.data.sources import Document, Record, record_document, source_args
+from dsv4.data.validation import check_val_fraction, held_out_indices
 
 log = logging.getLogger("dsv4")
 
-FORMAT_VERSION = 1
 CHUNK = 64  # records per task handed to a tokenizing process
 ROW_BLOCK = 256  # rows materialised at once
 PROGRESS_EVERY_S = 10.0
 ARRAYS = ("input_ids", "labels", "pieces", "row_ptr")
-
-
-# ------------------------------------------------------------------------------------------------------- key
-
-
-def _sha256_files(paths: Iterable[Path]) -> str:
-    digest = hashlib.sha256()
-    for path in paths:
-        digest.update(path.name.encode())
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
-def _input_files(path: Path) -> list[list]:
-    """``[relative path, size, mtime_ns]`` of a file, or of every file under a directory (sorted)."""
-    if path.is_file():
-        stat = path.stat()
-        return [[str(path.resolve()), stat.st_size, stat.st_mtime_ns]]
-    found = []
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames.sort()
-        for name in sorted(filenames):
-            file = Path(dirpath) / name
-            with contextlib.suppress(OSError):
-                stat = file.stat()
-                found.append([file.relative_to(path).as_posix(), stat.st_size, stat.st_mtime_ns])
-    return [[str(path.resolve())], *found]
-
-
-def _size_mtime(path: Path) -> list[int]:
-    stat = path.stat()
-    return [stat.st_size, stat.st_mtime_ns]
-
-
-def _tokenizer_fingerprint(spec: Any) -> str:
-    if spec is None or spec == "byte":
-        return "byte"
-    if not isinstance(spec, (str, os.PathLike)):
-        return repr(spec)
-    from dsv4.data.tokenizers import HFTokenizer
-
-    return "sha256:" + _sha256_files(HFTokenizer(spec).files())
-
-
-def prepared_fingerprint(source: Mapping[str, Any], seq_len: int, shard_multiple: int, overlong: str,
-                         pad_id: int = 0) -> dict[str, Any]:
-    """Everything the prepared rows depend on (see the module docstring), JSON-serialisable."""
-    keys = {k: v for k, v in source.items() if k not in ("tokenizer", "chat_template", "chat_template_file")}
-    path = source.get("path")
-    if path is None and source.get("kind", "stdlib") == "stdlib":
-        path = sysconfig.get_paths()["stdlib"]
-    template = source.get("chat_template")
-    if template is None and source.get("chat_template_file") not in (None, "deepseek_v4"):
-        template = Path(source["chat_template_file"]).read_text(encoding="utf-8")
-    elif template is None:
-        template = source.get("chat_template_file")
-    if source.get("kind", "stdlib") == "stdlib":  # the corpus's own file selection (site-packages skipped)
-        from dsv4.data.sources import stdlib_files
-
-        inputs = [[str(Path(path).resolve())]] + [[f.relative_to(path).as_posix(), *_size_mtime(f)]
-                                                  for f in stdlib_files(path)]
-    else:
-        inputs = _input_files(Path(path)) if path is not None and Path(path).exists() else None
-    return {
-        "format_version": FORMAT_VERSION,
-        "source": json.loads(json.dumps(keys, default=str)),
-        "inputs": inputs,
-        "tokenizer": _tokenizer_fingerprint(source.get("tokenizer", "byte")),
-        "chat_template_sha256": None if template is None else hashlib.sha256(template.encode()).hexdigest(),
-        "seq_len": int(seq_len),
-        "shard_multiple": int(shard_multiple),
-        "overlong": overlong,
-        "pad_id": int(pad_id),
-    }
-
-
-def prepared_path(cache_dir: str | os.PathLike, fingerprint: Mapping[str, Any]) -> Path:
-    """``<cache_dir>/<kind>-<first 20 hex digits of the SHA-256 of the fingerprint>``."""
-    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:20]
-    return Path(os.path.expanduser(str(cache_dir))) / f"{fingerprint['source'].get('kind', 'stdlib')}-{digest}"
+TRAIN, VAL = "train", "val"  # the parts of a split directory
 
 
 # -------------------------------------------------------------------------------------------------- dataset
@@ -342,51 +261,90 @@ def _pieces_of(ids_len: int, labels: np.ndarray, seq_len: int, overlong: str) ->
     return [(s, n) for s, n in candidates if supervised[s + n] > supervised[s]], len(candidates)
 
 
-def _build(source: Mapping[str, Any], seq_len: int, multiple: int, overlong: str, pad_id: int, num_proc: int,
-           out: Path, fingerprint: Mapping[str, Any]) -> PreparedRows:
-    """Tokenize (streamed), pack and write into ``out`` (an empty directory)."""
-    flat_ids_path, flat_labels_path = out / "flat_ids.bin", out / "flat_labels.bin"
-    doc_start = array("q")  # flat offset of every kept (non-empty) document
-    kept_index = array("q")  # its index among all documents
-    pieces: list[tuple[int, int, int]] = []  # (kept position, first token, length)
-    num_docs = num_empty = num_candidates = total_tokens = 0
-    counts = {"split": 0, "truncate_left": 0, "drop": 0}
-    with open(flat_ids_path, "wb") as fids, open(flat_labels_path, "wb") as flabels:
-        for where, ids, labels in _tokenized(source, num_proc):
-            index = num_docs
-            num_docs += 1
-            if ids.size == 0:
-                num_empty += 1
-                continue
-            if ids.size > seq_len:
-                if overlong == "error":
+@dataclass
+class _Flat:
+    """The tokenizing pass: every document's ids and labels back to back in ``ids_path`` / ``labels_path``
+    (``int32``); per document (empty ones too, in source order) its first flat token, its length and its number of
+    candidate pieces; the supervised pieces ``(document, first token, length)`` in document order."""
+
+    ids_path: Path
+    labels_path: Path
+    doc_start: np.ndarray
+    doc_len: np.ndarray
+    candidates: np.ndarray
+    pieces: np.ndarray
+
+    def unlink(self) -> None:
+        self.ids_path.unlink(missing_ok=True)
+        self.labels_path.unlink(missing_ok=True)
+
+
+def _tokenize_flat(source: Mapping[str, Any], seq_len: int, overlong: str, num_proc: int, out: Path) -> _Flat:
+    """Tokenize ``source`` (streamed) into flat files in ``out``; raises on a document longer than a row under
+    ``overlong=error`` (naming its index among all documents and where it is)."""
+    flat = _Flat(out / "flat_ids.bin", out / "flat_labels.bin", *(np.zeros(0, np.int64),) * 4)
+    doc_start, doc_len, candidates, pieces = array("q"), array("q"), array("q"), array("q")
+    total = 0
+    try:
+        with open(flat.ids_path, "wb") as fids, open(flat.labels_path, "wb") as flabels:
+            for where, ids, labels in _tokenized(source, num_proc):
+                index = len(doc_len)
+                doc_start.append(total)
+                doc_len.append(ids.size)
+                if ids.size == 0:
+                    candidates.append(0)
+                    continue
+                if ids.size > seq_len and overlong == "error":
                     raise ValueError(
                         f"document {index} ({where}) has {ids.size} tokens, more than seq_len {seq_len}, and "
                         "data.overlong=error; raise seq_len or choose split, truncate_left or drop (documents are "
                         "never cut silently)")
-                counts[overlong] += 1
-            kept_pos = len(doc_start)
-            doc_start.append(total_tokens)
-            kept_index.append(index)
-            found, candidates = _pieces_of(ids.size, labels, seq_len, overlong)
-            num_candidates += candidates
-            pieces.extend((kept_pos, s, n) for s, n in found)
-            fids.write(ids.tobytes())
-            flabels.write(labels.tobytes())
-            total_tokens += ids.size
+                found, count = _pieces_of(ids.size, labels, seq_len, overlong)
+                candidates.append(count)
+                for start, n in found:
+                    pieces.extend((index, start, n))
+                fids.write(ids.tobytes())
+                flabels.write(labels.tobytes())
+                total += ids.size
+    except BaseException:
+        flat.unlink()
+        raise
+    flat.doc_start, flat.doc_len, flat.candidates = (np.frombuffer(a, dtype=np.int64).copy()
+                                                     for a in (doc_start, doc_len, candidates))
+    flat.pieces = np.frombuffer(pieces, dtype=np.int64).reshape(-1, 3).copy()
+    return flat
+
+
+def _write_rows(flat: _Flat, documents: np.ndarray | None, seq_len: int, multiple: int, overlong: str, pad_id: int,
+                out: Path, meta: Mapping[str, Any]) -> PreparedRows:
+    """Pack the documents ``documents`` of ``flat`` (sorted indices, None: all; a document's index in the rows is
+    its rank among them, as when the in-memory packer is handed just these documents) and write the arrays and
+    ``meta.json`` (``meta`` plus the stats, the row and the token count) into ``out``. Raises as the packer does
+    on no document, only empty ones or nothing supervised."""
+    out.mkdir(parents=True, exist_ok=True)
+    total_docs = flat.doc_len.size
+    documents = np.arange(total_docs) if documents is None else np.asarray(documents, dtype=np.int64)
+    member = np.zeros(total_docs, dtype=bool)
+    member[documents] = True
+    rank = np.cumsum(member) - 1  # a selected document's index among the selected ones
+    lengths = flat.doc_len[documents]
+    num_docs, num_empty, num_long = documents.size, int((lengths == 0).sum()), int((lengths > seq_len).sum())
+    num_tokens = int(lengths.sum())
+    counts = {"split": 0, "truncate_left": 0, "drop": 0, overlong: num_long}
+    pieces = flat.pieces[member[flat.pieces[:, 0]]] if flat.pieces.size else flat.pieces
     if num_docs == 0:
         raise ValueError("no documents to pack (empty dataset)")
     if num_docs == num_empty:
         raise ValueError(f"all {num_docs} documents are empty (0 tokens); nothing to pack")
-    if not pieces:
+    if not len(pieces):
         raise ValueError(
-            f"no supervised token to train on: {len(doc_start)} documents of up to {seq_len} tokens (data.overlong="
-            f"{overlong}: {counts.get(overlong, 0)} longer than a row) hold no target with loss (e.g. chats without "
+            f"no supervised token to train on: {num_docs - num_empty} documents of up to {seq_len} tokens "
+            f"(data.overlong={overlong}: {num_long} longer than a row) hold no target with loss (e.g. chats without "
             "an assistant turn in reach)")
-    aligned = [-(-n // multiple) * multiple for _, _, n in pieces]
+    aligned = (-(-pieces[:, 2] // multiple) * multiple).tolist()
     rows = first_fit_decreasing(aligned, seq_len)
-    flat_ids = np.memmap(flat_ids_path, dtype=np.int32, mode="r", shape=(total_tokens,))
-    flat_labels = np.memmap(flat_labels_path, dtype=np.int32, mode="r", shape=(total_tokens,))
+    flat_ids = np.memmap(flat.ids_path, dtype=np.int32, mode="r", shape=(int(flat.doc_len.sum()),))
+    flat_labels = np.memmap(flat.labels_path, dtype=np.int32, mode="r", shape=(int(flat.doc_len.sum()),))
     num_rows = len(rows)
     input_ids = np.lib.format.open_memmap(out / "input_ids.npy", mode="w+", dtype=np.int32, shape=(num_rows, seq_len))
     labels_out = np.lib.format.open_memmap(out / "labels.npy", mode="w+", dtype=np.int32, shape=(num_rows, seq_len))
@@ -394,6 +352,7 @@ def _build(source: Mapping[str, Any], seq_len: int, multiple: int, overlong: str
     piece_table = np.zeros((len(pieces), 3), dtype=np.int64)
     supervised = rows_without_labels = real = 0
     k = 0
+    piece_list, doc_start, rank = pieces.tolist(), flat.doc_start.tolist(), rank.tolist()
     for block in range(0, num_rows, ROW_BLOCK):
         hi = min(block + ROW_BLOCK, num_rows)
         ids_block = np.full((hi - block, seq_len), pad_id, dtype=np.int32)
@@ -401,11 +360,11 @@ def _build(source: Mapping[str, Any], seq_len: int, multiple: int, overlong: str
         for r in range(block, hi):
             offset = 0
             for p in rows[r]:
-                pos, start, n = pieces[p]
-                begin = doc_start[pos] + start
+                doc, start, n = piece_list[p]
+                begin = doc_start[doc] + start
                 ids_block[r - block, offset:offset + n] = flat_ids[begin:begin + n]
                 labels_block[r - block, offset:offset + n] = flat_labels[begin:begin + n]
-                piece_table[k] = (pos, start, n)
+                piece_table[k] = (rank[doc], start, n)
                 k += 1
                 real += n
                 offset += aligned[p]
@@ -418,22 +377,42 @@ def _build(source: Mapping[str, Any], seq_len: int, multiple: int, overlong: str
     input_ids.flush()
     labels_out.flush()
     del input_ids, labels_out, flat_ids, flat_labels
-    # document indices count empty documents too (as the in-memory packer's pieces do)
-    piece_table[:, 0] = np.frombuffer(kept_index, dtype=np.int64)[piece_table[:, 0]]
     np.save(out / "pieces.npy", piece_table)
     np.save(out / "row_ptr.npy", row_ptr)
-    flat_ids_path.unlink()
-    flat_labels_path.unlink()
     stats = PackStats(
         num_rows=num_rows, seq_len=seq_len, shard_multiple=multiple, num_documents=num_docs,
         num_empty_documents=num_empty, num_split_documents=counts["split"], num_pieces=len(pieces), real_tokens=real,
         alignment_padding=sum(aligned) - real, pack_padding=num_rows * seq_len - sum(aligned),
         supervised_tokens=supervised, overlong=overlong, num_truncated_documents=counts["truncate_left"],
-        num_dropped_documents=counts["drop"], num_unsupervised_pieces=num_candidates - len(pieces),
-        unused_tokens=total_tokens - real, rows_without_labels=rows_without_labels)
-    meta = {"fingerprint": fingerprint, "stats": asdict(stats), "num_rows": num_rows, "tokens": total_tokens}
-    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+        num_dropped_documents=counts["drop"],
+        num_unsupervised_pieces=int(flat.candidates[documents].sum()) - len(pieces),
+        unused_tokens=num_tokens - real, rows_without_labels=rows_without_labels)
+    full = {**meta, "stats": asdict(stats), "num_rows": num_rows, "tokens": num_tokens}
+    (out / "meta.json").write_text(json.dumps(full, indent=1))
     return PreparedRows(out)
+
+
+def _build(source: Mapping[str, Any], seq_len: int, multiple: int, overlong: str, pad_id: int, num_proc: int,
+           out: Path, fingerprint: Mapping[str, Any], val_split: tuple[float, int] | None) -> None:
+    """Tokenize (streamed), pack and write into ``out`` (an empty directory): the rows, or with ``val_split``
+    ``(fraction, seed)`` the training rows in ``out/train`` and the held-out rows in ``out/val`` (the documents of
+    :func:`~dsv4.data.validation.held_out_indices`). ``out/meta.json`` is written last."""
+    flat = _tokenize_flat(source, seq_len, overlong, num_proc, out)
+    try:
+        if val_split is None:
+            _write_rows(flat, None, seq_len, multiple, overlong, pad_id, out, {"fingerprint": fingerprint})
+            return
+        held = np.asarray(held_out_indices(flat.doc_len.size, *val_split), dtype=np.int64)
+        train = np.setdiff1d(np.arange(flat.doc_len.size), held)
+        splits = {}
+        for name, documents in ((TRAIN, train), (VAL, held)):
+            rows = _write_rows(flat, documents, seq_len, multiple, overlong, pad_id, out / name,
+                               {"fingerprint": fingerprint, "split": name})
+            splits[name] = {"num_rows": len(rows), "num_documents": int(documents.size)}
+    finally:
+        flat.unlink()
+    meta = {"fingerprint": fingerprint, "splits": splits, "tokens": int(flat.doc_len.sum())}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
 # ----------------------------------------------------------------------------------------------------- lock
@@ -441,31 +420,70 @@ def _build(source: Mapping[str, Any], seq_len: int, multiple: int, overlong: str
 
 @contextlib.contextmanager
 def _exclusive(lock_path: Path, target: Path, timeout_s: float) -> Iterator[None]:
+    """Hold ``lock_path`` (a :class:`filelock.FileLock`); a process that finds it held logs once that it waits, and
+    raises TimeoutError naming the lock and ``target`` after ``timeout_s`` seconds."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a+") as handle:
-        deadline = time.monotonic() + timeout_s
-        waited = False
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not waited:
-                    log.info("data: waiting for another process to prepare %s (lock %s)", target, lock_path)
-                    waited = True
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"data: waited {timeout_s:.0f} s for another process to prepare {target} (lock {lock_path} "
-                        "is still held); if no process is preparing it, delete the lock file") from None
-                time.sleep(0.5)
+    lock = FileLock(lock_path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("data: waiting for another process to prepare %s (lock %s)", target, lock_path)
         try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            lock.acquire(timeout=timeout_s, poll_interval=0.5)
+        except Timeout:
+            raise TimeoutError(
+                f"data: waited {timeout_s:.0f} s for another process to prepare {target} (lock {lock_path} is still "
+                "held); if no process is preparing it, delete the lock file") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _complete(path: Path) -> bool:
     return (path / "meta.json").is_file()
+
+
+def _describe(path: Path) -> str:
+    """``N rows, T tokens`` (with a split: ``N training rows, M held-out rows, T tokens``) of a prepared directory."""
+    meta = json.loads((path / "meta.json").read_text())
+    if "splits" in meta:
+        train, val = meta["splits"][TRAIN]["num_rows"], meta["splits"][VAL]["num_rows"]
+        return f"{train} training rows, {val} held-out rows, {meta['tokens']} tokens"
+    return f"{meta['num_rows']} rows, {meta['tokens']} tokens"
+
+
+def _prepare(source: Mapping[str, Any], seq_len: int, shard_multiple: int, cache_dir: str | os.PathLike,
+             cp_size: int, overlong: str, pad_id: int, num_proc: int, wait_timeout_s: float,
+             val_split: tuple[float, int] | None) -> Path:
+    """The complete prepared directory of the inputs: found, or built once under the lock (see the module
+    docstring); logs which."""
+    seq_len, multiple = _positive_int("seq_len", seq_len), _positive_int("shard_multiple", shard_multiple)
+    check_cp_length(seq_len, cp_size, multiple)
+    if overlong not in OVERLONG:
+        raise ValueError(f"`data.overlong`={overlong!r} must be one of {', '.join(OVERLONG)}")
+    if val_split is not None:
+        val_split = (check_val_fraction(val_split[0]), int(val_split[1]))
+    fingerprint = prepared_fingerprint(source, seq_len, multiple, overlong, pad_id, val_split)
+    final = prepared_path(cache_dir, fingerprint)
+    if not _complete(final):
+        with _exclusive(final.with_name(final.name + ".lock"), final, wait_timeout_s):
+            if not _complete(final):
+                start = time.monotonic()
+                tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+                try:
+                    _build(source, seq_len, multiple, overlong, pad_id, num_proc, tmp, fingerprint, val_split)
+                    if final.exists():  # an incomplete directory (not written by a prepare)
+                        shutil.rmtree(final)
+                    os.replace(tmp, final)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+                log.info("data: prepared dataset %s (%s) in %.1f s", final, _describe(final),
+                         time.monotonic() - start)
+                return final
+    log.info("data: reusing prepared dataset %s (%s)", final, _describe(final))
+    return final
 
 
 def prepare_dataset(
@@ -483,33 +501,28 @@ def prepare_dataset(
     """The prepared rows of ``source`` (keyword arguments of :func:`~dsv4.data.build_documents`): reused when
     ``cache_dir`` holds them, else built once (see the module docstring). Raises as the in-memory path does (bad
     data naming where, ``seq_len`` not a multiple of ``cp_size x shard_multiple``, nothing supervised)."""
-    seq_len, multiple = _positive_int("seq_len", seq_len), _positive_int("shard_multiple", shard_multiple)
-    check_cp_length(seq_len, cp_size, multiple)
-    if overlong not in OVERLONG:
-        raise ValueError(f"`data.overlong`={overlong!r} must be one of {', '.join(OVERLONG)}")
-    fingerprint = prepared_fingerprint(source, seq_len, multiple, overlong, pad_id)
-    final = prepared_path(cache_dir, fingerprint)
-    if not _complete(final):
-        with _exclusive(final.with_name(final.name + ".lock"), final, wait_timeout_s):
-            if not _complete(final):
-                start = time.monotonic()
-                tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-                try:
-                    _build(source, seq_len, multiple, overlong, pad_id, num_proc, tmp, fingerprint)
-                    if final.exists():  # an incomplete directory (not written by a prepare)
-                        shutil.rmtree(final)
-                    os.replace(tmp, final)
-                except BaseException:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    raise
-                rows = PreparedRows(final)
-                log.info("data: prepared dataset %s (%d rows, %d tokens) in %.1f s", final, len(rows),
-                         _tokens(final), time.monotonic() - start)
-                return rows
-    rows = PreparedRows(final)
-    log.info("data: reusing prepared dataset %s (%d rows, %d tokens)", final, len(rows), _tokens(final))
-    return rows
+    return PreparedRows(_prepare(source, seq_len, shard_multiple, cache_dir, cp_size, overlong, pad_id, num_proc,
+                                 wait_timeout_s, None))
 
 
-def _tokens(path: Path) -> int:
-    return int(json.loads((path / "meta.json").read_text())["tokens"])
+def prepare_split_dataset(
+    source: Mapping[str, Any],
+    seq_len: int,
+    shard_multiple: int,
+    cache_dir: str | os.PathLike,
+    *,
+    val_fraction: float,
+    seed: int,
+    cp_size: int = 1,
+    overlong: str = "split",
+    pad_id: int = 0,
+    num_proc: int = 1,
+    wait_timeout_s: float = 6 * 3600.0,
+) -> tuple[PreparedRows, PreparedRows]:
+    """``(training rows, held-out rows)`` of ``source`` split by ``data.val_fraction`` (the documents
+    :func:`~dsv4.data.validation.held_out_indices` picks with ``seed``), prepared once like :func:`prepare_dataset`:
+    each equals the in-memory packing of :func:`~dsv4.data.validation.split_documents`' part. Raises as the
+    in-memory path does (a split without a held-out or a training document, names the counts)."""
+    final = _prepare(source, seq_len, shard_multiple, cache_dir, cp_size, overlong, pad_id, num_proc, wait_timeout_s,
+                     (val_fraction, seed))
+    return PreparedRows(final / TRAIN), PreparedRows(final / VAL)

@@ -130,12 +130,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     ckpt_dir = output_dir / "checkpoints"
     resume = _resume_path(spec, ckpt_dir)
     L.seed_everything(spec.seed, workers=True, verbose=False)
-    data = DSV4DataModule(source=dict(spec.data), seq_len=spec.seq_len, shard_multiple=spec.model.shard_multiple,
-                          micro_batch_size=spec.micro_batch_size, cp_size=spec.parallel.chunks, seed=spec.seed,
-                          overlong=spec.overlong,
-                          val_source=dict(spec.validation.source) if spec.validation.source is not None else None,
-                          val_fraction=spec.validation.fraction, cache_dir=spec.data_cache_dir,
-                          num_proc=spec.data_num_proc)
+    data = DSV4DataModule.from_spec(spec)
     dataset = data.build_dataset()  # tokenizes and packs (or maps the prepared copy): bad data fails here, before
     # any rank starts; Lightning's ranks re-run this and map the copy the launching process prepared
     log.info("%s", dataset.stats.summary())

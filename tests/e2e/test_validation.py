@@ -1,11 +1,13 @@
 """End-to-end validation: `recipes/finetune.py data.val_fraction=0.2 trainer.val_check_interval=2
 checkpoint.monitor=val/loss` on 2 CP ranks logs val/loss after optimizer steps 2 and 4 (metrics.csv rows 1 and 3,
 the rows of those steps' train/loss), equal to a CP 1 run's; keeps best.ckpt; a resume from the step-2 checkpoint
-validates at the same steps, with the same values, and keeps the best score."""
+validates at the same steps, with the same values, and keeps the best score. The first run prepares the split
+(training and held-out rows) once; the second run (cp=1, the same key) maps it and tokenizes nothing."""
 
 from __future__ import annotations
 
 import csv
+import re
 
 import pytest
 import torch
@@ -32,8 +34,19 @@ def _best_state(checkpoint):
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("validation")
     for name in ("cp2", "cp1"):
-        run_recipe([*VALIDATE, f"cp={name[-1]}"], base / name)
+        result = run_recipe([*VALIDATE, f"cp={name[-1]}"], base / name)
+        (base / f"{name}.log").write_text(result.stdout + result.stderr)
     return base
+
+
+def test_the_split_is_prepared_once_and_a_second_start_tokenizes_nothing(runs):
+    first, second = (runs / "cp2.log").read_text(), (runs / "cp1.log").read_text()
+    prepared = re.findall(r"data: prepared dataset (\S+) \((\d+ training rows, \d+ held-out rows, \d+ tokens)\)",
+                          first)
+    assert len(prepared) == 1 and "data: tokenized" in first, prepared
+    directory, counts = prepared[0]
+    assert "data: tokenized" not in second and "data: prepared dataset" not in second
+    assert f"data: reusing prepared dataset {directory} ({counts})" in second
 
 
 def test_val_loss_is_logged_after_steps_2_and_4_and_equals_cp1(runs):
