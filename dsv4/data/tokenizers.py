@@ -166,13 +166,6 @@ class HFTokenizer:
                     found[key] = value
         return found
 
-    def files(self) -> list[Path]:
-        """The files that define this tokenizer and its template (hashed into the prepared-data key)."""
-        names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-        found = [self.path] if self.path.is_file() else []
-        return found + [self.directory / n for n in names if (self.directory / n).is_file()
-                        and self.directory / n != self.path]
-
     @property
     def vocab_size(self) -> int:
         if self._hf is not None:
