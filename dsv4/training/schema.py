@@ -177,7 +177,7 @@ class FinetuneConfig:
     dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
     # lightning.Trainer keywords, but precision, val_check_interval, limit_val_batches, skip_nonfinite_steps
     # (dsv4's: int >= 0, non-finite steps skipped before one stops the run) and offload (dsv4's: none | optimizer,
-    # FSDP2's CPU offload of master shards, gradients and optimizer state), checked in dsv4.training.spec
+    # FSDP2's CPU offload of master shards, gradients and optimizer state), checked in dsv4.training.options.trainer
     trainer: Dict[str, Any] = field(default_factory=dict)
     optim: Dict[str, Any] = field(default_factory=dict)
     scheduler: Optional[Dict[str, Any]] = None
@@ -186,7 +186,7 @@ class FinetuneConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
-    # true = plan only, false = no plan, or the options of dsv4.training.spec.PlanOptions
+    # true = plan only, false = no plan, or the options of dsv4.training.options.plan.PlanOptions
     plan: Any = field(default_factory=lambda: {"enabled": True, "only": False, "enforce": True,
                                                "device_memory_gib": None})
 
