@@ -122,12 +122,14 @@ class PreemptionConfig:
 class ExportConfig:
     """``hf_dir``: write the trained model there at the end of training in the HF layout (``dsv4.checkpoint``);
     ``dtype``: bfloat16 | float32 | quantized (release FP8/FP4 formats); ``adapter_dir`` (LoRA): the adapters in
-    the PEFT format; ``merge`` (LoRA): ``hf_dir`` gets the merged model."""
+    the PEFT format; ``merge`` (LoRA): ``hf_dir`` gets the merged model; ``overwrite``: a non-empty ``hf_dir`` /
+    ``adapter_dir`` is accepted (else refused at start-up) and every file the export does not write is removed."""
 
     hf_dir: Optional[str] = None
     dtype: str = "bfloat16"
     adapter_dir: Optional[str] = None
     merge: bool = False
+    overwrite: bool = False
 
 
 @dataclass
