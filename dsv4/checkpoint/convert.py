@@ -282,7 +282,7 @@ class _BlockLoader:
                 self._place(self.blocks[self.current], "meta")
             names = self.blocks[block]
             self._place(names, "cpu")
-            report = load_hf_checkpoint(self.model, self.base, only=set(names).__contains__)
+            report = load_hf_checkpoint(self.model, self.base, only=set(names).__contains__, init_missing_mtp=True)
             if report.fresh:
                 raise ValueError(f"{self.base}: the run's model.checkpoint holds no MTP weights (the run initialised "
                                  "them from its seed); export the merged model with export.merge in the run")

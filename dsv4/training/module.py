@@ -124,7 +124,7 @@ class DSV4LightningModule(L.LightningModule):
 
             ep = parallel.ep_size > 1
             load_hf_checkpoint(self.model, self.spec.model_checkpoint, ep_rank=parallel.ep_rank if ep else None,
-                               ep_size=parallel.ep_size if ep else None)
+                               ep_size=parallel.ep_size if ep else None, init_missing_mtp=self.spec.init_missing_mtp)
         if self.spec.lora_adapter:
             from dsv4.peft.peft_format import load_peft_adapter
 

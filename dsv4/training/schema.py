@@ -29,10 +29,12 @@ def _model_schema() -> type:
     hints = typing.get_type_hints(DSV4Config)
     overrides = [(f.name, Optional[hints[f.name]], field(default=None)) for f in dataclasses.fields(DSV4Config)]
     schema = dataclasses.make_dataclass(
-        "ModelConfig", [("preset", str, field(default="tiny")), ("checkpoint", Optional[str], field(default=None))]
-        + overrides)
+        "ModelConfig", [("preset", str, field(default="tiny")), ("checkpoint", Optional[str], field(default=None)),
+                        ("init_missing_mtp", bool, field(default=False))] + overrides)
     schema.__doc__ = ("The model group: ``preset`` (one of dsv4.config.PRESETS), ``checkpoint`` (a Hugging Face-"
-                      "format DSV4 checkpoint directory loaded before training) and any DSV4Config field to override")
+                      "format DSV4 checkpoint directory loaded before training), ``init_missing_mtp`` (MTP depths "
+                      "the checkpoint lacks keep their random initialisation instead of stopping the run) and any "
+                      "DSV4Config field to override")
     return schema
 
 
@@ -46,6 +48,7 @@ def model_config(model_cfg: Any) -> DSV4Config:
     values = OmegaConf.to_container(model_cfg, resolve=True) if not isinstance(model_cfg, dict) else dict(model_cfg)
     preset = values.pop("preset", "tiny")
     values.pop("checkpoint", None)
+    values.pop("init_missing_mtp", None)
     if preset not in PRESETS:
         raise ValueError(f"`model.preset`={preset!r} must be one of {sorted(PRESETS)}")
     try:

@@ -86,6 +86,7 @@ class RunSpec:
     optimizer: OptimizerFactory
     scheduler: SchedulerFactory | None = None
     model_checkpoint: str | None = None
+    init_missing_mtp: bool = False  # MTP depths model_checkpoint lacks keep their initialisation (else refused)
     lora: LoRAConfig | None = None
     lora_adapter: str | None = None
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
@@ -191,6 +192,12 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
     checkpoint = cfg.model.checkpoint
     if checkpoint and not os.path.isdir(checkpoint):
         raise ValueError(f"`model.checkpoint`={checkpoint!r} is not a directory")
+    init_missing_mtp = bool(cfg.model.get("init_missing_mtp", False))
+    if checkpoint:
+        from dsv4.checkpoint.load import check_mtp_weights, holds_weights
+
+        if holds_weights(checkpoint):  # (a directory without weight files is refused by the load)
+            check_mtp_weights(checkpoint, config.num_nextn_predict_layers, init_missing_mtp)
     lora = lora_config(cfg.peft)
     adapter = cfg.peft.get("adapter")
     if adapter and (lora is None or not os.path.isdir(adapter)):
@@ -220,8 +227,8 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved["model"].update(config.to_dict())
     return RunSpec(
-        model=config, optimizer=optimizer, scheduler=scheduler, model_checkpoint=checkpoint or None, lora=lora,
-        lora_adapter=adapter or None,
+        model=config, optimizer=optimizer, scheduler=scheduler, model_checkpoint=checkpoint or None,
+        init_missing_mtp=init_missing_mtp, lora=lora, lora_adapter=adapter or None,
         parallel=ParallelSpec(cp=cfg.cp, dp=cfg.dp, ep=cfg.ep, cp_balance=cfg.cp_balance, world_size=world),
         device_type=device_type, compute_dtype=compute_dtype, attention_backend=backend, dispatcher=dispatcher,
         seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.get("global_batch_size"),
