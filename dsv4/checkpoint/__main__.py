@@ -1,5 +1,5 @@
 """``python -m dsv4.checkpoint inspect DIR [--json]``: what a checkpoint directory holds, from the headers only.
-``python -m dsv4.checkpoint export RUN_DIR [--step N] --out DIR [--dtype ...] [--adapter | --merge]``: a run's DCP checkpoint -> the HF
+``python -m dsv4.checkpoint export RUN_DIR [--step N] --out DIR [--dtype ...] [--adapter | --merge] [--overwrite]``: a run's DCP checkpoint -> the HF
 files ``export.hf_dir`` writes (:mod:`dsv4.checkpoint.convert`).
 
 Prints the layout (``release`` or ``transformers``, :mod:`dsv4.checkpoint.layouts`), the ``config.json`` summary and
@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--adapter", action="store_true", help="a LoRA run: write its PEFT adapter (export.adapter_dir)")
     e.add_argument("--merge", action="store_true",
                    help="a LoRA run: write the merged model (export.merge), the base read from its model.checkpoint")
+    e.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out and remove every file there the export does not write")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.command == "export":
@@ -125,7 +127,7 @@ def _export(args) -> int:
 
     try:
         report = export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype, progress=not args.no_progress,
-                            adapter=args.adapter, merge=args.merge)
+                            adapter=args.adapter, merge=args.merge, overwrite=args.overwrite)
     except (OSError, ValueError, KeyError) as e:  # a bad checkpoint: one line naming the file, no traceback
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print("error: " + " ".join(str(msg).split()), file=sys.stderr)

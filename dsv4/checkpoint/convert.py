@@ -1,7 +1,7 @@
 """A finished run's distributed (DCP) checkpoint -> the files ``export.hf_dir`` writes, in one CPU process.
 
 ``python -m dsv4.checkpoint export RUN_DIR [--step N] --out DIR [--dtype bfloat16|float32|quantized] [--adapter]
-[--merge]``
+[--merge] [--overwrite]``
 (:func:`export_run`): the checkpoint is ``RUN_DIR/checkpoints/step<N>.ckpt`` (``last.ckpt`` without ``--step``; a
 ``*.ckpt`` directory may be given as ``RUN_DIR``). The model config comes from its ``meta.pt``; the model is built
 on the meta device (no memory), and each tensor is read from the checkpoint only when the export writes it
@@ -35,6 +35,7 @@ from torch.distributed.checkpoint import FileSystemReader, load
 
 from dsv4.checkpoint import keys as K
 from dsv4.checkpoint.export import ExportReport, ExportSource, export_hf_checkpoint
+from dsv4.checkpoint.export_dir import check_export_dir
 from dsv4.checkpoint.safetensors_io import CheckpointFormatError
 
 MODEL_PREFIX = "state_dict.model."
@@ -119,22 +120,25 @@ def _config(ckpt: Path):
 
 def export_run(run_dir: str | os.PathLike, out: str, *, step: int | None = None, dtype: str = "bfloat16",
                progress: bool = False, max_shard_bytes: int | None = None, adapter: bool = False,
-               merge: bool = False) -> ExportReport:
+               merge: bool = False, overwrite: bool = False) -> ExportReport:
     """Write the HF-format export of ``run_dir``'s checkpoint to ``out`` (see the module docstring). A LoRA run:
-    ``adapter`` writes its PEFT adapter (``export.adapter_dir``), ``merge`` the merged model."""
+    ``adapter`` writes its PEFT adapter (``export.adapter_dir``), ``merge`` the merged model. ``out`` must be absent
+    or empty (checked first) unless ``overwrite`` (``--overwrite``: every file the export does not write is
+    removed from it)."""
     from dsv4.model import DSV4ForCausalLM
     from dsv4.peft.lora import is_adapter_name
 
     if adapter and merge:
         raise ValueError("--adapter and --merge: choose one (the PEFT adapter, or the merged model)")
+    check_export_dir(str(out), key="--out", overwrite=overwrite, flag="--overwrite")
     ckpt = find_checkpoint(run_dir, step)
     config = _config(ckpt)
     tensors = DCPTensors(ckpt)
     if any(is_adapter_name(k) for k in tensors.entries if k.startswith(MODEL_PREFIX)):
         if adapter:
-            return _export_adapter(ckpt, out, config, tensors)
+            return _export_adapter(ckpt, out, config, tensors, overwrite)
         if merge:
-            return _export_merged(ckpt, out, config, tensors, dtype, progress, max_shard_bytes)
+            return _export_merged(ckpt, out, config, tensors, dtype, progress, max_shard_bytes, overwrite)
         raise ValueError(f"{ckpt}: a LoRA run's checkpoint (adapters only): pass --adapter for the PEFT adapter or "
                          "--merge for the merged model")
     if adapter or merge:
@@ -153,11 +157,11 @@ def export_run(run_dir: str | os.PathLike, out: str, *, step: int | None = None,
     tensors.check_files([MODEL_PREFIX + n for n in names])
     sources = [ExportSource(n, tensors.shape(MODEL_PREFIX + n), tensors.dtype(MODEL_PREFIX + n).is_floating_point,
                             lambda k=MODEL_PREFIX + n: tensors.read(k)) for n in names]
-    return _export_sources(model, out, config, sources, dtype, ckpt, progress, max_shard_bytes)
+    return _export_sources(model, out, config, sources, dtype, ckpt, progress, max_shard_bytes, overwrite)
 
 
 def _export_sources(model, out: str, config, sources: list[ExportSource], dtype: str, ckpt: Path, progress: bool,
-                    max_shard_bytes: int | None) -> ExportReport:
+                    max_shard_bytes: int | None, overwrite: bool) -> ExportReport:
     """``export_hf_checkpoint`` of ``sources``, with a progress bar over the tensors when asked."""
     bar = None
     if progress:
@@ -175,7 +179,8 @@ def _export_sources(model, out: str, config, sources: list[ExportSource], dtype:
         sources = [ExportSource(s.name, s.shape, s.is_float, counted(s.fetch)) for s in sources]
     kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     try:
-        return export_hf_checkpoint(model, out, dtype=dtype, config=config, sources=sources, **kwargs)
+        return export_hf_checkpoint(model, out, dtype=dtype, config=config, sources=sources, overwrite=overwrite,
+                                    **kwargs)
     finally:
         if bar is not None:
             bar.close()
@@ -277,7 +282,7 @@ class _BlockLoader:
                 self._place(self.blocks[self.current], "meta")
             names = self.blocks[block]
             self._place(names, "cpu")
-            report = load_hf_checkpoint(self.model, self.base, only=set(names).__contains__)
+            report = load_hf_checkpoint(self.model, self.base, only=set(names).__contains__, init_missing_mtp=True)
             if report.fresh:
                 raise ValueError(f"{self.base}: the run's model.checkpoint holds no MTP weights (the run initialised "
                                  "them from its seed); export the merged model with export.merge in the run")
@@ -290,7 +295,7 @@ class _BlockLoader:
 
 
 def _export_merged(ckpt: Path, out: str, config, tensors: DCPTensors, dtype: str, progress: bool,
-                   max_shard_bytes: int | None) -> ExportReport:
+                   max_shard_bytes: int | None, overwrite: bool) -> ExportReport:
     """A LoRA run's merged model (``export.merge`` with ``export.hf_dir``): base + alpha/r B A, streamed by block."""
     from dsv4.peft.apply import merged_sources
 
@@ -304,10 +309,10 @@ def _export_merged(ckpt: Path, out: str, config, tensors: DCPTensors, dtype: str
     _check_adapters(ckpt, tensors, model, str(ckpt.parent.parent / "resolved_config.yaml"))
     loader = _BlockLoader(model, str(base), tensors)
     sources = [ExportSource(s.name, s.shape, s.is_float, lambda s=s: loader.fetch(s)) for s in merged_sources(model)]
-    return _export_sources(model, out, config, sources, dtype, ckpt, progress, max_shard_bytes)
+    return _export_sources(model, out, config, sources, dtype, ckpt, progress, max_shard_bytes, overwrite)
 
 
-def _export_adapter(ckpt: Path, out: str, config, tensors: DCPTensors) -> ExportReport:
+def _export_adapter(ckpt: Path, out: str, config, tensors: DCPTensors, overwrite: bool) -> ExportReport:
     """A LoRA run's adapters (all in the checkpoint, small) -> ``export.adapter_dir``'s files. The LoRA settings
     and the base's name come from the run's ``resolved_config.yaml``."""
     from dsv4.peft.lora import LoRAGroupedExperts, LoRALinear
@@ -329,7 +334,7 @@ def _export_adapter(ckpt: Path, out: str, config, tensors: DCPTensors) -> Export
                     for ab in "AB":
                         release[f"{PREFIX}{hf}.lora_{ab}.weight"] = stacks[ab][e].clone()
     adapters = release_to_transformers(release)
-    write_peft_adapter(adapters, out, lora, cfg.model.get("checkpoint") or None, "transformers")
+    write_peft_adapter(adapters, out, lora, cfg.model.get("checkpoint") or None, "transformers", overwrite=overwrite)
     report = ExportReport(path=out, files=["adapter_model.safetensors", "adapter_config.json"])
     report.num_tensors = len(adapters)
     report.total_size = sum(t.numel() * t.element_size() for t in adapters.values())

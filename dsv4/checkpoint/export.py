@@ -23,6 +23,14 @@ converts the ones it writes and writes them at their offsets; rank 0 renames the
 ``config.json``. Peak extra memory: one gathered tensor (at most one FSDP unit) and its conversions, nothing per
 shard. The files are byte-identical to a one-process export of the same weights, and to what
 ``safetensors.torch.save_file`` writes for each shard's tensors (``docs/checkpoints.md``).
+
+The shard plan (:func:`_shards`) is ours rather than ``huggingface_hub.split_state_dict_into_shards_factory``: that
+one names a lone shard ``model.safetensors`` (not ``model-00001-of-00001.safetensors``) and puts a tensor over the
+limit in a shard of its own numbered before the open one (out of export order); otherwise the two give the same
+files (``tests/unit/checkpoint/test_distributed_export.py``), and ours needs no run-time dependency.
+
+The directory must be absent or empty unless ``overwrite`` (then every file the export did not write is removed
+afterwards; :mod:`dsv4.checkpoint.export_dir`).
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dsv4.checkpoint import keys as K
-from dsv4.checkpoint.hf_config import INDEX_FILE, write_hf_config
+from dsv4.checkpoint.export_dir import export_dir_problem, remove_stale_files
+from dsv4.checkpoint.hf_config import CONFIG_FILE, INDEX_FILE, write_hf_config
 from dsv4.checkpoint.quant import fp4_scale_shape, fp8_scale_shape, quantize_fp4_packed, quantize_fp8_block
 from dsv4.checkpoint.safetensors_write import TensorMeta, create_file, file_layout, write_tensor
 from dsv4.distributed import full_tensor, group_rank, group_size, is_initialized, resolve_group
@@ -225,11 +234,16 @@ def export_hf_checkpoint(
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
     sources: list[ExportSource] | None = None,
     group=None,
+    overwrite: bool = False,
 ) -> ExportReport:
     """Write ``model`` to ``path`` (see the module docstring). ``config`` defaults to ``model.config``; the tensors
     come from ``sources`` (``dsv4.peft.apply.merged_sources`` for a merged LoRA model), else the ``(state-dict name,
     tensor)`` pairs of ``tensors`` (materialised first), else ``model.state_dict()``. Under ``torch.distributed``
-    every rank of ``group`` (default: the world) calls it with the same model structure."""
+    every rank of ``group`` (default: the world) calls it with the same model structure.
+
+    ``path`` must be absent or empty, else ``ValueError`` before anything is written (rank 0 looks; every rank
+    raises); ``overwrite``: a directory of files is accepted and, once the new files are in place, every file the
+    export did not write is removed (:mod:`dsv4.checkpoint.export_dir`)."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
     config = config if config is not None else getattr(model, "config", None)
@@ -240,6 +254,13 @@ def export_hf_checkpoint(
     distributed = is_initialized()
     group = resolve_group(group) if distributed else None
     rank, world = group_rank(group), group_size(group)
+    problem = export_dir_problem(str(path), key="path", overwrite=overwrite, flag="overwrite=True") if rank == 0 else None
+    if distributed and world > 1:  # rank 0 alone looks (it creates the files), so every rank stops or none does
+        box = [problem]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        problem = box[0]
+    if problem is not None:
+        raise ValueError(problem)
     planned = _plan(model, sources, dtype, world, group)
     shards = _shards(planned, max_shard_bytes)
     n = len(shards)
@@ -301,5 +322,7 @@ def export_hf_checkpoint(
         if config is not None:
             torch_dtype = {"bfloat16": "bfloat16", "float32": "float32", "quantized": "bfloat16"}[dtype]
             write_hf_config(config, path, quantized=dtype == "quantized", torch_dtype=torch_dtype)
+        if overwrite:
+            remove_stale_files(path, [*names, INDEX_FILE, *([CONFIG_FILE] if config is not None else [])])
     barrier()
     return report

@@ -16,9 +16,12 @@ Order of work (nothing is read before every check passed):
    target's dtype, copy into the parameter or buffer, drop it. Peak extra memory is about one tensor.
 
 Both layouts of :mod:`dsv4.checkpoint.layouts` load: the release's, and what transformers' ``save_pretrained``
-writes (read through :func:`~dsv4.checkpoint.layouts.release_view`; errors name the file's own keys). A checkpoint
-with no ``mtp.*`` key at all (every transformers directory) leaves the model's MTP depths as they were initialised
-and says so in a WARNING (``report.fresh`` lists them); one with some MTP keys must have them all. A model whose
+writes (read through :func:`~dsv4.checkpoint.layouts.release_view`; errors name the file's own keys). An MTP depth
+the model builds but the checkpoint holds no ``mtp.{k}.*`` key of (every transformers directory holds none) is
+refused before anything is read (``ValueError`` naming the depths, the checkpoint and the two ways out:
+``num_nextn_predict_layers`` = the depths it holds, or ``init_missing_mtp``); with ``init_missing_mtp=True`` those
+depths keep their initialisation, one INFO line names them and ``report.fresh`` lists their tensors. A depth with
+some of its keys must have them all (``KeyError``, as for any missing key). A model whose
 config computes differently from the directory's ``config.json`` in what no shape shows (RoPE, YaRN, routing, norms,
 window, compress ratios) is refused after the key checks, naming each field (:func:`check_model_config`).
 
@@ -40,14 +43,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from dsv4.checkpoint import keys as K
+from dsv4.checkpoint.hf_config import INDEX_FILE
 from dsv4.checkpoint.quant import (
     dequantize,
     fp4_scale_shape,
@@ -60,12 +65,46 @@ from dsv4.checkpoint.layouts import release_view
 from dsv4.checkpoint.safetensors_io import DTYPES, CheckpointDir, TensorInfo, TensorReader
 
 log = logging.getLogger("dsv4")
-_MTP_PREFIX = "mtp."
 
 _FLOAT_TAGS = ("F64", "F32", "F16", "BF16")
 _INT_TAGS = ("I64", "I32")
 _SCALE_TAGS = ("F8_E8M0", "U8", "F32")
 _ADAPTER_SUFFIXES = ("lora_A", "lora_B")
+_OURS_MTP = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+def missing_mtp_depths(keys: Iterable[str], depths: int) -> list[int]:
+    """The MTP depths ``0 .. depths-1`` of which no key in ``keys`` (release names: ``mtp.{k}.*``) is."""
+    present = {K.mtp_depth(k) for k in keys}
+    return [d for d in range(depths) if d not in present]
+
+
+def missing_mtp_error(path: str, layout: str, missing: list[int], depths: int) -> ValueError:
+    """The refusal of a checkpoint that lacks MTP depths the model builds: the depths, the checkpoint and the two
+    ways out."""
+    return ValueError(
+        f"{path} ({layout} layout) holds no weights for MTP depth(s) {missing} of the {depths} the model builds "
+        f"(model.num_nextn_predict_layers={depths}; no key {', '.join(f'mtp.{d}.*' for d in missing)}): set "
+        f"model.num_nextn_predict_layers={missing[0]} to build only the depths it holds, or "
+        "model.init_missing_mtp=true to train the missing depths from a random initialisation "
+        "(load_hf_checkpoint(..., init_missing_mtp=True) from Python)")
+
+
+def holds_weights(path: str) -> bool:
+    """``path`` has an index file or a ``*.safetensors`` file (what :class:`CheckpointDir` reads)."""
+    return os.path.isfile(os.path.join(path, INDEX_FILE)) or any(n.endswith(".safetensors") for n in os.listdir(path))
+
+
+def check_mtp_weights(path: str, depths: int, init_missing: bool = False) -> list[int]:
+    """The MTP depths of ``0 .. depths-1`` that the checkpoint directory ``path`` holds no key of, from the shard
+    headers alone (either layout); :func:`missing_mtp_error` when there are any and not ``init_missing``."""
+    if depths < 1:
+        return []
+    ckpt, layout = release_view(CheckpointDir.open(path))
+    missing = missing_mtp_depths(ckpt.tensors, depths)
+    if missing and not init_missing:
+        raise missing_mtp_error(path, layout, missing, depths)
+    return missing
 
 
 def kept_scale_name(name: str) -> str:
@@ -253,11 +292,14 @@ def load_hf_checkpoint(
     ep_size: int | None = None,
     mtp_depths: int | None = None,
     only: Callable[[str], bool] | None = None,
+    init_missing_mtp: bool = False,
 ) -> LoadReport:
     """Fill ``model``'s parameters and persistent buffers from the checkpoint directory ``path``; returns a
     :class:`LoadReport`. See the module docstring for the checks, the EP behaviour and the streaming order.
     ``only``: fill just the state-dict names it accepts (the checkpoint's keys of the other model tensors are
-    skipped, not read; the rest of the model may stay on the meta device); the checks cover the accepted ones."""
+    skipped, not read; the rest of the model may stay on the meta device); the checks cover the accepted ones.
+    ``init_missing_mtp``: MTP depths the checkpoint has no key of keep their initialisation instead of being
+    refused."""
     start = time.perf_counter()
     ckpt, layout = release_view(CheckpointDir.open(path))
     state = model.state_dict(keep_vars=True)
@@ -271,12 +313,16 @@ def load_hf_checkpoint(
         mtp = getattr(model, "mtp", None)
         mtp_depths = len(mtp.layers) if mtp is not None and hasattr(mtp, "layers") else 0
     fresh: list[str] = []
-    if mtp_depths and not any(K.mtp_depth(k) is not None for k in ckpt.tensors):
-        # e.g. a transformers directory (transformers builds no MTP block): the MTP depths keep their initialisation
-        fresh = sorted(n for n in targets if n.startswith(_MTP_PREFIX))
-        targets = {n: t for n, t in targets.items() if not n.startswith(_MTP_PREFIX)}
-        log.warning("%s (%s layout) holds no MTP weights: the %d MTP depth(s) keep their fresh initialisation "
-                    "(%d tensors; num_nextn_predict_layers=0 builds none)", path, layout, mtp_depths, len(fresh))
+    missing = missing_mtp_depths(ckpt.tensors, mtp_depths)
+    if missing:  # e.g. a transformers directory: transformers builds no MTP block
+        fresh = sorted(n for n in targets if (m := _OURS_MTP.match(n)) and int(m.group(1)) in missing)
+        if fresh and not init_missing_mtp:
+            raise missing_mtp_error(path, layout, missing, mtp_depths)
+        if fresh:
+            left = set(fresh)
+            targets = {n: t for n, t in targets.items() if n not in left}
+            log.info("%s (%s layout) holds no weights for MTP depth(s) %s: they keep their initialisation (%d tensors; "
+                     "model.init_missing_mtp=true)", path, layout, missing, len(fresh))
     ranges = _expert_ranges(model, targets, ep_rank, ep_size)
     items, skipped = _check_and_plan(ckpt, targets, ranges, mtp_depths, left_out)
     check_model_config(getattr(model, "config", None), path)
@@ -370,12 +416,14 @@ def _load_kept(it: _Item, weight: torch.Tensor, scale: torch.Tensor | None, dest
     scale_dest.copy_(s.to(scale_dest.device))
 
 
-def load_model_from_hf(path: str, *, device: str | torch.device = "cpu", **overrides):
-    """Build ``DSV4ForCausalLM`` from ``path/config.json`` (``overrides`` replace config fields) and load it."""
+def load_model_from_hf(path: str, *, device: str | torch.device = "cpu", init_missing_mtp: bool = False,
+                       **overrides):
+    """Build ``DSV4ForCausalLM`` from ``path/config.json`` (``overrides`` replace config fields) and load it
+    (``init_missing_mtp`` as in :func:`load_hf_checkpoint`)."""
     from dsv4.checkpoint.hf_config import config_from_hf
     from dsv4.model import DSV4ForCausalLM
 
     config = config_from_hf(path, **overrides)
     model = DSV4ForCausalLM(config).to(device)
-    load_hf_checkpoint(model, path)
+    load_hf_checkpoint(model, path, init_missing_mtp=init_missing_mtp)
     return model

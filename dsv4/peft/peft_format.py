@@ -55,6 +55,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from dsv4.checkpoint import keys as K
+from dsv4.checkpoint.export_dir import check_export_dir, remove_stale_files
 from dsv4.checkpoint.safetensors_io import CheckpointDir, TensorReader
 from dsv4.distributed import full_tensor, group_size, is_initialized, resolve_group
 from dsv4.peft.config import TARGET_MODULE_PATTERNS, LoRAConfig
@@ -236,10 +237,10 @@ def transformers_to_release(tensors: dict[str, Tensor], rank: int, where: str = 
 
 
 def export_peft_adapter(model: nn.Module, path: str, lora: LoRAConfig, *, base_model: str | None = None,
-                        write: bool = True, layout: str = "transformers") -> list[str]:
+                        write: bool = True, layout: str = "transformers", overwrite: bool = False) -> list[str]:
     """Write the adapters of ``model`` to ``path`` in the PEFT format, in ``layout`` (see the module docstring);
     returns the keys written. A collective under FSDP or EP (every rank calls it; ``write`` on one): each routed
-    expert's adapters come from a rank that holds it."""
+    expert's adapters come from a rank that holds it. ``path`` as in :func:`write_peft_adapter`."""
     if layout not in ADAPTER_LAYOUTS:
         raise ValueError(f"adapter layout must be one of {ADAPTER_LAYOUTS}, got {layout!r}")
     tensors = _full_adapters(model)
@@ -248,17 +249,22 @@ def export_peft_adapter(model: nn.Module, path: str, lora: LoRAConfig, *, base_m
     if layout == "transformers":
         tensors = release_to_transformers(tensors)
     if write:
-        write_peft_adapter(tensors, path, lora, base_model, layout)
+        write_peft_adapter(tensors, path, lora, base_model, layout, overwrite=overwrite)
     return list(tensors)
 
 
 def write_peft_adapter(tensors: dict[str, Tensor], path: str, lora: LoRAConfig, base_model: str | None,
-                       layout: str) -> None:
-    """``adapter_model.safetensors`` (``tensors``, already in ``layout``) and ``adapter_config.json`` in ``path``."""
+                       layout: str, *, overwrite: bool = False) -> None:
+    """``adapter_model.safetensors`` (``tensors``, already in ``layout``) and ``adapter_config.json`` in ``path``,
+    which must be absent or empty (``ValueError`` before writing); ``overwrite``: a directory of files is accepted
+    and every other file in it is removed after the two are written (:mod:`dsv4.checkpoint.export_dir`)."""
+    check_export_dir(str(path), key="path", overwrite=overwrite, flag="overwrite=True")
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
         json.dump(peft_config_dict(lora, base_model, layout), f, indent=2)
+    if overwrite:
+        remove_stale_files(str(path), [ADAPTER_WEIGHTS, ADAPTER_CONFIG])
 
 
 def _full_adapters(model: nn.Module) -> dict[str, Tensor]:

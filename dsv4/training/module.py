@@ -124,7 +124,7 @@ class DSV4LightningModule(L.LightningModule):
 
             ep = parallel.ep_size > 1
             load_hf_checkpoint(self.model, self.spec.model_checkpoint, ep_rank=parallel.ep_rank if ep else None,
-                               ep_size=parallel.ep_size if ep else None)
+                               ep_size=parallel.ep_size if ep else None, init_missing_mtp=self.spec.init_missing_mtp)
         if self.spec.lora_adapter:
             from dsv4.peft.peft_format import load_peft_adapter
 
@@ -142,7 +142,8 @@ class DSV4LightningModule(L.LightningModule):
             from dsv4.peft.peft_format import export_peft_adapter
 
             export_peft_adapter(self.model, self.spec.export.adapter_dir, self.lora,
-                                base_model=self.spec.model_checkpoint, write=write)
+                                base_model=self.spec.model_checkpoint, write=write,
+                                overwrite=self.spec.export.overwrite)
             if write:
                 log.info("wrote the LoRA adapters (PEFT format) to %s", self.spec.export.adapter_dir)
         if not self.spec.export.hf_dir:
@@ -162,7 +163,8 @@ class DSV4LightningModule(L.LightningModule):
                                 "adapter (export.adapter_dir)", 100 * lost)
                 elif lost is not None:
                     log.info("re-quantised merge keeps the LoRA update within %.1f%% (relative L2)", 100 * lost)
-        export_hf_checkpoint(self.model, self.spec.export.hf_dir, dtype=self.spec.export.dtype, sources=sources)
+        export_hf_checkpoint(self.model, self.spec.export.hf_dir, dtype=self.spec.export.dtype, sources=sources,
+                             overwrite=self.spec.export.overwrite)
 
     def configure_optimizers(self):
         optimizer = self.spec.optimizer([p for p in self.parameters() if p.requires_grad])

@@ -29,10 +29,12 @@ def _model_schema() -> type:
     hints = typing.get_type_hints(DSV4Config)
     overrides = [(f.name, Optional[hints[f.name]], field(default=None)) for f in dataclasses.fields(DSV4Config)]
     schema = dataclasses.make_dataclass(
-        "ModelConfig", [("preset", str, field(default="tiny")), ("checkpoint", Optional[str], field(default=None))]
-        + overrides)
+        "ModelConfig", [("preset", str, field(default="tiny")), ("checkpoint", Optional[str], field(default=None)),
+                        ("init_missing_mtp", bool, field(default=False))] + overrides)
     schema.__doc__ = ("The model group: ``preset`` (one of dsv4.config.PRESETS), ``checkpoint`` (a Hugging Face-"
-                      "format DSV4 checkpoint directory loaded before training) and any DSV4Config field to override")
+                      "format DSV4 checkpoint directory loaded before training), ``init_missing_mtp`` (MTP depths "
+                      "the checkpoint lacks keep their random initialisation instead of stopping the run) and any "
+                      "DSV4Config field to override")
     return schema
 
 
@@ -46,6 +48,7 @@ def model_config(model_cfg: Any) -> DSV4Config:
     values = OmegaConf.to_container(model_cfg, resolve=True) if not isinstance(model_cfg, dict) else dict(model_cfg)
     preset = values.pop("preset", "tiny")
     values.pop("checkpoint", None)
+    values.pop("init_missing_mtp", None)
     if preset not in PRESETS:
         raise ValueError(f"`model.preset`={preset!r} must be one of {sorted(PRESETS)}")
     try:
@@ -123,12 +126,14 @@ class PreemptionConfig:
 class ExportConfig:
     """``hf_dir``: write the trained model there at the end of training in the HF layout (``dsv4.checkpoint``);
     ``dtype``: bfloat16 | float32 | quantized (release FP8/FP4 formats); ``adapter_dir`` (LoRA): the adapters in
-    the PEFT format; ``merge`` (LoRA): ``hf_dir`` gets the merged model."""
+    the PEFT format; ``merge`` (LoRA): ``hf_dir`` gets the merged model; ``overwrite``: a non-empty ``hf_dir`` /
+    ``adapter_dir`` is accepted (else refused at start-up) and every file the export does not write is removed."""
 
     hf_dir: Optional[str] = None
     dtype: str = "bfloat16"
     adapter_dir: Optional[str] = None
     merge: bool = False
+    overwrite: bool = False
 
 
 @dataclass
@@ -178,7 +183,7 @@ class FinetuneConfig:
     dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
     # lightning.Trainer keywords, but precision, val_check_interval, limit_val_batches, skip_nonfinite_steps
     # (dsv4's: int >= 0, non-finite steps skipped before one stops the run) and offload (dsv4's: none | optimizer,
-    # FSDP2's CPU offload of master shards, gradients and optimizer state), checked in dsv4.training.spec
+    # FSDP2's CPU offload of master shards, gradients and optimizer state), checked in dsv4.training.options.trainer
     trainer: Dict[str, Any] = field(default_factory=dict)
     optim: Dict[str, Any] = field(default_factory=dict)
     scheduler: Optional[Dict[str, Any]] = None
@@ -187,7 +192,7 @@ class FinetuneConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
-    # true = plan only, false = no plan, or the options of dsv4.training.spec.PlanOptions
+    # true = plan only, false = no plan, or the options of dsv4.training.options.plan.PlanOptions
     plan: Any = field(default_factory=lambda: {"enabled": True, "only": False, "enforce": True,
                                                "device_memory_gib": None})
 

@@ -10,7 +10,7 @@
 * ``parallelize(model)`` (called by the module's ``configure_model``): expert parallelism and the MoE dispatcher
   (:func:`dsv4.parallel.expert_shard.apply_expert_parallel`), then FSDP2 with summed gradients
   (:func:`dsv4.parallel.wrap.apply_fsdp`) in ``compute_dtype`` (FSDP2 mixed precision: fp32 master weights,
-  optimizer state and gradient reduction; :func:`~dsv4.training.spec.compute_dtype_for` maps the trainer's precision).
+  optimizer state and gradient reduction; :func:`~dsv4.training.options.trainer.compute_dtype_for` maps the trainer's precision).
   ``offload`` (``trainer.offload=optimizer``): FSDP2's CPU offload policy, the shards, gradients and optimizer state
   in host memory; FSDP places parameters and buffers itself, so the model is not moved to the device afterwards.
 * Checkpoints: distributed (DCP) save/load of model and optimizer; loop, scheduler, data position and RNG travel
@@ -40,7 +40,8 @@ from dsv4.parallel.wrap import apply_fsdp
 from dsv4.peft.apply import is_lora_model
 from dsv4.peft.lora import is_adapter_name
 from dsv4.training.checkpoint_writer import CheckpointWriter
-from dsv4.training.spec import RunSpec, offload_mode
+from dsv4.training.options.trainer import offload_mode
+from dsv4.training.spec import RunSpec
 
 
 @dataclass(frozen=True)

@@ -25,16 +25,19 @@ def test_load_then_train_then_export(tmp_path):
 
 def test_model_checkpoint_reads_a_transformers_directory(tmp_path):
     """`model.checkpoint=` a directory transformers' save_pretrained wrote for the same tiny model: it loads (names
-    mapped, MTP kept fresh and logged), so with lr = 0 the export holds exactly its weights."""
+    mapped; it holds no MTP weights, so `model.init_missing_mtp=true` keeps the MTP depth's initialisation, logged),
+    so with lr = 0 the export holds exactly its weights."""
     from tests.unit.checkpoint.hf_reference import C, H, random_hf_model, tiny_hf_config
 
     hf = random_hf_model(tiny_hf_config(compress_rates={C: 4, H: 128}, index_n_heads=2))
     hf.save_pretrained(str(tmp_path / "in"))
     proc = run_recipe([*FAST, "cp=2", "trainer.max_steps=1", "checkpoint.every_n_steps=0", "optim.lr=0",
-                       f"model.checkpoint={tmp_path / 'in'}", "data.tokenizer=byte",
+                       f"model.checkpoint={tmp_path / 'in'}", "model.init_missing_mtp=true",
+                       "data.tokenizer=byte",
                        f"export.hf_dir={tmp_path / 'out'}", "export.dtype=float32"], tmp_path / "run")
-    assert "holds no MTP weights: the 1 MTP depth(s) keep their fresh initialisation" in proc.stdout + proc.stderr
-    want = load_model_from_hf(tmp_path / "in", attention_chunk_size=64).state_dict()
+    assert ("(transformers layout) holds no weights for MTP depth(s) [0]: they keep their initialisation"
+            in proc.stdout + proc.stderr)
+    want = load_model_from_hf(tmp_path / "in", attention_chunk_size=64, init_missing_mtp=True).state_dict()
     got = load_model_from_hf(tmp_path / "out").state_dict()
     for name, theirs in want.items():
         if name.startswith("mtp."):

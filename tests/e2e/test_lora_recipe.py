@@ -59,18 +59,28 @@ def test_lora_run_checkpoints_only_adapters_and_optimizer(lora_run):
 
 def test_lora_resume_continues_the_same_trajectory(lora_run, tmp_path):
     """Resume from the step-2 checkpoint; this run also exports a re-quantised merge, which must say how much of
-    the update the FP8 / FP4 rounding loses."""
-    resumed_dir = tmp_path / "resumed"
+    the update the FP8 / FP4 rounding loses, into a directory holding a stale 9-shard export's first shard and index
+    (`export.overwrite=true`): afterwards it holds the files the new index names, the index and config.json only."""
+    import json
+    import os
+
+    resumed_dir, merged = tmp_path / "resumed", tmp_path / "merged_q"
+    merged.mkdir()
+    (merged / "model-00001-of-00009.safetensors").write_bytes(b"\0" * 8)
+    (merged / "model.safetensors.index.json").write_text('{"weight_map": {}}')
     proc = run_recipe([*lora_run["args"], "trainer.max_steps=4", "checkpoint.every_n_steps=2",
                        f"checkpoint.resume={lora_run['run'] / 'checkpoints' / 'step2.ckpt'}", "export.merge=true",
-                       f"export.hf_dir={tmp_path / 'merged_q'}", "export.dtype=quantized"], resumed_dir)
+                       f"export.hf_dir={merged}", "export.dtype=quantized", "export.overwrite=true"], resumed_dir)
     resumed, reference = losses(resumed_dir), losses(lora_run["run"])
     assert sorted(resumed) == [2, 3]
     for step in (2, 3):
         assert abs(resumed[step] - reference[step]) <= 1e-5, (step, resumed[step], reference[step])
     log = proc.stdout + proc.stderr
     assert "re-quantising the merged FP8 / FP4 weights rounds away" in log or "re-quantised merge keeps" in log
-    assert (tmp_path / "merged_q" / "config.json").exists()
+    index = json.loads((merged / "model.safetensors.index.json").read_text())
+    assert sorted(os.listdir(merged)) == sorted({*index["weight_map"].values(), "model.safetensors.index.json",
+                                                 "config.json"})
+    assert "model-00001-of-00009.safetensors" not in index["weight_map"].values()
 
 
 def test_lora_exports_the_adapter_and_the_merged_model(lora_run):

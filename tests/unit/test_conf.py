@@ -26,7 +26,7 @@ def test_model_yaml_names_its_preset_only(name):
     """Presets are defined once (dsv4.config.PRESETS); a model YAML selects one and may only add training choices
     (the real-scale presets recompute every block)."""
     values = yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text())
-    training = {k: v for k, v in values.items() if k not in ("preset", "checkpoint")}
+    training = {k: v for k, v in values.items() if k not in ("preset", "checkpoint", "init_missing_mtp")}
     assert set(training) <= {"activation_checkpointing"}
     assert training == ({"activation_checkpointing": "block"} if name in ("flash", "pro") else {})
     assert model_config(_compose([f"model={name}"]).model) == DSV4Config.preset(name, **training)

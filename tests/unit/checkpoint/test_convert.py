@@ -52,8 +52,15 @@ def _files(directory):
 
 
 def test_converter_writes_the_runs_own_export(finished_run, tmp_path, capsys):
-    assert main(["export", str(finished_run / "run"), "--out", str(tmp_path / "out")]) == 0
-    want, got = _files(finished_run / "hf"), _files(tmp_path / "out")
+    """Into a directory holding a stale shard: refused (nothing read), then with --overwrite the run's own files and
+    nothing else."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model-00001-of-00009.safetensors").write_bytes(b"\0")
+    assert main(["export", str(finished_run / "run"), "--out", str(out)]) == 2
+    assert f"error: `--out`={str(out)!r} is not empty" in capsys.readouterr().err
+    assert main(["export", str(finished_run / "run"), "--out", str(out), "--overwrite"]) == 0
+    want, got = _files(finished_run / "hf"), _files(out)
     assert list(got) == list(want) and len(want) >= 3
     for name in want:
         assert got[name] == want[name], name

@@ -74,3 +74,32 @@ def test_export_shards_are_what_save_file_writes(tmp_path, dtype):
         file = os.path.join(tmp_path, name)
         with open(file, "rb") as f:
             assert f.read() == save(load_file(file), metadata={"format": "pt"}), name
+
+
+def test_the_shard_plan_is_huggingface_hubs_but_for_a_lone_or_oversized_shard():
+    """What export.py's docstring says of huggingface_hub's planner: the same file names and grouping whenever
+    there are several shards and no tensor passes the limit; a lone shard and an oversized tensor differ."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    from dsv4.checkpoint.export import _plan, _shards, model_sources
+
+    torch.manual_seed(0)
+    model = DSV4ForCausalLM(DSV4Config.preset("tiny"))
+
+    def plans(limit):
+        planned = _plan(model, model_sources(model), "bfloat16", 1, None)
+        metas = {m.key: m for p in planned for m in p.parts}
+        shards = _shards(planned, limit)
+        ours = {f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors": [m.key for m in s] for i, s in enumerate(shards)}
+        hub = split_state_dict_into_shards_factory(metas, get_storage_size=lambda m: m.nbytes, max_shard_size=limit,
+                                                   filename_pattern="model{suffix}.safetensors").filename_to_tensors
+        return ours, hub, max(m.nbytes for m in metas.values())
+
+    ours, hub, largest = plans(300_000)
+    assert len(ours) > 2 and ours == hub
+    ours, hub, _ = plans(largest)  # the largest tensor fills a shard exactly
+    assert ours == hub
+    ours, hub, _ = plans(10**9)
+    assert list(ours) == ["model-00001-of-00001.safetensors"] and list(hub) == ["model.safetensors"]
+    ours, hub, _ = plans(largest // 2)  # the hub keeps filling the open shard around an oversized tensor
+    assert ours != hub and len(ours) > len(hub)

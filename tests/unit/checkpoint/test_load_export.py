@@ -198,3 +198,30 @@ def test_inspect_cli_reads_headers_only(release_ckpt, capsys):
     assert info["num_tensors"] == len(ckpt.tensors) and info["num_shards"] == 3 and info["config_valid"]
     assert info["total_bytes"] == sum(t.nbytes for t in ckpt.tensors.values())
     assert cli_main(["inspect", path + "/nope"]) == 2
+
+
+def test_a_missing_mtp_depth_is_refused_or_initialised_when_asked(tmp_path, caplog):
+    """A checkpoint of one MTP depth, a model of two: refused before anything is read, naming the depth, the
+    checkpoint and both ways out; with ``init_missing_mtp`` depth 1 keeps its initialisation (one INFO line) and
+    everything else is the checkpoint's; with ``num_nextn_predict_layers=1`` it loads as it is."""
+    import logging
+
+    source = _model(0)
+    export_hf_checkpoint(source, str(tmp_path), dtype="float32")
+    model = _model(1, num_nextn_predict_layers=2)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as err:
+        load_hf_checkpoint(model, str(tmp_path))
+    assert (f"{tmp_path} (release layout) holds no weights for MTP depth(s) [1] of the 2 the model builds "
+            "(model.num_nextn_predict_layers=2; no key mtp.1.*): set model.num_nextn_predict_layers=1 to build only "
+            "the depths it holds, or model.init_missing_mtp=true") in str(err.value)
+    assert all(torch.equal(v, init[k]) for k, v in model.state_dict().items())  # nothing was read
+    with caplog.at_level(logging.INFO, logger="dsv4"):
+        report = load_hf_checkpoint(model, str(tmp_path), init_missing_mtp=True)
+    assert (f"{tmp_path} (release layout) holds no weights for MTP depth(s) [1]: they keep their initialisation "
+            f"({len(report.fresh)} tensors; model.init_missing_mtp=true)") in caplog.text
+    assert report.fresh == sorted(k for k in init if k.startswith("mtp.layers.1.")) and report.fresh
+    want = source.state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, init[k] if k.startswith("mtp.layers.1.") else want[k]), k
+    load_hf_checkpoint(_model(2, num_nextn_predict_layers=1), str(tmp_path))

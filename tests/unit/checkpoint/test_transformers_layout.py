@@ -47,10 +47,17 @@ def test_save_pretrained_layout_is_read(saved):
 
 def test_save_pretrained_loads_with_transformers_logits(saved, caplog):
     model, path = saved
-    with caplog.at_level(logging.WARNING, logger="dsv4"):
-        ours = load_model_from_hf(path, attention_chunk_size=64).eval()
-    # transformers builds no MTP block: ours keeps its fresh MTP depth and says so
-    assert "holds no MTP weights: the 1 MTP depth(s) keep their fresh initialisation" in caplog.text
+    # transformers builds no MTP block: the model's MTP depth is refused, naming the ways out, before any read
+    with pytest.raises(ValueError) as err:
+        load_model_from_hf(path, attention_chunk_size=64)
+    assert (f"{path} (transformers layout) holds no weights for MTP depth(s) [0] of the 1 the model builds "
+            "(model.num_nextn_predict_layers=1; no key mtp.0.*): set model.num_nextn_predict_layers=0 to build only "
+            "the depths it holds, or model.init_missing_mtp=true") in str(err.value)
+    # asked for, it keeps its initialisation and says which depth
+    with caplog.at_level(logging.INFO, logger="dsv4"):
+        ours = load_model_from_hf(path, attention_chunk_size=64, init_missing_mtp=True).eval()
+    assert (f"{path} (transformers layout) holds no weights for MTP depth(s) [0]: they keep their initialisation "
+            "(32 tensors; model.init_missing_mtp=true)") in caplog.text
     ids = torch.randint(0, 256, (2, L), generator=torch.Generator().manual_seed(3))
     with torch.no_grad(), indexer_ties(model) as ties:
         want = model(ids).logits
@@ -151,12 +158,12 @@ def test_in_memory_names_with_fused_experts_load_the_same(saved, tmp_path):
     keys = CheckpointDir.open(str(tmp_path)).tensors
     assert {"lm_head.weight", "model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight",
             "model.layers.1.mlp.experts.gate_up_proj"} <= set(keys)
-    native = load_model_from_hf(str(tmp_path), attention_chunk_size=64)
-    reverted = load_model_from_hf(path, attention_chunk_size=64)
+    native = load_model_from_hf(str(tmp_path), attention_chunk_size=64, num_nextn_predict_layers=0)
+    reverted = load_model_from_hf(path, attention_chunk_size=64, num_nextn_predict_layers=0)
     a, b = native.state_dict(), reverted.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a if not k.startswith("mtp."))
     # each expert is a byte range of the fused tensor: an EP rank reads its own experts only
-    half = DSV4ForCausalLM(config_from_hf(str(tmp_path), attention_chunk_size=64))
+    half = DSV4ForCausalLM(config_from_hf(str(tmp_path), attention_chunk_size=64, num_nextn_predict_layers=0))
     report = load_hf_checkpoint(half, str(tmp_path), ep_rank=1, ep_size=2)
     experts = [k for k in report.keys_read if ".ffn.experts." in k]
     assert len(experts) == 4 * 4 * 3 and all(int(k.split(".")[4]) >= 4 for k in experts)
@@ -169,7 +176,7 @@ def test_a_model_that_computes_differently_from_the_file_is_refused(saved):
     """What no shape shows (YaRN, the window, routing) must agree with config.json too: `model.checkpoint=` with a
     preset that differs is refused naming each field and the file's value."""
     _, path = saved
-    cfg = config_from_hf(path, attention_chunk_size=64)
+    cfg = config_from_hf(path, attention_chunk_size=64, num_nextn_predict_layers=0)
     other = DSV4ForCausalLM(dataclasses.replace(cfg, rope_scaling=None, sliding_window=32))
     with pytest.raises(ValueError) as err:
         load_hf_checkpoint(other, path)

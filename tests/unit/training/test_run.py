@@ -95,6 +95,47 @@ def test_unknown_dispatcher_group_lists_the_options():
         assert f"\t{name}\n" in str(err.value)
 
 
+def test_export_directories_are_checked_at_start_up(tmp_path):
+    """A non-empty ``export.hf_dir`` / ``export.adapter_dir`` stops the run before it trains, naming the key and the
+    directory; ``export.overwrite=true`` accepts it; the two directories may not overlap."""
+    stale = tmp_path / "hf"
+    stale.mkdir()
+    (stale / "model-00001-of-00009.safetensors").write_bytes(b"\0")
+    with pytest.raises(ValueError) as err:
+        build_run_spec(_compose([*FAST, f"export.hf_dir={stale}"]))
+    assert (f"`export.hf_dir`={str(stale)!r} is not empty (1 file(s), e.g. ['model-00001-of-00009.safetensors']); "
+            "the export would leave them beside its own files: choose an empty directory, or set "
+            "export.overwrite=true") in str(err.value)
+    assert build_run_spec(_compose([*FAST, f"export.hf_dir={stale}", "export.overwrite=true"])).export.overwrite
+    lora = [*FAST, "peft=lora", "export.merge=true", f"export.hf_dir={tmp_path / 'merged'}"]
+    with pytest.raises(ValueError, match=r"`export.adapter_dir`='.*/hf' is not empty"):
+        build_run_spec(_compose([*lora, f"export.adapter_dir={stale}"]))
+    with pytest.raises(ValueError, match=r"`export.hf_dir`='.*/merged' and `export.adapter_dir`='.*/merged/adapter': "
+                                         "the merged model and the adapter go to two separate directories"):
+        build_run_spec(_compose([*lora, f"export.adapter_dir={tmp_path / 'merged' / 'adapter'}"]))
+
+
+def test_a_checkpoint_without_the_models_mtp_depths_stops_the_run_at_start_up(tmp_path):
+    """``model.checkpoint`` with no MTP weights for the tiny model's one depth: refused while the spec resolves,
+    unless ``model.init_missing_mtp=true`` or ``model.num_nextn_predict_layers=0``."""
+    import torch
+
+    from dsv4.checkpoint import export_hf_checkpoint
+    from dsv4.config import DSV4Config
+    from dsv4.model import DSV4ForCausalLM
+
+    torch.manual_seed(0)
+    ckpt = tmp_path / "no_mtp"
+    export_hf_checkpoint(DSV4ForCausalLM(DSV4Config.preset("tiny", num_nextn_predict_layers=0)), str(ckpt))
+    with pytest.raises(ValueError, match=rf"{ckpt} \(release layout\) holds no weights for MTP depth\(s\) \[0\] of "
+                                         r"the 1 the model builds .*model.num_nextn_predict_layers=0 .* or "
+                                         r"model.init_missing_mtp=true"):
+        build_run_spec(_compose([*FAST, f"model.checkpoint={ckpt}"]))
+    assert build_run_spec(_compose([*FAST, f"model.checkpoint={ckpt}", "model.init_missing_mtp=true"])).init_missing_mtp
+    spec = build_run_spec(_compose([*FAST, f"model.checkpoint={ckpt}", "model.num_nextn_predict_layers=0"]))
+    assert spec.model.num_nextn_predict_layers == 0 and not spec.init_missing_mtp
+
+
 def _metric(run: Path, name: str = "train/loss") -> dict[int, float]:
     with open(run / "csv" / "metrics.csv") as f:
         return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}

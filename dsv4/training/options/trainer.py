@@ -1,0 +1,67 @@
+"""The ``trainer`` group: what dsv4 takes out of Lightning's keywords (``precision``, ``offload``,
+``skip_nonfinite_steps``) and what it derives from them (world size, device type)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from dsv4.training.options import is_int
+
+PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compute_dtype_for(precision: str, torch_dtype: str) -> torch.dtype:
+    """The dtype the model computes in: ``precision`` ``auto`` follows ``model.torch_dtype`` (float32 -> fp32,
+    bfloat16 -> bf16 mixed, float16 -> fp16 mixed); ``32-true`` / ``bf16-mixed`` / ``16-mixed`` choose directly.
+    Lightning's own autocast is not used: mixed precision is FSDP2's, with fp32 master weights."""
+    if precision == "auto":
+        return _TORCH_DTYPES[torch_dtype]
+    if precision not in PRECISIONS:
+        raise ValueError(f"`trainer.precision`={precision!r} must be auto or one of {sorted(PRECISIONS)} (dsv4 keeps "
+                         "fp32 master weights; a *-true half precision would not)")
+    return PRECISIONS[precision]
+
+
+def offload_mode(value: Any) -> str:
+    """``trainer.offload``: ``none`` (every FSDP shard and the optimizer on the device) or ``optimizer`` (FSDP2's
+    CPU offload policy: sharded fp32 master parameters, their gradients and the optimizer state in host memory, the
+    optimizer step on the host; docs/memory.md)."""
+    from dsv4.parallel.wrap import OFFLOAD
+
+    if value not in OFFLOAD:
+        raise ValueError(f"`trainer.offload`={value!r} must be one of {', '.join(OFFLOAD)}")
+    return value
+
+
+def skip_nonfinite_steps(value: Any) -> int:
+    """``trainer.skip_nonfinite_steps``: a whole number of steps >= 0."""
+    if not is_int(value) or value < 0:
+        raise ValueError(f"`trainer.skip_nonfinite_steps`={value!r} must be a whole number of steps >= 0 "
+                         "(0: the first non-finite loss or gradient norm stops the run)")
+    return value
+
+
+def check_not_derived(trainer_cfg: Mapping[str, Any]) -> None:
+    """Refuse the Lightning keywords dsv4 derives (``accumulate_grad_batches``, from ``global_batch_size``)."""
+    if "accumulate_grad_batches" in trainer_cfg:
+        raise ValueError(f"`trainer.accumulate_grad_batches`={trainer_cfg['accumulate_grad_batches']!r} is derived: "
+                         "set `global_batch_size` (rows per optimizer step over all dp replicas) instead")
+
+
+def world_size_of(trainer_cfg: Mapping[str, Any]) -> int | None:
+    """World size implied by the trainer config (``devices`` x ``num_nodes``); None when only known at launch."""
+    devices = trainer_cfg.get("devices", 1)
+    if isinstance(devices, (list, tuple)):
+        devices = len(devices)
+    if not isinstance(devices, int) or devices < 1:
+        return None
+    return devices * int(trainer_cfg.get("num_nodes", 1))
+
+
+def device_type_of(trainer_cfg: Mapping[str, Any]) -> str:
+    """The torch device type a trainer config runs on (``trainer.accelerator``: gpu / cuda -> ``cuda``)."""
+    accelerator = str(trainer_cfg.get("accelerator", "cpu"))
+    return "cuda" if accelerator in ("gpu", "cuda") else accelerator
