@@ -15,7 +15,10 @@ global offset and a load fills it in place. The checkpoint then holds every expe
 loads under any ``ep`` (DCP reshards), in the converter (``python -m dsv4.checkpoint export``) too.
 
 Invariant: ``globalize`` changes only the tensor's description (mesh, placements, global shape), never its local
-values or storage; entries that are not EP-sliced expert tensors pass through unchanged.
+values or storage; entries that are not EP-sliced expert tensors pass through unchanged. It raises ``ValueError``
+(naming the tensor, the ranks and the sizes) when an FSDP part is not the one that description places: FSDP sharding
+the slice over other ranks (or another order) than the layout's ``edp`` row of its EP rank, or a part of another
+size than that rank's ``torch.chunk`` part (uneven splits included).
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class ExpertStateLayout:
                 raise ValueError(f"{name}: expected an FSDP DTensor sharded on dim 0 over one mesh, got "
                                  f"{tensor.placements} on {tensor.device_mesh}")
             slice_shape, local, placements = tuple(tensor.shape), tensor.to_local(), (Shard(0), Shard(0))
+            self._check_fsdp_part(name, tensor.device_mesh.mesh.flatten().tolist(), slice_shape[0], local.shape[0])
         else:
             slice_shape, local, placements = tuple(tensor.shape), tensor, (Shard(0), Replicate())
         if slice_shape[0] * ep != total:
@@ -91,6 +95,25 @@ class ExpertStateLayout:
         shape = (total, *slice_shape[1:])
         return DTensor.from_local(local, self.mesh(local.device.type), placements, run_check=False, shape=torch.Size(shape),
                                   stride=_contiguous_stride(shape))
+
+    def _check_fsdp_part(self, name: str, fsdp_ranks: list[int], slice_rows: int, local_rows: int) -> None:
+        """The (Shard(0), Shard(0)) description holds for this rank's FSDP part of an EP slice: FSDP shards the
+        slice over this rank's edp row of the layout, in that order, and this rank holds that row's
+        ``torch.chunk`` part (else DCP would write the part at another place, or a part of another size, silently)."""
+        rank = torch.distributed.get_rank()
+        where = (self.ranks == rank).nonzero().tolist()
+        if not where:
+            raise ValueError(f"{name}: rank {rank} is not in the expert mesh {self.ranks.tolist()}")
+        ep_index, edp_index = where[0]
+        row = self.ranks[ep_index].tolist()
+        if fsdp_ranks != row:
+            raise ValueError(f"{name}: FSDP shards EP rank {ep_index}'s slice over ranks {fsdp_ranks}, the expert "
+                             f"mesh's edp ranks of that slice are {row}")
+        chunks = torch.empty(slice_rows, 0).chunk(len(row))
+        rows = chunks[edp_index].shape[0] if edp_index < len(chunks) else 0
+        if local_rows != rows:
+            raise ValueError(f"{name}: rank {rank} holds {local_rows} of EP rank {ep_index}'s {slice_rows} experts, "
+                             f"torch.chunk over edp={len(row)} gives edp rank {edp_index} {rows}")
 
     def model_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """A model state dict (``get_model_state_dict``) with every expert entry globalized (a new dict)."""

@@ -242,8 +242,22 @@ def _resume_rank(rank, world_size, root):
     loaded = {"model": _local_tensors(get_model_state_dict(fresh)),
               "optim": _local_tensors(get_optimizer_state_dict(fresh, fresh_optimizer)["state"])}
     resumed = {"loss": _train_step(fresh, fresh_optimizer, rank, 3), "after": _local_tensors(get_model_state_dict(fresh))}
+    # FSDP parts the (Shard(0), Shard(0)) description would misplace: ValueError, not a silent save
+    from torch.distributed.tensor import DTensor
+
+    name, errors = "model.layers.1.mlp.experts.w2", []
+    part = get_model_state_dict(fresh)[name]
+    wrong = (("edp order", ExpertStateLayout(layout.num_experts, layout.ranks.flip(1)), part),
+             ("chunk size", layout, DTensor.from_local(part.to_local()[:0], part.device_mesh, part.placements,
+                                                      run_check=False, shape=part.shape, stride=part.stride())))
+    for what, bad_layout, tensor in wrong:
+        try:
+            bad_layout.globalize(name, tensor)
+            errors.append(f"{what}: no error")
+        except ValueError as e:
+            errors.append(f"{what}: {e}")
     return {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted, "resumed": resumed, "slices": slices,
-            "offsets": offsets, "ep_names": sorted(layout.num_experts)}
+            "offsets": offsets, "ep_names": sorted(layout.num_experts), "errors": errors}
 
 
 @pytest.fixture(scope="module")
@@ -326,3 +340,16 @@ def test_dp4_ep2_resumed_step_equals_the_uninterrupted_step(resume_run):
         for n, value in want.items():
             assert torch.equal(after[n], value), (rank, n)
 
+
+def test_ep_layout_refuses_an_fsdp_part_it_would_misplace(resume_run):
+    """globalize raises ValueError naming the ranks or sizes when FSDP's part of an EP slice is not the part the
+    (Shard(0), Shard(0)) description places: a layout with the edp ranks in the other order, and a local part of
+    another size than this rank's torch.chunk part."""
+    _, results = resume_run
+    for rank, res in enumerate(results):
+        order, size = res["errors"]
+        ep = rank % 2
+        assert order == (f"edp order: model.layers.1.mlp.experts.w2: FSDP shards EP rank {ep}'s slice over ranks "
+                         f"[{ep}, {ep + 2}], the expert mesh's edp ranks of that slice are [{ep + 2}, {ep}]"), rank
+        assert size == (f"chunk size: model.layers.1.mlp.experts.w2: rank {rank} holds 0 of EP rank {ep}'s 3 "
+                        f"experts, torch.chunk over edp=2 gives edp rank {rank // 2} {(2, 1)[rank // 2]}"), rank
