@@ -1,7 +1,8 @@
 """Expert-parallel checkpoints. 2 ranks: the load reads only each rank's own experts' keys (counted per rank); the
 export of a dp=2 x ep=2 FSDP2 model is byte-identical to the one-process export. 4 ranks, dp=4 x ep=2 (edp=2, an
 uneven edp split): the DCP checkpoint of model and AdamW state round-trips bit for bit, holds every expert at its
-global place, and a resumed step equals the uninterrupted one (end of the file).
+global place (read in one process, and loaded under ep=1), and a resumed step equals the uninterrupted one (end of
+the file).
 
 Load:
 
@@ -162,7 +163,8 @@ def test_two_rank_ep_fsdp_export_is_byte_identical_to_one_process(tmp_path):
 # two real AdamW steps on its own seeded random tokens (so every parameter and every expert has its own gradient
 # and moments), saves model + optimizer through ExpertStateLayout into one DCP checkpoint and trains step 3
 # (the uninterrupted run). A model of seed 4 with a fresh optimizer (zero moments, step 1 after torch's state
-# init) then loads the checkpoint the way DSV4Strategy.load_checkpoint does and trains step 3 (the resumed run).
+# init) then loads the checkpoint the way DSV4Strategy.load_checkpoint does and trains step 3 (the resumed run);
+# an ep=1 model of seed 5 loads it too.
 RESUME_CONFIG = dict(n_routed_experts=6)
 RESUME_SEQ = 64
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -197,6 +199,7 @@ def _resume_rank(rank, world_size, root):
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
+    from torch.distributed.tensor import DTensor
 
     from dsv4.config import DSV4Config
     from dsv4.model import DSV4ForCausalLM
@@ -228,7 +231,8 @@ def _resume_rank(rank, world_size, root):
     saved = {"model": _local_tensors(model_state), "optim": _local_tensors(optim_state["state"])}
     dcp.save({"state_dict": layout.model_state(model_state), "optimizer_0": layout.optimizer_state(optim_state)},
              checkpoint_id=root)
-    uninterrupted = {"loss": _train_step(model, optimizer, rank, 3), "after": _local_tensors(get_model_state_dict(model))}
+    loss = _train_step(model, optimizer, rank, 3)
+    uninterrupted = {"loss": loss, "after": _local_tensors(get_model_state_dict(model))}
 
     # resume: the steps of DSV4Strategy.load_checkpoint (in place, through the layout, then set_*_state_dict)
     fresh, fresh_optimizer = build(4)
@@ -241,10 +245,10 @@ def _resume_rank(rank, world_size, root):
                              options=StateDictOptions(cpu_offload=True))
     loaded = {"model": _local_tensors(get_model_state_dict(fresh)),
               "optim": _local_tensors(get_optimizer_state_dict(fresh, fresh_optimizer)["state"])}
-    resumed = {"loss": _train_step(fresh, fresh_optimizer, rank, 3), "after": _local_tensors(get_model_state_dict(fresh))}
-    # FSDP parts the (Shard(0), Shard(0)) description would misplace: ValueError, not a silent save
-    from torch.distributed.tensor import DTensor
+    loss = _train_step(fresh, fresh_optimizer, rank, 3)
+    resumed = {"loss": loss, "after": _local_tensors(get_model_state_dict(fresh))}
 
+    # parts the (Shard(0), Shard(0)) description would misplace: ValueError, not a silent save
     name, errors = "model.layers.1.mlp.experts.w2", []
     part = get_model_state_dict(fresh)[name]
     wrong = (("edp order", ExpertStateLayout(layout.num_experts, layout.ranks.flip(1)), part),
@@ -256,8 +260,27 @@ def _resume_rank(rank, world_size, root):
             errors.append(f"{what}: no error")
         except ValueError as e:
             errors.append(f"{what}: {e}")
+    experts = fresh.model.layers[1].mlp.experts  # a module whose slice is not its EP rank's: ValueError
+    experts.expert_offset = 3 - experts.expert_offset
+    try:
+        ExpertStateLayout.of(fresh, meshes.experts)
+        errors.append("slice: no error")
+    except ValueError as e:
+        errors.append(f"slice: {e}")
+    experts.expert_offset = 3 - experts.expert_offset
+
+    # the same checkpoint under ep=1: every expert on every rank, FSDP-sharded 2 + 2 + 2 + 0 over the 4 ranks
+    torch.manual_seed(5)
+    whole = apply_fsdp(DSV4ForCausalLM(DSV4Config.preset("tiny", **RESUME_CONFIG)),
+                       build_meshes(ParallelDims(world_size=world_size, dp=4, ep=1), "cpu"))
+    whole_optimizer = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    whole_state, whole_optim = get_model_state_dict(whole), get_optimizer_state_dict(whole, whole_optimizer)
+    dcp.load({"state_dict": whole_state, "optimizer_0": whole_optim}, checkpoint_id=root)
+    under_ep1 = {n: {"rows": whole_state[n].to_local().shape[0], "weight": whole_state[n].full_tensor(),
+                     "step": float(whole_optim["state"][n]["step"]),
+                     **{k: whole_optim["state"][n][k].full_tensor() for k in MOMENTS}} for n in sorted(offsets)}
     return {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted, "resumed": resumed, "slices": slices,
-            "offsets": offsets, "ep_names": sorted(layout.num_experts), "errors": errors}
+            "offsets": offsets, "ep_names": sorted(layout.num_experts), "errors": errors, "under_ep1": under_ep1}
 
 
 @pytest.fixture(scope="module")
@@ -328,10 +351,25 @@ def test_ep_checkpoint_holds_every_expert_at_its_global_place(resume_run):
                 assert torch.equal(state["optimizer_0"]["state"][n][k][expert], oracle[n][k][expert]), (n, k, expert)
 
 
+def test_ep2_checkpoint_loads_under_ep1(resume_run):
+    """The dp=4 ep=2 checkpoint loads into an ep=1 model (each expert stack [6, ...] FSDP-sharded 2 + 2 + 2 + 0 over
+    the 4 ranks; DCP reshards): every expert's weights, AdamW moments and step, gathered, equal the EP slices of the
+    saving run at their offsets."""
+    _, results = resume_run
+    by_ep = {rank % 2: results[rank] for rank in (0, 1)}
+    for rank, res in enumerate(results):
+        for n, got in res["under_ep1"].items():
+            assert got["rows"] == (2, 2, 2, 0)[rank] and got["step"] == 2.0, (rank, n)
+            for key in ("weight", *MOMENTS):
+                want = torch.cat([by_ep[e]["slices"][n][key] for e in (0, 1)])
+                for expert in range(6):
+                    assert torch.equal(got[key][expert], want[expert]), (rank, n, key, expert)
+
+
 def test_dp4_ep2_resumed_step_equals_the_uninterrupted_step(resume_run):
     """Step 3 after the resume equals step 3 of the uninterrupted run on every rank, bit for bit: its loss (the
-    loaded weights) and every weight after its AdamW update (the loaded moments and step: zero moments at step 1
-    would move each weight by about lr = 1e-2 instead)."""
+    loaded weights) and every weight after its AdamW update (the loaded moments and step: the fresh optimizer's
+    zero moments at step 1 give another update)."""
     _, results = resume_run
     for rank, res in enumerate(results):
         assert torch.equal(res["resumed"]["loss"], res["uninterrupted"]["loss"]), rank
@@ -344,12 +382,15 @@ def test_dp4_ep2_resumed_step_equals_the_uninterrupted_step(resume_run):
 def test_ep_layout_refuses_an_fsdp_part_it_would_misplace(resume_run):
     """globalize raises ValueError naming the ranks or sizes when FSDP's part of an EP slice is not the part the
     (Shard(0), Shard(0)) description places: a layout with the edp ranks in the other order, and a local part of
-    another size than this rank's torch.chunk part."""
+    another size than this rank's torch.chunk part; ExpertStateLayout.of when a module holds another EP rank's slice."""
     _, results = resume_run
     for rank, res in enumerate(results):
-        order, size = res["errors"]
+        order, size, slice_ = res["errors"]
         ep = rank % 2
         assert order == (f"edp order: model.layers.1.mlp.experts.w2: FSDP shards EP rank {ep}'s slice over ranks "
                          f"[{ep}, {ep + 2}], the expert mesh's edp ranks of that slice are [{ep + 2}, {ep}]"), rank
         assert size == (f"chunk size: model.layers.1.mlp.experts.w2: rank {rank} holds 0 of EP rank {ep}'s 3 "
                         f"experts, torch.chunk over edp=2 gives edp rank {rank // 2} {(2, 1)[rank // 2]}"), rank
+        assert slice_ == (f"slice: model.layers.1.mlp.experts: this rank holds experts [{3 - 3 * ep}, "
+                          f"{6 - 3 * ep}), EP rank {ep} of the expert mesh [[0, 2], [1, 3]] ([ep, edp]) holds "
+                          f"[{3 * ep}, {3 * ep + 3})"), rank
