@@ -1,5 +1,8 @@
-"""2-rank expert-parallel checkpoints: the load reads only each rank's own experts' keys (counted per rank); the
-export of a dp=2 x ep=2 FSDP2 model is byte-identical to the one-process export (end of the file).
+"""Expert-parallel checkpoints. 2 ranks: the load reads only each rank's own experts' keys (counted per rank); the
+export of a dp=2 x ep=2 FSDP2 model is byte-identical to the one-process export. 4 ranks, dp=4 x ep=2 (edp=2, an
+uneven edp split): the DCP checkpoint of model and AdamW state round-trips bit for bit, holds every expert at its
+global place (read in one process, and loaded under ep=1), and a resumed step equals the uninterrupted one (end of
+the file).
 
 Load:
 
@@ -154,82 +157,240 @@ def test_two_rank_ep_fsdp_export_is_byte_identical_to_one_process(tmp_path):
 
 
 # ------------------------------------------------------------------------------- DCP checkpoints under EP
-# 2 gloo ranks, dp=2 x ep=2 with FSDP2, an AdamW step taken: the model and optimizer state dicts go through
-# ExpertStateLayout into one DCP checkpoint. Oracle: the unsharded model of the same seed. Asserted: read back in
-# ONE process at the saved global shapes, every expert equals the unsharded model's (both EP ranks' slices are in
-# it), and a fresh ep=2 model of another seed loads it in place to the same weights and AdamW moments.
+# One run of 4 gloo ranks: dp=4 x ep=2 with FSDP2, so edp=2. A test-only tiny config with 6 routed experts: each EP
+# rank holds 3, split 2 + 1 over edp (torch.chunk, uneven), so the (Shard(0), Shard(0)) nesting of
+# dsv4.parallel.expert_state sees both an edp split and an uneven one. Every rank trains the model of seed 3 for
+# two real AdamW steps on its own seeded random tokens (so every parameter and every expert has its own gradient
+# and moments), saves model + optimizer through ExpertStateLayout into one DCP checkpoint and trains step 3
+# (the uninterrupted run). A model of seed 4 with a fresh optimizer (zero moments, step 1 after torch's state
+# init) then loads the checkpoint the way DSV4Strategy.load_checkpoint does and trains step 3 (the resumed run);
+# an ep=1 model of seed 5 loads it too.
+RESUME_CONFIG = dict(n_routed_experts=6)
+RESUME_SEQ = 64
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _dcp_rank(rank, world_size, root):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+def _train_step(model, optimizer, rank, step):
+    """One real step on this rank's seeded random tokens; returns the loss (computed before the update)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, 256, (1, RESUME_SEQ), generator=g)
+    labels = ids.roll(-1, dims=1)
+    labels[:, -1] = -100
+    loss = model(ids, labels=labels).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def _local_tensors(state):
+    """A (nested) state dict with every DTensor as a clone of this rank's local tensor."""
     from torch.distributed.tensor import DTensor
 
-    from dsv4.parallel.expert_shard import shard_experts
+    if isinstance(state, dict):
+        return {k: _local_tensors(v) for k, v in state.items()}
+    if isinstance(state, DTensor):
+        return state.to_local().clone()
+    return state.clone() if isinstance(state, torch.Tensor) else state
+
+
+def _resume_rank(rank, world_size, root):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.distributed.tensor import DTensor
+
+    from dsv4.config import DSV4Config
+    from dsv4.model import DSV4ForCausalLM
+    from dsv4.model.moe import GroupedExperts
+    from dsv4.parallel.expert_shard import apply_expert_parallel
     from dsv4.parallel.expert_state import ExpertStateLayout
     from dsv4.parallel.mesh import ParallelDims, build_meshes
     from dsv4.parallel.wrap import apply_fsdp
 
-    meshes = build_meshes(ParallelDims(world_size=world_size, ep=2), "cpu")
+    meshes = build_meshes(ParallelDims(world_size=world_size, dp=4, ep=2), "cpu")
 
     def build(seed):
-        from dsv4.config import DSV4Config
-        from dsv4.model import DSV4ForCausalLM
-
         torch.manual_seed(seed)
-        model = DSV4ForCausalLM(DSV4Config.preset("tiny"))
-        shard_experts(model, meshes.ep)
+        model = DSV4ForCausalLM(DSV4Config.preset("tiny", **RESUME_CONFIG))
+        apply_expert_parallel(model, "alltoall", meshes.ep.get_group(), "cpu")
         apply_fsdp(model, meshes)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for p in model.parameters():  # one update with a known gradient: non-zero moments to compare
-            p.grad = torch.ones_like(p) * 1e-2
-        optimizer.step()
-        return model, optimizer
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     model, optimizer = build(3)
+    for step in (1, 2):
+        _train_step(model, optimizer, rank, step)
     layout = ExpertStateLayout.of(model, meshes.experts)
-    dcp.save({"state_dict": layout.model_state(get_model_state_dict(model)),
-              "optimizer_0": layout.optimizer_state(get_optimizer_state_dict(model, optimizer))},
+    offsets = {f"{path}.{name}": m.expert_offset for path, m in model.named_modules() if isinstance(m, GroupedExperts)
+               for name in m.stacked_names()}
+    model_state, optim_state = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+    # the oracle of the checkpoint's global tensors: FSDP's own gather of this EP rank's slice (over edp)
+    slices = {n: {"weight": model_state[n].full_tensor(), **{k: optim_state["state"][n][k].full_tensor()
+                                                             for k in MOMENTS}} for n in sorted(offsets)}
+    saved = {"model": _local_tensors(model_state), "optim": _local_tensors(optim_state["state"])}
+    dcp.save({"state_dict": layout.model_state(model_state), "optimizer_0": layout.optimizer_state(optim_state)},
              checkpoint_id=root)
+    loss = _train_step(model, optimizer, rank, 3)
+    uninterrupted = {"loss": loss, "after": _local_tensors(get_model_state_dict(model))}
 
+    # resume: the steps of DSV4Strategy.load_checkpoint (in place, through the layout, then set_*_state_dict)
     fresh, fresh_optimizer = build(4)
-    model_state = get_model_state_dict(fresh)
-    optim_state = get_optimizer_state_dict(fresh, fresh_optimizer)
-    dcp.load({"state_dict": layout.model_state(model_state), "optimizer_0": layout.optimizer_state(optim_state)},
-             checkpoint_id=root)
+    fresh_model_state = get_model_state_dict(fresh)
+    dcp.load({"state_dict": layout.model_state(fresh_model_state)}, checkpoint_id=root)
+    set_model_state_dict(fresh, fresh_model_state)
+    fresh_optim_state = get_optimizer_state_dict(fresh, fresh_optimizer)
+    dcp.load({"optimizer_0": layout.optimizer_state(fresh_optim_state)}, checkpoint_id=root)
+    set_optimizer_state_dict(fresh, fresh_optimizer, optim_state_dict=fresh_optim_state,
+                             options=StateDictOptions(cpu_offload=True))
+    loaded = {"model": _local_tensors(get_model_state_dict(fresh)),
+              "optim": _local_tensors(get_optimizer_state_dict(fresh, fresh_optimizer)["state"])}
+    loss = _train_step(fresh, fresh_optimizer, rank, 3)
+    resumed = {"loss": loss, "after": _local_tensors(get_model_state_dict(fresh))}
 
-    def local(state):
-        return {k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in state.items()
-                if isinstance(v, torch.Tensor)}
+    # parts the (Shard(0), Shard(0)) description would misplace: ValueError, not a silent save
+    name, errors = "model.layers.1.mlp.experts.w2", []
+    part = get_model_state_dict(fresh)[name]
+    wrong = (("edp order", ExpertStateLayout(layout.num_experts, layout.ranks.flip(1)), part),
+             ("chunk size", layout, DTensor.from_local(part.to_local()[:0], part.device_mesh, part.placements,
+                                                      run_check=False, shape=part.shape, stride=part.stride())))
+    for what, bad_layout, tensor in wrong:
+        try:
+            bad_layout.globalize(name, tensor)
+            errors.append(f"{what}: no error")
+        except ValueError as e:
+            errors.append(f"{what}: {e}")
+    experts = fresh.model.layers[1].mlp.experts  # a module whose slice is not its EP rank's: ValueError
+    experts.expert_offset = 3 - experts.expert_offset
+    try:
+        ExpertStateLayout.of(fresh, meshes.experts)
+        errors.append("slice: no error")
+    except ValueError as e:
+        errors.append(f"slice: {e}")
+    experts.expert_offset = 3 - experts.expert_offset
 
-    return {"saved": local(get_model_state_dict(model)), "loaded": local(get_model_state_dict(fresh)),
-            "saved_m": local(get_optimizer_state_dict(model, optimizer)["state"]["model.layers.1.mlp.experts.w2"]),
-            "loaded_m": local(optim_state["state"]["model.layers.1.mlp.experts.w2"]),
-            "ep_names": sorted(layout.num_experts)}
+    # the same checkpoint under ep=1: every expert on every rank, FSDP-sharded 2 + 2 + 2 + 0 over the 4 ranks
+    torch.manual_seed(5)
+    whole = apply_fsdp(DSV4ForCausalLM(DSV4Config.preset("tiny", **RESUME_CONFIG)),
+                       build_meshes(ParallelDims(world_size=world_size, dp=4, ep=1), "cpu"))
+    whole_optimizer = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    whole_state, whole_optim = get_model_state_dict(whole), get_optimizer_state_dict(whole, whole_optimizer)
+    dcp.load({"state_dict": whole_state, "optimizer_0": whole_optim}, checkpoint_id=root)
+    under_ep1 = {n: {"rows": whole_state[n].to_local().shape[0], "weight": whole_state[n].full_tensor(),
+                     "step": float(whole_optim["state"][n]["step"]),
+                     **{k: whole_optim["state"][n][k].full_tensor() for k in MOMENTS}} for n in sorted(offsets)}
+    return {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted, "resumed": resumed, "slices": slices,
+            "offsets": offsets, "ep_names": sorted(layout.num_experts), "errors": errors, "under_ep1": under_ep1}
 
 
-def test_ep_checkpoint_holds_every_expert_at_global_shape_and_loads_in_place(tmp_path):
+@pytest.fixture(scope="module")
+def resume_run(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ep-resume") / "ckpt")
+    return root, run_on_ranks(_resume_rank, 4, (root,))
+
+
+def test_dp4_ep2_run_splits_each_expert_slice_unevenly_over_edp(resume_run):
+    """The case under test: experts mesh (edp, ep) = [[0, 1], [2, 3]]; EP rank e holds experts [3e, 3e + 3), of
+    which edp rank 0 holds 2 and edp rank 1 holds 1; every expert has its own, non-zero moments."""
+    _, results = resume_run
+    names = results[0]["ep_names"]
+    assert len(names) == 5 * 3 and set(names) == set(results[0]["offsets"])  # w1, w3, w2 of 4 layers + MTP
+    for rank, res in enumerate(results):
+        for n in names:
+            assert res["offsets"][n] == 3 * (rank % 2)
+            assert res["saved"]["model"][n].shape[0] == (2, 1)[rank // 2], (rank, n)
+            assert res["slices"][n]["weight"].shape[0] == 3
+            for k in MOMENTS:
+                rows = res["slices"][n][k].flatten(1)
+                assert (rows.abs().amax(dim=1) > 0).all(), (rank, n, k)  # every expert received tokens
+                assert len({tuple(r.tolist()) for r in rows}) == 3, (rank, n, k)  # and has its own moments
+
+
+def test_ep_checkpoint_loads_every_rank_state_exactly(resume_run):
+    """Each rank's loaded weights, AdamW exp_avg / exp_avg_sq and step equal what it saved, bit for bit, expert by
+    expert (the fresh optimizer held zero moments at step 1, the saved one non-zero moments at step 2)."""
+    _, results = resume_run
+    for rank, res in enumerate(results):
+        saved, loaded = res["saved"], res["loaded"]
+        assert loaded["model"].keys() == saved["model"].keys()
+        for n, value in saved["model"].items():
+            assert torch.equal(loaded["model"][n], value), (rank, n)
+        assert loaded["optim"].keys() == saved["optim"].keys() and len(saved["optim"]) > 100
+        for n, entry in saved["optim"].items():
+            assert loaded["optim"][n].keys() == entry.keys() == {"step", *MOMENTS}, (rank, n)
+            assert float(entry["step"]) == 2.0 and float(loaded["optim"][n]["step"]) == 2.0, (rank, n)
+            for k in MOMENTS:
+                if n in res["offsets"]:  # expert by expert: global index = EP offset + edp offset + row
+                    first = res["offsets"][n] + 2 * (rank // 2)
+                    for row in range(entry[k].shape[0]):
+                        assert torch.equal(loaded["optim"][n][k][row], entry[k][row]), (rank, n, k, first + row)
+                assert torch.equal(loaded["optim"][n][k], entry[k]), (rank, n, k)
+
+
+def test_ep_checkpoint_holds_every_expert_at_its_global_place(resume_run):
+    """Read back in ONE process at the global shapes [6, ...]: every expert's weights and AdamW moments equal the
+    EP slice FSDP gathers on the EP rank that owns it (at its offset): both EP ranks' slices, both edp chunks."""
     import torch.distributed.checkpoint as dcp
 
-    root = str(tmp_path / "ckpt")
-    results = run_on_ranks(_dcp_rank, 2, (root,))
-    unsharded = _full_model()  # the model both ranks sliced (seed 3), with the same AdamW update
-    optimizer = torch.optim.AdamW(unsharded.parameters(), lr=1e-3)
-    for p in unsharded.parameters():
-        p.grad = torch.ones_like(p) * 1e-2
-    optimizer.step()
-    reference = unsharded.state_dict()
+    root, results = resume_run
+    by_ep = {rank % 2: results[rank] for rank in (0, 1)}  # edp rank 0 of each EP group
     names = results[0]["ep_names"]
-    assert len(names) == 5 * 3  # w1, w3, w2 of 4 layers + the MTP depth
-    full = {f"state_dict.{n}": torch.empty_like(reference[n]) for n in names}
-    dcp.load(full, checkpoint_id=root, no_dist=True)  # one process, global shapes
+    oracle = {n: {key: torch.cat([by_ep[e]["slices"][n][key] for e in (0, 1)]) for key in ("weight", *MOMENTS)}
+              for n in names}
     for n in names:
-        assert full[f"state_dict.{n}"].shape[0] == 8
-        torch.testing.assert_close(full[f"state_dict.{n}"], reference[n], rtol=1.3e-6, atol=0, msg=n)
+        for e in (0, 1):
+            assert by_ep[e]["offsets"][n] == 3 * e
+    state = {"state_dict": {n: torch.empty_like(oracle[n]["weight"]) for n in names},
+             "optimizer_0": {"state": {n: {k: torch.empty_like(oracle[n][k]) for k in MOMENTS} for n in names}}}
+    dcp.load(state, checkpoint_id=root, no_dist=True)
+    for n in names:
+        assert state["state_dict"][n].shape[0] == 6
+        for expert in range(6):
+            assert torch.equal(state["state_dict"][n][expert], oracle[n]["weight"][expert]), (n, expert)
+            for k in MOMENTS:
+                assert torch.equal(state["optimizer_0"]["state"][n][k][expert], oracle[n][k][expert]), (n, k, expert)
+
+
+def test_ep2_checkpoint_loads_under_ep1(resume_run):
+    """The dp=4 ep=2 checkpoint loads into an ep=1 model (each expert stack [6, ...] FSDP-sharded 2 + 2 + 2 + 0 over
+    the 4 ranks; DCP reshards): every expert's weights, AdamW moments and step, gathered, equal the EP slices of the
+    saving run at their offsets."""
+    _, results = resume_run
+    by_ep = {rank % 2: results[rank] for rank in (0, 1)}
     for rank, res in enumerate(results):
-        assert res["saved"].keys() == res["loaded"].keys()
-        for k in res["saved"]:
-            assert torch.equal(res["loaded"][k], res["saved"][k]), (rank, k)
-        for k in ("exp_avg", "exp_avg_sq"):
-            assert res["saved_m"][k].abs().sum() > 0
-            assert torch.equal(res["loaded_m"][k], res["saved_m"][k]), (rank, k)
+        for n, got in res["under_ep1"].items():
+            assert got["rows"] == (2, 2, 2, 0)[rank] and got["step"] == 2.0, (rank, n)
+            for key in ("weight", *MOMENTS):
+                want = torch.cat([by_ep[e]["slices"][n][key] for e in (0, 1)])
+                for expert in range(6):
+                    assert torch.equal(got[key][expert], want[expert]), (rank, n, key, expert)
+
+
+def test_dp4_ep2_resumed_step_equals_the_uninterrupted_step(resume_run):
+    """Step 3 after the resume equals step 3 of the uninterrupted run on every rank, bit for bit: its loss (the
+    loaded weights) and every weight after its AdamW update (the loaded moments and step: the fresh optimizer's
+    zero moments at step 1 give another update)."""
+    _, results = resume_run
+    for rank, res in enumerate(results):
+        assert torch.equal(res["resumed"]["loss"], res["uninterrupted"]["loss"]), rank
+        after, want = res["resumed"]["after"], res["uninterrupted"]["after"]
+        assert after.keys() == want.keys()
+        for n, value in want.items():
+            assert torch.equal(after[n], value), (rank, n)
+
+
+def test_ep_layout_refuses_an_fsdp_part_it_would_misplace(resume_run):
+    """globalize raises ValueError naming the ranks or sizes when FSDP's part of an EP slice is not the part the
+    (Shard(0), Shard(0)) description places: a layout with the edp ranks in the other order, and a local part of
+    another size than this rank's torch.chunk part; ExpertStateLayout.of when a module holds another EP rank's slice."""
+    _, results = resume_run
+    for rank, res in enumerate(results):
+        order, size, slice_ = res["errors"]
+        ep = rank % 2
+        assert order == (f"edp order: model.layers.1.mlp.experts.w2: FSDP shards EP rank {ep}'s slice over ranks "
+                         f"[{ep}, {ep + 2}], the expert mesh's edp ranks of that slice are [{ep + 2}, {ep}]"), rank
+        assert size == (f"chunk size: model.layers.1.mlp.experts.w2: rank {rank} holds 0 of EP rank {ep}'s 3 "
+                        f"experts, torch.chunk over edp=2 gives edp rank {rank // 2} {(2, 1)[rank // 2]}"), rank
+        assert slice_ == (f"slice: model.layers.1.mlp.experts: this rank holds experts [{3 - 3 * ep}, "
+                          f"{6 - 3 * ep}), EP rank {ep} of the expert mesh [[0, 2], [1, 3]] ([ep, edp]) holds "
+                          f"[{3 * ep}, {3 * ep + 3})"), rank

@@ -76,8 +76,10 @@ def test_cp2_ep2_lora_merged_export_equals_the_one_process_export(tmp_path):
 def test_cp2_ep2_checkpoint_resumes_on_the_same_trajectory_and_converts(tmp_path):
     """A `cp=2 ep=2` full fine-tune checkpointed at step 2 (each EP rank's experts at their global place):
     `python -m dsv4.checkpoint export` of it writes the run's own `export.hf_dir` byte for byte, and the run resumed
-    to step 3 logs the losses of an uninterrupted 3-step run (a checkpoint missing one EP rank's experts or their
-    AdamW moments would change step 3)."""
+    to step 3 follows an uninterrupted 3-step run: the same losses (step 3's loss is computed from the loaded
+    weights: a checkpoint missing one EP rank's experts changes it) and the same float32 export after step 3's
+    update, byte for byte (that update uses the loaded AdamW moments and step: a resume without them moves every
+    weight differently)."""
     from dsv4.checkpoint.__main__ import main
     from tests.e2e.helpers import losses
 
@@ -90,9 +92,17 @@ def test_cp2_ep2_checkpoint_resumes_on_the_same_trajectory_and_converts(tmp_path
     assert sorted(os.listdir(tmp_path / "out")) == names and len(names) >= 3
     for name in names:
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
-    proc = run_recipe([*common, "trainer.max_steps=3"], cut)  # resumes from cut/checkpoints/last.ckpt (step 2)
+    # resumes from cut/checkpoints/last.ckpt (step 2)
+    proc = run_recipe([*common, "trainer.max_steps=3", f"export.hf_dir={tmp_path / 'resumed'}"], cut)
     assert "resuming from" in proc.stdout + proc.stderr
-    run_recipe([*common, "trainer.max_steps=3"], whole)
+    run_recipe([*common, "trainer.max_steps=3", f"export.hf_dir={tmp_path / 'whole-hf'}"], whole)
     resumed, uninterrupted = losses(cut), losses(whole)
     assert sorted(uninterrupted) == [0, 1, 2] or sorted(uninterrupted) == [1, 2, 3]
     assert resumed == uninterrupted
+    names = sorted(os.listdir(tmp_path / "whole-hf"))
+    assert sorted(os.listdir(tmp_path / "resumed")) == names
+    for name in names:  # the weights after step 3's update
+        assert (tmp_path / "resumed" / name).read_bytes() == (tmp_path / "whole-hf" / name).read_bytes(), name
+    # and that update moved the weights the checkpoint held (else equal exports would say nothing about moments)
+    assert any((tmp_path / "resumed" / n).read_bytes() != (tmp_path / "hf" / n).read_bytes() for n in names
+               if n.endswith(".safetensors"))
