@@ -52,7 +52,8 @@ def _build_model(job: dict):
     if checkpoint and Path(checkpoint).is_dir():  # a Hugging Face-format DSV4 checkpoint (FP8/FP4 or exported)
         from dsv4.checkpoint import load_hf_checkpoint
 
-        load_hf_checkpoint(model, checkpoint, init_missing_mtp=job.get("init_missing_mtp", False))
+        # the capture reads backbone layers only: MTP depths the checkpoint lacks are never run, so never refused
+        load_hf_checkpoint(model, checkpoint, init_missing_mtp=True)
     elif checkpoint:  # a safetensors file holding the dsv4 state dict
         from safetensors.torch import load_file
 
@@ -208,7 +209,7 @@ def run_capture(cfg: Any, output_dir: str | Path) -> dict:
     data = {k: v for k, v in c["data"].items() if v is not None and k not in ("overlong", "cache_dir", "num_proc")}
     data = resolve_data_source(data, c["model"].get("checkpoint"), config.vocab_size)
     job = {"model": config.to_dict(), "data": data, "layer_ids": layer_ids, "seed": int(c["seed"]),
-           "checkpoint": c["model"].get("checkpoint"), "init_missing_mtp": bool(c["model"].get("init_missing_mtp")),
+           "checkpoint": c["model"].get("checkpoint"),
            "dtype": c["dtype"], "seq_len": int(c["seq_len"]),
            "micro_batch_size": int(c["micro_batch_size"]), "docs_per_shard": int(c["docs_per_shard"]),
            "max_documents": c.get("max_documents"),
