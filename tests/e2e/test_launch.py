@@ -16,7 +16,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dsv4.training.checkpoint_writer import STALL_VAR
 from dsv4.training.checkpointing import checkpoint_step, complete_checkpoints
 from tests.e2e.helpers import FAST, REPO, losses, recipe_env, reserved_port, run_recipe
 
@@ -179,14 +178,16 @@ RESTARTS = [*PREEMPTION, "checkpoint.async_save=false"]  # synchronous: step4.ck
 
 def test_torchrun_max_restarts_resumes_from_the_newest_complete_checkpoint_after_sigkills(uninterrupted, tmp_path):
     """torchrun --max-restarts=2 (1 node x 2 processes, cp=2) with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    (docs/scale.md#a-lost-rank): rank 1 is SIGKILLed twice. First inside the step-4 save (held there by the writer's
-    test hook after step4.ckpt.partial was created): the restarted group skips the partial and resumes from step 2.
+    (docs/scale.md#a-lost-rank): rank 1 is SIGKILLed twice. First inside the step-4 save (held there by the test
+    callback :class:`tests.e2e.launch_probes.StallInsideSave` after step4.ckpt.partial was created): the restarted
+    group skips the partial and resumes from step 2.
     Then during step 5 (step 4 committed and its loss logged): the next restart resumes from step 4. The run
     finishes with exactly the uninterrupted run's losses."""
     with reserved_port() as port:
-        agent = _torchrun(RESTARTS, port, tmp_path, extra=("--max-restarts", "2"),
-                          env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO",
-                               STALL_VAR: "step4.ckpt:1"})
+        stall = ["+callbacks.stall._target_=tests.e2e.launch_probes.StallInsideSave",
+                 "+callbacks.stall.name=step4.ckpt", "+callbacks.stall.rank=1"]
+        agent = _torchrun([*RESTARTS, *stall], port, tmp_path, extra=("--max-restarts", "2"),
+                          env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO", **PROBES_ENV})
         ckpts = tmp_path / "checkpoints"
         _wait_for(ckpts / "step4.ckpt.stalled", agent)  # rank 1 stopped inside the step-4 save
         killed = _rank_process(agent, 1)
