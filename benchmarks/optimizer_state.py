@@ -9,9 +9,10 @@ read from the run's CSV log. Per model and option:
 * ``optimizer_state.final_gap``: that minus the fp32 moments' (positive: the cheaper state ends higher);
 * ``optimizer_state.max_abs_gap``: the largest ``|loss - fp32 loss|`` at any one step.
 
-With ``--plot-dir`` it writes ``optimizer_state_<model>.svg`` there: the loss curves (a moving average over
-``--window`` steps) of every option. Models: ``tiny`` (``conf/model/tiny.yaml``) and ``mid`` (``MODELS`` of
-``benchmarks/memory_plan.py``: hidden 512, 8 layers, 16 experts, vocabulary 32768).
+With ``--plot-dir`` it writes ``optimizer_state_<model>.svg`` there (:func:`plot_losses`, matplotlib: ``pip install
+-e '.[bench]'``): the loss curves (a moving average over ``--window`` steps) of every option. Models: ``tiny``
+(``conf/model/tiny.yaml``) and ``mid`` (``MODELS`` of ``benchmarks/memory_plan.py``: hidden 512, 8 layers, 16
+experts, vocabulary 32768).
 
     python benchmarks/optimizer_state.py --plot-dir docs/images                  # tiny and mid, 300 steps
     python benchmarks/optimizer_state.py --models tiny --steps 20 --state-dtypes float32 bfloat16   # a quick look
@@ -30,10 +31,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from common import emit
 from memory_plan import MODELS
-from svg_chart import line_chart
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 REPO = Path(__file__).resolve().parents[1]
 STATE_DTYPES = ("float32", "bfloat16", "8bit")
@@ -98,6 +102,35 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
+def _matplotlib():
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError(f"--plot-dir needs matplotlib: pip install -e '.[bench]' ({err})") from None
+    return matplotlib
+
+
+def plot_losses(curves: dict[str, list[float]], window: int, path: Path, title: str) -> Figure:
+    """Write the SVG line chart of ``curves`` (label -> the loss at steps 0, 1, ...) to ``path``: one line per
+    curve, its ``window``-step :func:`moving_average` against the optimizer step, with a legend. Text stays text
+    (``svg.fonttype`` none) and the file carries no date, so the same curves give the same file. Returns the
+    matplotlib ``Figure``."""
+    matplotlib = _matplotlib()
+    from matplotlib.figure import Figure
+
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "dsv4-benchmarks"}):
+        fig = Figure(figsize=(7.2, 4.2))
+        ax = fig.add_subplot()
+        for label, values in curves.items():
+            ax.plot(range(len(values)), moving_average(values, window), label=label, linewidth=1.5, alpha=0.85)
+        ax.set(title=title, xlabel="optimizer step", ylabel="train/loss")
+        ax.grid(True, color="#dddddd")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, format="svg", metadata={"Date": None})
+    return fig
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny", "mid"])
@@ -112,6 +145,8 @@ def main() -> None:
         raise ValueError("--state-dtypes must include float32: the gaps are measured against it")
     if not 1 <= args.window <= args.steps:
         raise ValueError(f"--window={args.window} must be between 1 and --steps={args.steps}")
+    if args.plot_dir is not None:
+        _matplotlib()  # before any run
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work_dir or Path(tmp)
         for model in args.models:
@@ -129,13 +164,9 @@ def main() -> None:
                      round(max(abs(a - b) for a, b in zip(values, reference)), 5), "loss")
             if args.plot_dir is not None:
                 args.plot_dir.mkdir(parents=True, exist_ok=True)
-                series = {f"moments {dt}": list(enumerate(moving_average([curves[dt][s] for s in range(args.steps)],
-                                                                         args.window)))
-                          for dt in args.state_dtypes}
-                svg = line_chart(series, title=f"{model} model: train/loss by AdamW moment precision "
-                                 f"({args.window}-step moving average)", x_label="optimizer step",
-                                 y_label="train/loss")
-                (args.plot_dir / f"optimizer_state_{model}.svg").write_text(svg)
+                plot_losses({f"moments {dt}": [curves[dt][s] for s in range(args.steps)] for dt in args.state_dtypes},
+                            args.window, args.plot_dir / f"optimizer_state_{model}.svg",
+                            f"{model} model: train/loss by AdamW moment precision ({args.window}-step moving average)")
 
 
 if __name__ == "__main__":

@@ -14,19 +14,12 @@ write finishes only after DCP gathered every rank's write results and wrote ``.m
 waiting for the others.
 
 Every rank calls ``save`` and ``finish`` in the same order (they hold barriers).
-
-Test hook: ``DSV4_TEST_STALL_SAVE=<name>:<rank>`` stops global rank ``<rank>`` inside the first save of ``<name>``
-(e.g. ``step4.ckpt``), after ``<name>.partial`` was created and before it writes, until the process is killed; it
-leaves ``<name>.stalled`` beside the checkpoint first (the test's signal to kill), and a later save of ``<name>``
-that finds that file goes on (the run after a restart). Unset, the hook does nothing.
 """
 
 from __future__ import annotations
 
 import io
-import os
 import shutil
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +29,6 @@ import torch
 
 META_FILE = "meta.pt"
 PARTIAL_SUFFIX = ".partial"
-STALL_VAR = "DSV4_TEST_STALL_SAVE"
 
 
 @dataclass
@@ -79,7 +71,6 @@ class CheckpointWriter:
             buffer = io.BytesIO()
             torch.save(meta or {}, buffer)
             blob = buffer.getvalue()
-        _stall_for_test(path, self.rank)
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.process_group)
             self._pending = _Pending(future, partial, path, blob)
@@ -101,23 +92,6 @@ class CheckpointWriter:
             if self.on_commit is not None:
                 self.on_commit(pending.path)
         self.barrier("dsv4-checkpoint-committed")
-
-
-def _stall_for_test(path: Path, rank: int) -> None:
-    """The ``DSV4_TEST_STALL_SAVE`` hook (module docstring): never returns on the named rank's first save of the
-    named checkpoint."""
-    target = os.environ.get(STALL_VAR)
-    if not target:
-        return
-    name, _, who = target.rpartition(":")
-    if not name or not who.isdigit():
-        raise ValueError(f"{STALL_VAR}={target!r} must be <checkpoint name>:<global rank>, e.g. step4.ckpt:1")
-    marker = path.with_name(path.name + ".stalled")
-    if name != path.name or int(who) != rank or marker.exists():
-        return
-    marker.touch()
-    while True:
-        time.sleep(1)
 
 
 def replace_directory(new: Path, path: Path) -> None:

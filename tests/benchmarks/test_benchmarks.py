@@ -228,23 +228,23 @@ def test_data_prepare_tree_memory_attributes_ranks_and_helpers():
     assert memory.ranks[1]["hwm"] >= memory.ranks[1]["rss_anon"]
 
 
-def test_svg_line_chart_puts_every_point_inside_the_plot_area():
-    import re
+def test_optimizer_state_plot_draws_each_curves_moving_average(tmp_path):
+    from optimizer_state import plot_losses
 
-    from svg_chart import line_chart, nice_ticks
-
-    assert nice_ticks(0.0, 1.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
-    assert nice_ticks(2.3, 7.9) == [3.0, 4.0, 5.0, 6.0, 7.0]
-    svg = line_chart({"a": [(0, 1.0), (10, 3.0)], "b <&>": [(0, 2.0), (5, 2.5)]}, title="t", x_label="x",
-                     y_label="y", width=400, height=300)
-    lines = re.findall(r'<polyline points="([^"]+)"', svg)
-    assert len(lines) == 2 and "b &lt;&amp;&gt;" in svg
-    # plot area: x in [70, 380], y in [40, 245] (margins left 70, right 20, top 40, bottom 55)
-    points = [tuple(map(float, p.split(","))) for line in lines for p in line.split()]
-    assert all(70 <= x <= 380 and 40 <= y <= 245 for x, y in points), points
-    assert points[0][0] == 70 and points[1][0] == 380  # the x axis spans the data
-    with pytest.raises(ValueError, match="at least one point"):
-        line_chart({"empty": []}, title="t", x_label="x", y_label="y")
+    curves = {"moments float32": [1.0, 2.0, 3.0, 4.0], "moments <bf16> & more": [4.0, 2.0, 2.0, 0.0]}
+    fig = plot_losses(curves, 2, tmp_path / "plot.svg", "tiny model: train/loss")
+    lines = fig.axes[0].get_lines()
+    assert [line.get_label() for line in lines] == list(curves)
+    assert [line.get_xydata().tolist() for line in lines] == [[[0, 1.0], [1, 1.5], [2, 2.5], [3, 3.5]],
+                                                              [[0, 4.0], [1, 3.0], [2, 2.0], [3, 1.0]]]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == list(curves)
+    svg = (tmp_path / "plot.svg").read_text()
+    assert svg.startswith("<?xml") and "<svg" in svg
+    # text stays text: the title, the axis labels and the legend (escaped) are in the file
+    for text in ("tiny model: train/loss", "optimizer step", "moments float32", "moments &lt;bf16&gt; &amp; more"):
+        assert text in svg, text
+    plot_losses(curves, 2, tmp_path / "again.svg", "tiny model: train/loss")
+    assert (tmp_path / "again.svg").read_text() == svg  # no date, fixed ids: the same curves, the same file
 
 
 def test_optimizer_state_moving_average_and_model_overrides():

@@ -1,9 +1,12 @@
 """End-to-end launches: preemption by a signal, the documented multi-node torchrun command (2 nodes x 2 processes
 on one machine), and torchrun restarting a group after a rank was SIGKILLed. Subprocesses on gloo CPU ranks; the
-signals are sent once a marker file appears (polled), and every comparison is with an uninterrupted run."""
+signals are sent once a marker file appears (polled), written by a test callback (``tests/e2e/launch_probes.py``)
+that holds the rank at a known point, so each signal lands on a known step. Every comparison is with an
+uninterrupted run."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,7 +16,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dsv4.training.checkpoint_writer import STALL_VAR
 from dsv4.training.checkpointing import checkpoint_step, complete_checkpoints
 from tests.e2e.helpers import FAST, REPO, losses, recipe_env, reserved_port, run_recipe
 
@@ -21,6 +23,27 @@ pytestmark = pytest.mark.e2e
 
 SAFETY_NET_S = 1800  # against a hang, not a performance bound
 PREEMPTION = [*FAST, "cp=2", "trainer.max_steps=6", "checkpoint.every_n_steps=2"]
+# the probes in tests/e2e/launch_probes.py are imported by the recipe processes (every rank inherits this)
+PROBES_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def _wait_for_signal(step: int, marker_dir: Path, rank: int | None) -> list[str]:
+    """The overrides adding :class:`tests.e2e.launch_probes.WaitForSignal` (``rank`` None: every rank)."""
+    probe = "tests.e2e.launch_probes.WaitForSignal"
+    return [f"+callbacks.wait._target_={probe}", f"+callbacks.wait.step={step}",
+            f"+callbacks.wait.marker_dir={marker_dir}", f"+callbacks.wait.rank={'null' if rank is None else rank}"]
+
+
+def _assert_stopped_with_the_preemption_save(ckpts: Path, stop: int, every: int, final: int) -> None:
+    """The run stopped after ``stop``, a step that neither the periodic schedule (every ``every`` steps) nor the
+    final save (``final``) writes: ``step<stop>.ckpt`` is complete and holds that step, so the preemption wrote it;
+    no later step was saved, nothing is incomplete and ``last.ckpt`` is that checkpoint."""
+    assert stop % every and stop != final, (stop, every, final)
+    complete, incomplete = complete_checkpoints(ckpts)
+    assert not incomplete, incomplete
+    assert checkpoint_step(ckpts / f"step{stop}.ckpt") == stop, sorted(p.name for p in ckpts.iterdir())
+    assert max(checkpoint_step(p) for p in complete) == stop, [(p.name, checkpoint_step(p)) for p in complete]
+    assert checkpoint_step(ckpts / "last.ckpt") == stop
 
 
 def _wait_for(path: Path, proc: subprocess.Popen) -> None:
@@ -44,13 +67,16 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumes(uninterrupted, tmp_path):
-    """SIGTERM to rank 1 only (a child of Lightning's launcher) once the step-2 save started: both ranks agree on
-    the step, save it, the job exits 143; the same command resumes from that step on the uninterrupted trajectory."""
-    cmd = [sys.executable, str(REPO / "recipes/finetune.py"), *PREEMPTION, f"hydra.run.dir={tmp_path}"]
+    """SIGTERM to rank 1 only (a child of Lightning's launcher) while a test callback holds it at the end of step 3,
+    before that step's preemption check: both ranks agree on step 3, which the periodic schedule (every 2 steps)
+    does not save, so step3.ckpt is the preemption's save; the job exits 143; the same command resumes from step 3
+    on the uninterrupted trajectory."""
+    cmd = [sys.executable, str(REPO / "recipes/finetune.py"), *PREEMPTION,
+           *_wait_for_signal(3, tmp_path / "waiting", rank=1), f"hydra.run.dir={tmp_path}"]
     with reserved_port() as port:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=recipe_env(port), stdout=subprocess.PIPE,
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**recipe_env(port), **PROBES_ENV}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        _wait_for(tmp_path / "checkpoints" / "step2.ckpt.partial", proc)  # the step-2 save started
+        _wait_for(tmp_path / "waiting" / "rank1.waiting", proc)  # rank 1 is held at the end of step 3
         ranks = _rank_processes(proc)
         assert len(ranks) == 2, ranks
         child = next(p for p in ranks if p.pid != proc.pid)
@@ -58,13 +84,8 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumes(unin
         out, _ = proc.communicate(timeout=SAFETY_NET_S)
         psutil.wait_procs(ranks, timeout=SAFETY_NET_S)
     assert proc.returncode == 143, out[-6000:]
-    complete, incomplete = complete_checkpoints(tmp_path / "checkpoints")
-    assert not incomplete, incomplete
-    stopped = max(checkpoint_step(p) for p in complete)
-    assert 2 <= stopped < 6, stopped
-    assert (tmp_path / "checkpoints" / f"step{stopped}.ckpt" / "meta.pt").exists()
-    assert checkpoint_step(tmp_path / "checkpoints" / "last.ckpt") == stopped
-    assert f"stopped after step {stopped} with a complete checkpoint" in out
+    _assert_stopped_with_the_preemption_save(tmp_path / "checkpoints", stop=3, every=2, final=6)
+    assert "stopped after step 3 with a complete checkpoint" in out
 
     resumed = run_recipe(PREEMPTION, tmp_path)
     assert f"resuming from {tmp_path / 'checkpoints' / 'last.ckpt'}" in resumed.stdout + resumed.stderr
@@ -72,7 +93,6 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumes(unin
     assert trajectory.keys() == uninterrupted.keys() == set(range(6))
     for step in trajectory:
         assert trajectory[step] == uninterrupted[step], (step, trajectory[step], uninterrupted[step])
-
 
 
 MULTI_NODE = [*FAST, "cp=2", "dp=2", "trainer.max_steps=4", "checkpoint.every_n_steps=2", "checkpoint.async_save=false"]
@@ -106,32 +126,33 @@ def _rank_process(agent: subprocess.Popen, rank: int, not_pid: int | None = None
     raise AssertionError(f"no rank {rank} under torchrun {agent.pid} (exit status {agent.poll()})")
 
 
-def _two_nodes(port: int, run_dir: Path) -> list[subprocess.Popen]:
-    return [_torchrun(MULTI_NODE, port, run_dir, nnodes=2, node_rank=node) for node in (0, 1)]
+def _two_nodes(port: int, run_dir: Path, extra_args: tuple[str, ...] = (),
+               env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    return [_torchrun([*MULTI_NODE, *extra_args], port, run_dir, nnodes=2, node_rank=node, env=env)
+            for node in (0, 1)]
 
 
 def test_two_node_torchrun_matches_lightning_and_resumes_after_sigterm(tmp_path):
     """The README's torchrun command as 2 nodes x 2 processes on this machine (cp=2 dp=2, one run dir for all
-    ranks): SIGTERM to both torchrun agents after the step-2 checkpoint (as a scheduler does) is forwarded to every
-    worker, which stop with a checkpoint (status 143); the same two commands resume, and every loss is the Lightning
-    launcher's for the same config."""
+    ranks): every worker is held by a test callback at the end of step 3 until it got a signal; SIGTERM to both
+    torchrun agents (as a scheduler does) is forwarded to every worker, which stop after step 3 with a checkpoint
+    (status 143). Step 3 is neither periodic (every 2 steps) nor the last (4), so step3.ckpt is the preemption's
+    save. The same two commands resume, and every loss is the Lightning launcher's for the same config."""
     run_recipe(MULTI_NODE, tmp_path / "lightning")
     reference = losses(tmp_path / "lightning")
     run = tmp_path / "torchrun"
     with reserved_port() as port:
-        agents = _two_nodes(port, run)
-        _wait_for(run / "checkpoints" / "step2.ckpt" / "meta.pt", agents[0])
+        agents = _two_nodes(port, run, extra_args=tuple(_wait_for_signal(3, tmp_path / "waiting", rank=None)),
+                            env=PROBES_ENV)
+        _wait_for(tmp_path / "waiting" / "rank0.waiting", agents[0])  # rank 0 is held at the end of step 3
         for agent in agents:
             agent.send_signal(signal.SIGTERM)
         outs = [agent.communicate(timeout=SAFETY_NET_S)[0] for agent in agents]
     for agent, out in zip(agents, outs):
         assert agent.returncode != 0 and "SignalException" in out, out[-6000:]  # torchrun re-raises the signal
-    complete, incomplete = complete_checkpoints(run / "checkpoints")
-    assert not incomplete, incomplete
-    stopped = checkpoint_step(run / "checkpoints" / "last.ckpt")
-    assert 2 <= stopped < 4 and (run / "checkpoints" / f"step{stopped}.ckpt" / "meta.pt").exists()
-    # every one of the 4 workers left through the preemption exit (status 143), after the same step
-    assert (run / "finetune.log").read_text().count(f"preempted: stopped after step {stopped} ") == 4
+    _assert_stopped_with_the_preemption_save(run / "checkpoints", stop=3, every=2, final=4)
+    # every one of the 4 workers left through the preemption exit (status 143), after step 3
+    assert (run / "finetune.log").read_text().count("preempted: stopped after step 3 ") == 4
     with reserved_port() as port:
         agents = _two_nodes(port, run)
         outs = [agent.communicate(timeout=SAFETY_NET_S)[0] for agent in agents]
@@ -157,14 +178,16 @@ RESTARTS = [*PREEMPTION, "checkpoint.async_save=false"]  # synchronous: step4.ck
 
 def test_torchrun_max_restarts_resumes_from_the_newest_complete_checkpoint_after_sigkills(uninterrupted, tmp_path):
     """torchrun --max-restarts=2 (1 node x 2 processes, cp=2) with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    (docs/scale.md#a-lost-rank): rank 1 is SIGKILLed twice. First inside the step-4 save (held there by the writer's
-    test hook after step4.ckpt.partial was created): the restarted group skips the partial and resumes from step 2.
+    (docs/scale.md#a-lost-rank): rank 1 is SIGKILLed twice. First inside the step-4 save (held there by the test
+    callback :class:`tests.e2e.launch_probes.StallInsideSave` after step4.ckpt.partial was created): the restarted
+    group skips the partial and resumes from step 2.
     Then during step 5 (step 4 committed and its loss logged): the next restart resumes from step 4. The run
     finishes with exactly the uninterrupted run's losses."""
     with reserved_port() as port:
-        agent = _torchrun(RESTARTS, port, tmp_path, extra=("--max-restarts", "2"),
-                          env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO",
-                               STALL_VAR: "step4.ckpt:1"})
+        stall = ["+callbacks.stall._target_=tests.e2e.launch_probes.StallInsideSave",
+                 "+callbacks.stall.name=step4.ckpt", "+callbacks.stall.rank=1"]
+        agent = _torchrun([*RESTARTS, *stall], port, tmp_path, extra=("--max-restarts", "2"),
+                          env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO", **PROBES_ENV})
         ckpts = tmp_path / "checkpoints"
         _wait_for(ckpts / "step4.ckpt.stalled", agent)  # rank 1 stopped inside the step-4 save
         killed = _rank_process(agent, 1)

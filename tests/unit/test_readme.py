@@ -136,7 +136,7 @@ def test_benchmark_scripts_named_exist_and_are_all_listed():
             assert (REPO / "benchmarks" / f"{script}.py").is_file(), f"{page}: benchmarks/{script}.py"
     table = PAGES["benchmarks/README.md"]
     listed = set(re.findall(r"^\| `benchmarks/(\w+)\.py` \|", table, re.M))
-    scripts = {p.stem for p in (REPO / "benchmarks").glob("*.py")  # scripts, not their helpers (common, svg_chart)
+    scripts = {p.stem for p in (REPO / "benchmarks").glob("*.py")  # scripts, not their helpers (common)
                if 'if __name__ == "__main__":' in p.read_text()}
     assert scripts <= listed, sorted(scripts - listed)
 

@@ -1,10 +1,13 @@
 """``python -m dsv4.checkpoint export``: a run's DCP checkpoint -> the files the run's own ``export.hf_dir`` wrote.
 
-One in-process run (one rank, 1 step, checkpointed) exports bfloat16 at its end; the converter, in this
-process from ``last.ckpt``, must write the same bytes. Damaged checkpoints are refused naming the file."""
+One in-process run (one rank, 1 step, checkpointed) exports bfloat16 at its end (``export.hf_dir``), and the same
+end-of-training call exports the same weights quantized as well (FP8 / FP4 with e8m0 scales: the fixture calls
+:func:`~dsv4.checkpoint.export_hf_checkpoint` a second time with ``dtype="quantized"``); the converter, in this process
+from ``last.ckpt``, must write the same bytes for each. Damaged checkpoints are refused naming the file."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -43,12 +46,53 @@ def _run(root, overrides):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
+    """The run; ``hf/`` is its bfloat16 export (``export.hf_dir``), ``hf_quantized/`` the quantized export of the
+    same model made by the same end-of-training call (the run's arguments, ``dtype="quantized"``)."""
+    import dsv4.checkpoint as checkpoint
+
     root = tmp_path_factory.mktemp("convert")
-    return _run(root, [f"export.hf_dir={root / 'hf'}"])
+    export = checkpoint.export_hf_checkpoint
+
+    def export_also_quantized(model, path, **kwargs):
+        report = export(model, path, **kwargs)
+        export(model, str(root / "hf_quantized"), **{**kwargs, "dtype": "quantized"})
+        return report
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint, "export_hf_checkpoint", export_also_quantized)
+        _run(root, [f"export.hf_dir={root / 'hf'}"])
+    return root
 
 
 def _files(directory):
     return {name: (directory / name).read_bytes() for name in sorted(os.listdir(directory))}
+
+
+def _assert_same_export(want_dir: Path, got_dir: Path) -> dict:
+    """``got_dir`` holds exactly the files of ``want_dir``: the same index, and in each shard the same tensors
+    (keys, dtypes, shapes, bytes), then the same bytes for every file (headers included). Returns the tensors."""
+    import torch
+    from safetensors import safe_open
+
+    want, got = _files(want_dir), _files(got_dir)
+    assert list(got) == list(want) and len(want) >= 3
+    index = json.loads(want["model.safetensors.index.json"])
+    assert json.loads(got["model.safetensors.index.json"]) == index
+    tensors = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(want_dir / shard, "pt") as w, safe_open(got_dir / shard, "pt") as g:
+            assert sorted(g.keys()) == sorted(w.keys()) == sorted(k for k, f in index["weight_map"].items()
+                                                                   if f == shard), shard
+            for key in w.keys():
+                a, b = w.get_tensor(key), g.get_tensor(key)
+                assert (b.dtype, b.shape) == (a.dtype, a.shape), key
+                a_bytes, b_bytes = (t.contiguous().view(-1).view(torch.uint8) for t in (a, b))
+                same = torch.equal(b_bytes, a_bytes)
+                assert same, f"{key} ({a.dtype}): {int((a_bytes != b_bytes).sum())} of {a_bytes.numel()} bytes differ"
+                tensors[key] = a
+    for name in want:
+        assert got[name] == want[name], name
+    return tensors
 
 
 def test_converter_writes_the_runs_own_export(finished_run, tmp_path, capsys):
@@ -60,16 +104,28 @@ def test_converter_writes_the_runs_own_export(finished_run, tmp_path, capsys):
     assert main(["export", str(finished_run / "run"), "--out", str(out)]) == 2
     assert f"error: `--out`={str(out)!r} is not empty" in capsys.readouterr().err
     assert main(["export", str(finished_run / "run"), "--out", str(out), "--overwrite"]) == 0
-    want, got = _files(finished_run / "hf"), _files(out)
-    assert list(got) == list(want) and len(want) >= 3
-    for name in want:
-        assert got[name] == want[name], name
+    _assert_same_export(finished_run / "hf", out)
     assert "wrote" in capsys.readouterr().out
 
 
-def test_converter_step_and_dtype(finished_run, tmp_path):
-    report = export_run(finished_run / "run", str(tmp_path), step=1, dtype="quantized")
-    assert any(k.endswith(".scale") for k in report.weight_map)
+def test_converter_quantized_is_the_runs_quantized_export(finished_run, tmp_path):
+    """``--step 1 --dtype quantized``: every tensor (FP8 weights with their 128x128 e8m0 scales, packed FP4 experts
+    with their per-32-column scales, BF16 / F32 / I64 ones), the index and config.json are the run's own quantized
+    export of the same weights, byte for byte."""
+    import torch
+
+    report = export_run(finished_run / "run", str(tmp_path / "out"), step=1, dtype="quantized")
+    tensors = _assert_same_export(finished_run / "hf_quantized", tmp_path / "out")
+    assert report.weight_map == json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())[
+        "weight_map"]
+    # quantized, not a plain copy: FP8 and packed FP4 weights, each with its e8m0 scale
+    by_dtype = {dt: [k for k, t in tensors.items() if t.dtype == dt] for dt in (torch.float8_e4m3fn, torch.int8)}
+    assert by_dtype[torch.float8_e4m3fn] and by_dtype[torch.int8], {k: t.dtype for k, t in tensors.items()}
+    for key in by_dtype[torch.float8_e4m3fn] + by_dtype[torch.int8]:
+        assert tensors[key.removesuffix(".weight") + ".scale"].dtype == torch.float8_e8m0fnu, key
+
+
+def test_converter_refuses_a_missing_step(finished_run, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"step7\.ckpt: no such checkpoint directory .*step1\.ckpt"):
         export_run(finished_run / "run", str(tmp_path / "x"), step=7)
 

@@ -1,11 +1,9 @@
-"""The torchrun restart warning (:mod:`dsv4.training.elastic`) and the checkpoint writer's test stall hook's
-configuration."""
+"""The torchrun restart warning (:mod:`dsv4.training.elastic`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsv4.training.checkpoint_writer import STALL_VAR, _stall_for_test
 from dsv4.training.elastic import SHARE_STORE_VAR, restart_store_warning
 
 
@@ -21,14 +19,3 @@ def test_no_warning_when_a_restart_cannot_see_an_earlier_rounds_keys(env):
 def test_a_shared_store_under_max_restarts_names_the_setting():
     message = restart_store_warning({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"})
     assert "--max-restarts=3" in message and f"{SHARE_STORE_VAR}=1" in message
-
-
-def test_stall_hook_passes_other_checkpoints_ranks_and_a_second_save(tmp_path, monkeypatch):
-    monkeypatch.setenv(STALL_VAR, "step4.ckpt:1")
-    _stall_for_test(tmp_path / "step2.ckpt", 1)  # another checkpoint
-    _stall_for_test(tmp_path / "step4.ckpt", 0)  # another rank
-    (tmp_path / "step4.ckpt.stalled").touch()  # stalled once already (the run before a restart)
-    _stall_for_test(tmp_path / "step4.ckpt", 1)
-    monkeypatch.setenv(STALL_VAR, "step4.ckpt")
-    with pytest.raises(ValueError, match=r"DSV4_TEST_STALL_SAVE='step4.ckpt' must be <checkpoint name>:<global rank>"):
-        _stall_for_test(tmp_path / "step4.ckpt", 1)
