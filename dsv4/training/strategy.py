@@ -17,8 +17,9 @@
   run's :class:`~dsv4.training.resume.RunLayout` travel in ``meta.pt``. Routed experts sliced over EP ranks are
   saved at their global shapes (:mod:`dsv4.parallel.expert_state`), so every expert is in the checkpoint once and a
   checkpoint loads under any layout; the loop's micro-batch count is rewritten for this run's layout
-  (:func:`~dsv4.training.resume.adapt_to_layout`). A LoRA model (:mod:`dsv4.peft`) saves and loads only its adapters (and the optimizer, which holds nothing
-  else): the frozen base comes from the model's own source (init seed or ``model.checkpoint``).
+  (:func:`~dsv4.training.resume.adapt_to_layout`). A LoRA model (:mod:`dsv4.peft`) saves and loads only its
+  adapters (and the optimizer, which holds nothing else): the frozen base comes from the model's own source (init
+  seed or ``model.checkpoint``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """dsv4.training.resume: a checkpoint's loop state rewritten for a resume under another layout (hand-computed
-counts on ``meta.pt`` dicts shaped as Lightning 2.6 writes them; the recipe-level resume is tests/e2e/test_resume_layout.py)."""
+counts on ``meta.pt`` dicts shaped as Lightning 2.6 writes them; the recipe-level resume is
+tests/e2e/test_resume_layout.py)."""
 
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ def test_another_global_batch_size_that_fits_is_a_warning(caplog):
     caplog.set_level(logging.INFO, logger="dsv4")
     adapt_to_layout(meta, RunLayout(dp=3, micro_batch_size=1, accumulation=2), source="ckpt")
     assert _progress(meta)["current"] == _counts(8)
-    assert "resuming ckpt, written under dp=2 cp=1 ep=1 (micro_batch_size=1, global_batch_size=4), under dp=3" in caplog.text
+    assert ("resuming ckpt, written under dp=2 cp=1 ep=1 (micro_batch_size=1, global_batch_size=4), under dp=3"
+            in caplog.text)
     assert any(r.levelname == "WARNING" and "global_batch_size 4 in ckpt, 6 now" in r.message for r in caplog.records)
 
 
