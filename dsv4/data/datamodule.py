@@ -156,6 +156,8 @@ class DSV4DataModule(L.LightningDataModule):
         if self.trainer is not None:  # the loader prefetches one batch: save what training actually consumed
             batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
             consumed = min(batches * self.micro_batch_size, len(self.sampler))
+            if len(self.sampler) - consumed < self.micro_batch_size:  # the loader drops what no whole micro-batch
+                consumed = len(self.sampler)  # fills: the epoch is over, under any layout it resumes with
         return {"sampler": self.sampler.state_dict(consumed=consumed)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -4,12 +4,18 @@
   ``i`` is row ``i`` as a one-row :class:`~dsv4.batch.TokenBatch`); ``DataLoader(collate_fn=TokenBatch.stack)``
   stacks rows into batches.
 * :class:`DistributedPackedSampler`: shards row indices by the **data-parallel** rank only; every rank of a CP group
-  passes the same ``dp_rank`` and so sees the same rows. Every dp rank gets exactly ``len(sampler)`` indices
-  (``ceil(n / dp_size)`` with ``drop_last=False``, repeating the epoch's first indices to even out;
-  ``n // dp_size`` with ``drop_last=True``), hence the same number of batches. The epoch order is
-  ``torch.randperm(n)`` seeded with ``seed + epoch`` (or ``0..n-1`` without shuffling); rank ``r`` takes positions
-  ``r, r + dp_size, ...``. ``state_dict()`` holds the epoch and the number of indices already handed out this epoch,
-  so a sampler restored with ``load_state_dict`` continues with exactly the next index (the next batch).
+  passes the same ``dp_rank`` and so sees the same rows. The epoch's **global order** depends only on ``seed``,
+  ``epoch`` and the dataset length: ``torch.randperm(n)`` seeded with ``seed + epoch`` (or ``0..n-1`` without
+  shuffling), never on ``dp_size``. Rank ``r`` takes positions ``r, r + dp_size, ...`` of it, so after every rank
+  handed out ``p`` indices the replicas together consumed exactly global positions ``[0, p * dp_size)``. Every dp
+  rank gets ``len(sampler)`` indices (``ceil(n / dp_size)`` with ``drop_last=False``, the order extended with its
+  first indices to a multiple of ``dp_size``; ``n // dp_size`` with ``drop_last=True``), hence the same number of
+  batches.
+* Resuming: ``state_dict()`` holds the epoch and the **global** position (``position * dp_size``: the global-order
+  indices all replicas consumed; ``n`` once this rank's epoch is exhausted). ``load_state_dict`` continues from that
+  global position under any ``dp_size`` whose multiple it is: each new replica takes its strided share of the rest of
+  the same global order, so no index of the order is repeated or skipped. Only the end of the epoch depends on the
+  layout (which indices pad it to a multiple of ``dp_size``, or are dropped), as in an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -57,10 +63,7 @@ class DistributedPackedSampler(Sampler[int]):
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
-        if self.drop_last:
-            self.num_samples = self.dataset_len // self.dp_size
-        else:
-            self.num_samples = -(-self.dataset_len // self.dp_size)
+        self.num_samples = self.samples_per_replica(self.dataset_len, self.dp_size, self.drop_last)
         self.epoch = 0
         self.position = 0
 
@@ -95,14 +98,15 @@ class DistributedPackedSampler(Sampler[int]):
         self.epoch = int(epoch)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
-        """``epoch`` and ``position`` (indices handed out this epoch, or ``consumed`` when given) plus the settings
-        a restore must match."""
+        """``epoch`` and ``global_position`` (see the module docstring) of ``position`` indices handed out by this
+        rank this epoch (``consumed`` when given), plus the settings a restore must match and ``dp_size`` (the layout
+        it was saved under, for the record)."""
         position = self.position if consumed is None else int(consumed)
         if not 0 <= position <= self.num_samples:
             raise ValueError(f"DistributedPackedSampler: position {position} is outside [0, {self.num_samples}]")
         return {
             "epoch": self.epoch,
-            "position": position,
+            "global_position": self.dataset_len if position == self.num_samples else position * self.dp_size,
             "seed": self.seed,
             "dataset_len": self.dataset_len,
             "dp_size": self.dp_size,
@@ -111,23 +115,41 @@ class DistributedPackedSampler(Sampler[int]):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore epoch and position; KeyError / ValueError if ``state`` is incomplete or from another setup."""
-        missing = [k for k in ("epoch", "position", "seed", "dataset_len", "dp_size") if k not in state]
+        """Continue the saved epoch from its global position under this sampler's ``dp_size`` (any, when the
+        position is a multiple of it or the epoch is exhausted); KeyError / ValueError if ``state`` is incomplete,
+        from another data setup, or its position cannot be split evenly over this run's replicas."""
+        missing = [k for k in ("epoch", "global_position", "seed", "dataset_len", "shuffle", "drop_last")
+                   if k not in state]
         if missing:
             raise KeyError(f"DistributedPackedSampler.load_state_dict: missing keys {missing}")
-        for key in ("seed", "dataset_len", "dp_size", "shuffle", "drop_last"):
-            if key in state and state[key] != getattr(self, key):
+        for key in ("seed", "dataset_len", "shuffle", "drop_last"):
+            if state[key] != getattr(self, key):
                 raise ValueError(
                     f"DistributedPackedSampler.load_state_dict: saved {key}={state[key]!r} but this run has "
                     f"{key}={getattr(self, key)!r}; the data order would not continue where it stopped"
                 )
-        position = int(state["position"])
-        if not 0 <= position <= self.num_samples:
+        consumed = int(state["global_position"])
+        if not 0 <= consumed <= self.dataset_len:
+            raise ValueError(f"DistributedPackedSampler.load_state_dict: global_position {consumed} is outside "
+                             f"[0, dataset_len={self.dataset_len}]")
+        if consumed == self.dataset_len:
+            position = self.num_samples
+        elif consumed % self.dp_size:
             raise ValueError(
-                f"DistributedPackedSampler.load_state_dict: position {position} is outside [0, {self.num_samples}]"
+                f"DistributedPackedSampler.load_state_dict: the checkpoint consumed {consumed} indices of epoch "
+                f"{state['epoch']} (saved with dp_size={state.get('dp_size')}), not a multiple of this run's "
+                f"dp_size={self.dp_size}: the replicas cannot continue in step; resume with a dp_size dividing "
+                f"{consumed}"
             )
+        else:
+            position = consumed // self.dp_size
         self.epoch = int(state["epoch"])
         self.position = position
+
+    @staticmethod
+    def samples_per_replica(dataset_len: int, dp_size: int, drop_last: bool = False) -> int:
+        """``len()`` of a sampler of ``dataset_len`` rows on ``dp_size`` replicas."""
+        return dataset_len // dp_size if drop_last else -(-dataset_len // dp_size)
 
 
 def build_packed_dataset(

@@ -156,6 +156,14 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
                         **spec.trainer)
     # gradient accumulation from global_batch_size (the world size is known here also when the config left it open)
     trainer.accumulate_grad_batches = spec.accumulation(trainer.world_size)
+    if resume:  # another layout is refused here, in the launching process, not after every rank started
+        from dsv4.parallel.mesh import ParallelDims
+        from dsv4.training.resume import RunLayout, check_resume
+
+        p = spec.parallel
+        dp = ParallelDims(world_size=trainer.world_size, cp=p.cp, dp=p.dp, ep=p.ep).validate()
+        check_resume(resume, RunLayout(dp=dp, cp=p.cp, ep=p.ep, micro_batch_size=spec.micro_batch_size,
+                                       accumulation=trainer.accumulate_grad_batches))
     if trainer.global_rank == 0:
         OmegaConf.save(OmegaConf.create(dict(spec.resolved)), output_dir / "resolved_config.yaml")
     if logger:

@@ -13,11 +13,13 @@
   optimizer state and gradient reduction; :func:`~dsv4.training.options.trainer.compute_dtype_for` maps the trainer's precision).
   ``offload`` (``trainer.offload=optimizer``): FSDP2's CPU offload policy, the shards, gradients and optimizer state
   in host memory; FSDP places parameters and buffers itself, so the model is not moved to the device afterwards.
-* Checkpoints: distributed (DCP) save/load of model and optimizer; loop, scheduler, data position and RNG travel
-  in ``meta.pt``. Routed experts sliced over EP ranks are saved at their global shapes
-  (:mod:`dsv4.parallel.expert_state`), so every expert is in the checkpoint once and a checkpoint loads under any
-  layout. A LoRA model (:mod:`dsv4.peft`) saves and loads only its adapters (and the optimizer, which holds nothing
-  else): the frozen base comes from the model's own source (init seed or ``model.checkpoint``).
+* Checkpoints: distributed (DCP) save/load of model and optimizer; loop, scheduler, data position, RNG and the
+  run's :class:`~dsv4.training.resume.RunLayout` travel in ``meta.pt``. Routed experts sliced over EP ranks are
+  saved at their global shapes (:mod:`dsv4.parallel.expert_state`), so every expert is in the checkpoint once and a
+  checkpoint loads under any layout; the loop's micro-batch count is rewritten for this run's layout
+  (:func:`~dsv4.training.resume.adapt_to_layout`). A LoRA model (:mod:`dsv4.peft`) saves and loads only its
+  adapters (and the optimizer, which holds nothing else): the frozen base comes from the model's own source (init
+  seed or ``model.checkpoint``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from dsv4.peft.apply import is_lora_model
 from dsv4.peft.lora import is_adapter_name
 from dsv4.training.checkpoint_writer import CheckpointWriter
 from dsv4.training.options.trainer import offload_mode
+from dsv4.training.resume import LAYOUT_KEY, RunLayout, adapt_to_layout
 from dsv4.training.spec import RunSpec
 
 
@@ -62,12 +65,13 @@ class ParallelState:
 
 class DSV4Strategy(ModelParallelStrategy):
     """Args: ``cp``, ``dp`` (-1 = world // cp), ``ep``, ``dispatcher`` name, ``compute_dtype``, ``cp_balance``
-    (:class:`~dsv4.parallel.cp.layout.CPLayout`), ``async_save``, ``offload`` (``none`` | ``optimizer``); the rest
-    goes to ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``)."""
+    (:class:`~dsv4.parallel.cp.layout.CPLayout`), ``async_save``, ``offload`` (``none`` | ``optimizer``),
+    ``micro_batch_size`` (rows per replica per forward: recorded in checkpoints with the layout); the rest goes to
+    ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``)."""
 
     def __init__(self, cp: int = 1, dp: int = -1, ep: int = 1, dispatcher: str = "local",
                  compute_dtype: torch.dtype = torch.float32, cp_balance: str = "none", async_save: bool = False,
-                 offload: str = "none", **kwargs: Any) -> None:
+                 offload: str = "none", micro_batch_size: int = 1, **kwargs: Any) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
         self.cp_size, self._dp, self.ep_size = cp, dp, ep
         self.cp_balance = cp_balance
@@ -78,6 +82,7 @@ class DSV4Strategy(ModelParallelStrategy):
         self.parallel = ParallelState()
         self._expert_layout: ExpertStateLayout | None | bool = False  # False: not looked at yet
         self.async_save = async_save
+        self.micro_batch_size = micro_batch_size
         self._writer: CheckpointWriter | None = None
 
     @classmethod
@@ -86,7 +91,7 @@ class DSV4Strategy(ModelParallelStrategy):
         p = spec.parallel
         return cls(cp=p.cp, dp=p.dp, ep=p.ep, cp_balance=p.cp_balance, dispatcher=spec.dispatcher,
                    compute_dtype=spec.compute_dtype, async_save=spec.checkpoint.async_save,
-                   offload=spec.offload, **kwargs)
+                   offload=spec.offload, micro_batch_size=spec.micro_batch_size, **kwargs)
 
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)  # skip the parent's hard-coded ("data_parallel", "tensor_parallel") mesh
@@ -126,6 +131,15 @@ class DSV4Strategy(ModelParallelStrategy):
             super().model_to_device()
 
     # ------------------------------------------------------------------ distributed checkpoints
+    @property
+    def layout(self) -> RunLayout:
+        """This run's layout (recorded in every checkpoint; a resume adapts the saved loop state to it)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        accumulation = int(trainer.accumulate_grad_batches) if trainer is not None else 1
+        p = self.parallel
+        return RunLayout(dp=p.dp_size, cp=p.cp_size, ep=p.ep_size, micro_batch_size=self.micro_batch_size,
+                         accumulation=accumulation)
+
     def _expert_state(self) -> ExpertStateLayout | None:
         """The EP-sliced expert tensors of the model (None without expert parallelism): saved and loaded at their
         global shapes (:mod:`dsv4.parallel.expert_state`)."""
@@ -161,6 +175,7 @@ class DSV4Strategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError("DSV4Strategy.save_checkpoint(..., storage_options=...) is not supported")
         path = Path(self.broadcast(str(filepath)))
+        checkpoint[LAYOUT_KEY] = self.layout.as_dict()
         state = {"state_dict": checkpoint.pop("state_dict"),
                  **{f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}}
         self.checkpoint_writer.save(state, checkpoint if self.global_rank == 0 else None, path)
@@ -183,7 +198,9 @@ class DSV4Strategy(ModelParallelStrategy):
         """Load the model (a LoRA model: its adapters; the frozen base comes from its own source) and the
         optimizers from a DCP checkpoint directory, in place, under this run's layout (DCP reshards: a checkpoint
         written with another dp, cp or ep loads). Every tensor's saved shape is checked against the model's first
-        (a ``ValueError`` naming the key and both shapes). Returns the metadata (``meta.pt``) for the loops."""
+        (a ``ValueError`` naming the key and both shapes), and the saved loop state is checked and adapted to this
+        run's layout (:func:`~dsv4.training.resume.adapt_to_layout`) before any tensor is read. Returns the metadata
+        (``meta.pt``) for the loops."""
         from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_load
         from lightning.fabric.utilities.load import _METADATA_FILENAME
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -197,6 +214,8 @@ class DSV4Strategy(ModelParallelStrategy):
             hint = " (start from a PEFT adapter with peft.adapter=DIR)" if lora else ""
             raise ValueError(f"`checkpoint.resume`={str(path)!r} is not a complete distributed checkpoint directory "
                              f"(it needs {_METADATA_FILENAME} and .metadata){hint}")
+        meta = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        adapt_to_layout(meta, self.layout, source=str(path))
         layout = self._expert_state()
         saved_shapes = _saved_shapes(path)
 
@@ -215,7 +234,7 @@ class DSV4Strategy(ModelParallelStrategy):
             _distributed_checkpoint_load(on_disk, path)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state,
                                      options=StateDictOptions(cpu_offload=True))
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        return meta
 
 
 def _saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:

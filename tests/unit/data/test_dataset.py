@@ -56,7 +56,7 @@ def test_state_dict_round_trip_continues_with_the_next_batch():
     it = iter(loader)
     seen = [next(it).input_ids for _ in range(2)]
     state = sampler.state_dict()
-    assert state["epoch"] == 2 and state["position"] == 4
+    assert state["epoch"] == 2 and state["global_position"] == 8  # 4 indices on each of 2 replicas
 
     resumed = DistributedPackedSampler(n, 1, 2, seed=7)
     resumed.load_state_dict(state)
@@ -84,8 +84,9 @@ def test_state_dict_with_explicit_consumed_count():
     [
         ({"seed": 8}, ValueError, r"saved seed=8 but this run has seed=1"),
         ({"dataset_len": 11}, ValueError, r"saved dataset_len=11 but this run has dataset_len=10"),
-        ({"dp_size": 4}, ValueError, r"saved dp_size=4 but this run has dp_size=2"),
-        ({"position": 6}, ValueError, r"position 6 is outside \[0, 5\]"),
+        ({"shuffle": False}, ValueError, r"saved shuffle=False but this run has shuffle=True"),
+        ({"global_position": 11}, ValueError, r"global_position 11 is outside \[0, dataset_len=10\]"),
+        ({"global_position": 3}, ValueError, r"consumed 3 indices of epoch 0 .*not a multiple of this run's dp_size=2"),
         ({"epoch": None}, KeyError, r"missing keys \['epoch'\]"),
     ],
 )
@@ -99,6 +100,75 @@ def test_load_state_dict_refuses_other_setups(change, error, pattern):
             state[key] = value
     with pytest.raises(error, match=pattern):
         s.load_state_dict(state)
+
+
+def _global_sequence(shards: list[list[int]]) -> list[int]:
+    """What ``len(shards)`` replicas consumed, in global order: step by step, rank 0 first (each rank's ``j``-th index
+    is global position ``j * dp_size + rank``)."""
+    assert len({len(s) for s in shards}) == 1
+    return [shard[j] for j in range(len(shards[0])) for shard in shards]
+
+
+def _take(samplers: list[DistributedPackedSampler], count: int | None = None) -> list[int]:
+    """``count`` indices from every one of ``samplers`` (all: the rest of the epoch), in global order."""
+    iters = [iter(s) for s in samplers]
+    shards = [list(it) if count is None else [next(it) for _ in range(count)] for it in iters]
+    return _global_sequence(shards)
+
+
+def _global_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The uninterrupted global order of an epoch: one replica, no padding."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+@pytest.mark.parametrize("new_dp", [1, 4])
+@pytest.mark.parametrize("steps", [4, 10])  # mid-epoch, and exactly at the end of the epoch (10 = 20 rows / dp 2)
+def test_resume_under_another_dp_size_continues_the_global_order(new_dp, steps):
+    """Saved at dp=2 after ``steps`` micro-batches of one row, loaded at dp=1 and dp=4: what the two replicas handed
+    out, then what the new replicas hand out for the rest of the epoch and the whole next one, is the uninterrupted
+    global order of both epochs, each index of an epoch once."""
+    n, seed, epoch = 20, 7, 3
+    old = [DistributedPackedSampler(n, r, 2, seed=seed) for r in range(2)]
+    for s in old:
+        s.set_epoch(epoch)
+    before = _take(old, steps)
+    state = old[0].state_dict()
+    assert state == old[1].state_dict() and state["global_position"] == 2 * steps  # the same on every replica
+
+    new = [DistributedPackedSampler(n, r, new_dp, seed=seed) for r in range(new_dp)]
+    for s in new:
+        s.load_state_dict(state)
+        s.set_epoch(epoch)  # Lightning, at the start of the resumed epoch: keeps the position
+    rest = _take(new)
+    assert before + rest == _global_order(n, seed, epoch)
+    for s in new:
+        s.set_epoch(epoch + 1)
+    assert _take(new) == _global_order(n, seed, epoch + 1)
+
+
+def test_resume_under_more_replicas_pads_only_the_end_of_the_epoch():
+    """22 rows, saved at dp=2 after 4 rows each, loaded at dp=4: the rest of the global order in step, then (as an
+    uninterrupted dp=4 run) the epoch's first 2 indices again so that every replica gets ceil(22 / 4) = 6."""
+    n, seed = 22, 5
+    old = [DistributedPackedSampler(n, r, 2, seed=seed) for r in range(2)]
+    before = _take(old, 4)
+    new = [DistributedPackedSampler(n, r, 4, seed=seed) for r in range(4)]
+    for s in new:
+        s.load_state_dict(old[0].state_dict())
+    order = _global_order(n, seed, 0)
+    assert before + _take(new) == order + order[:2]
+    assert [len(s) for s in new] == [6] * 4
+
+
+def test_resume_refuses_a_position_the_new_replicas_cannot_share():
+    old = DistributedPackedSampler(20, 0, 2, seed=1)
+    it = iter(old)
+    [next(it) for _ in range(3)]  # 3 rows on each of 2 replicas: global position 6
+    new = DistributedPackedSampler(20, 0, 4, seed=1)
+    with pytest.raises(ValueError, match=r"consumed 6 indices of epoch 0 \(saved with dp_size=2\), not a multiple "
+                                         r"of this run's dp_size=4"):
+        new.load_state_dict(old.state_dict())
+    DistributedPackedSampler(20, 0, 3, seed=1).load_state_dict(old.state_dict())  # 6 = 2 x 3: fine
 
 
 @pytest.mark.parametrize(

@@ -186,7 +186,7 @@ def test_global_batch_size_sets_the_accumulation_of_the_run(tmp_path, one_rank_g
                  tmp_path)
     assert sorted(_losses(tmp_path)) == [0]  # one logged step
     meta = torch.load(tmp_path / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=False)
-    assert meta["global_step"] == 1 and meta["DSV4DataModule"]["sampler"]["position"] == 3
+    assert meta["global_step"] == 1 and meta["DSV4DataModule"]["sampler"]["global_position"] == 3
 
 
 def test_resume_continues_the_same_wandb_run(tmp_path, one_rank_group, monkeypatch):
