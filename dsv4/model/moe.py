@@ -216,7 +216,11 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         if x_sorted.shape[0] == 0:
-            return x_sorted.new_zeros(x_sorted.shape)
+            # Zero rows still run the (empty) per-expert GEMMs, so the output stays in the autograd graph of
+            # ``x_sorted`` and the weights: the backward hooks of this module (FSDP's pre-/post-backward of an
+            # expert unit) then run on every rank, and under expert parallelism a rank whose experts received no
+            # rows issues the same collectives in the same order as the others.
+            return self._expert_loop(x_sorted, tokens_per_expert)
         if not grouped_mm_supported(x_sorted, *self.expert_weights(x_sorted.dtype)):
             return self._expert_loop(x_sorted, tokens_per_expert)
         offs = tokens_per_expert.to(device=x_sorted.device).cumsum(0).to(torch.int32)  # group ends, on device

@@ -28,7 +28,8 @@ when ``torch.distributed`` is initialised, else a single rank). A size-1 group r
 
 Invariants: zero-token ranks (``N = 0``, e.g. an all-padding shard) and ranks that send nothing to some
 expert or EP rank work; every rank issues the same collectives in the same order, in forward and in backward
-(a rank whose experts received no rows still keeps its results in the autograd graph). The gate's expert-load
+(a rank whose experts received no rows still runs them on the empty input, so their output, and with it the
+backward hooks of the experts' FSDP unit, stays in the autograd graph). The gate's expert-load
 statistics are counted on the source rank by ``MoEGate`` and are untouched here.
 """
 
@@ -163,8 +164,9 @@ def _check_expert_slice(experts: ExpertGroup, size: int, rank: int, who: str) ->
 def _stay_in_graph(y: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """Keep ``y`` in the autograd graph of ``source``.
 
-    A rank whose experts received no rows gets a constant from ``GroupedExperts``; without this its backward
-    would skip the return all-to-all that the other ranks run, and the collectives would not match.
+    An expert group may return a constant for a rank whose experts received no rows (``GroupedExperts`` does
+    not: it runs the empty GEMMs); without this that rank's backward would skip the return all-to-all that the
+    other ranks run, and the collectives would not match.
     """
     if torch.is_grad_enabled() and source.requires_grad and not y.requires_grad:
         return y + source * 0

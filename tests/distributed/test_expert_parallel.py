@@ -8,6 +8,11 @@ matching slice of the reference gradient summed over the ranks of its EP group.
 
 Routing corner cases: per-rank gate biases block experts so that an odd EP rank sends nothing to EP rank 0 and
 expert 7 receives no rows at all; ranks hold different token counts; one rank is all padding (N = 0).
+
+Through the training path (``apply_expert_parallel`` + ``apply_fsdp``, dp=2 ep=2 on 2 ranks, per-rank tokens, 2
+backward passes): EP rank 1's experts receive no rows in one layer, every rank still issues the same collectives in
+the same order (a mismatch hangs, which the spawn's timeout turns into a failure), and the loss and gradients equal
+one process's on both ranks' tokens.
 """
 
 import copy
@@ -167,14 +172,74 @@ def _model_body(rank, world_size):
     return out
 
 
+FSDP_STEPS, FSDP_SEQ = 2, 64
+
+
+def _tokens(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, 256, (1, FSDP_SEQ), generator=g)
+    labels = ids.roll(-1, dims=1)
+    labels[:, -1] = -100
+    return ids, labels
+
+
+def _fsdp_body(rank, world_size):
+    """dp=2 ep=2 with FSDP2 (``apply_expert_parallel`` + ``apply_fsdp``, the training path), per-rank tokens;
+    layer 1 blocks experts 4..7 on both ranks, so EP rank 1 receives no rows there while EP rank 0 gets every
+    pair. Reference: the unsharded model in this process on both ranks' tokens."""
+    from torch.distributed.tensor import DTensor
+
+    from dsv4.config import DSV4Config
+    from dsv4.model import DSV4ForCausalLM
+    from dsv4.parallel.expert_shard import apply_expert_parallel
+    from dsv4.parallel.mesh import ParallelDims, build_meshes
+    from dsv4.parallel.wrap import apply_fsdp
+
+    torch.manual_seed(0)
+    base = DSV4ForCausalLM(DSV4Config.preset("tiny"))
+    gate = base.model.layers[1].mlp.gate
+    assert not gate.is_hash
+    with torch.no_grad():
+        gate.e_score_correction_bias[4:] = -100.0  # EP rank 1 (experts 4..7) receives no rows in layer 1
+    ref = copy.deepcopy(base)
+    meshes = build_meshes(ParallelDims(world_size=world_size, dp=2, ep=2), "cpu")
+    model = copy.deepcopy(base)
+    apply_expert_parallel(model, "alltoall", meshes.ep.get_group(), "cpu")
+    apply_fsdp(model, meshes)
+    losses, ref_losses = [], []
+    for step in range(FSDP_STEPS):
+        ids, labels = _tokens(rank, step)
+        loss = model(ids, labels=labels).loss  # equal label counts per rank: the global mean is the rank mean / 2
+        (loss / world_size).backward()
+        losses.append(loss.detach())
+        both = [_tokens(r, step) for r in range(world_size)]
+        ref_loss = ref(torch.cat([b[0] for b in both]), labels=torch.cat([b[1] for b in both])).loss
+        ref_loss.backward()
+        ref_losses.append(ref_loss.detach())
+
+    def local(p):
+        return (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+
+    experts = model.model.layers[1].mlp.experts
+    return {
+        "losses": torch.stack(losses), "ref_losses": torch.stack(ref_losses),
+        "embed": local(model.model.embed_tokens.weight), "ref_embed": ref.model.embed_tokens.weight.grad.clone(),
+        "offset": experts.expert_offset,
+        "w1": {name: local(model.model.layers[i].mlp.experts.w1) for i, name in enumerate("0123")},
+        "ref_w1": {name: ref.model.layers[i].mlp.experts.w1.grad.clone() for i, name in enumerate("0123")},
+    }
+
+
 def _two_rank_body(rank, world_size):
-    return {"moe": _moe_body(rank, world_size, (2,)), "model": _model_body(rank, world_size)}
+    return {"moe": _moe_body(rank, world_size, (2,)), "model": _model_body(rank, world_size),
+            "fsdp": _fsdp_body(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    """One 2-rank spawn serves the MoE-layer and the whole-model checks (spawning costs more than the math)."""
-    return run_on_ranks(_two_rank_body, 2)
+    """One 2-rank spawn serves the MoE-layer, whole-model and FSDP checks (spawning costs more than the math).
+    A collective-order bug is a hang: the timeout turns it into a failure."""
+    return run_on_ranks(_two_rank_body, 2, timeout=300)
 
 
 def test_moe_layer_ep2_on_2_ranks(two_ranks):
@@ -193,3 +258,22 @@ def test_whole_model_loss_and_gradients_ep2(two_ranks):
                 for w in _EXPERT_W:
                     expected = sum(results[s]["local"]["experts"][layer][w][off: off + 4] for s in range(2))
                     torch.testing.assert_close(mine[w], expected, atol=ATOL, rtol=1e-5, msg=f"{name} {layer} {w}")
+
+
+def test_dp2_ep2_fsdp_with_an_idle_expert_rank_matches_single_process(two_ranks):
+    """FSDP2 + EP through the training path; EP rank 1's experts get no rows in layer 1 (see ``_fsdp_body``)."""
+    results = [r["fsdp"] for r in two_ranks]
+    for rank, res in enumerate(results):
+        where = f"rank {rank}"
+        global_mean = (results[0]["losses"] + results[1]["losses"]) / 2
+        torch.testing.assert_close(global_mean, res["ref_losses"], atol=1e-5, rtol=1e-5, msg=where)
+        torch.testing.assert_close(res["embed"], res["ref_embed"], atol=1e-5, rtol=1e-4, msg=where)
+        off = res["offset"]
+        assert off == 4 * rank
+        for layer in "0123":
+            torch.testing.assert_close(res["w1"][layer], res["ref_w1"][layer][off: off + 4], atol=1e-5, rtol=1e-4,
+                                       msg=f"{where} layer {layer}")
+        if rank == 1:  # blocked experts: no rows, zero gradient
+            assert torch.count_nonzero(res["w1"]["1"]) == 0
+        else:
+            assert torch.count_nonzero(res["w1"]["1"]) > 0
