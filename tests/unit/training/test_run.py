@@ -130,9 +130,10 @@ def test_a_checkpoint_without_the_models_mtp_depths_stops_the_run_at_start_up(tm
     with pytest.raises(ValueError, match=rf"{ckpt} \(release layout\) holds no weights for MTP depth\(s\) \[0\] of "
                                          r"the 1 the model builds .*model.num_nextn_predict_layers=0 .* or "
                                          r"model.init_missing_mtp=true"):
-        build_run_spec(_compose([*FAST, f"model.checkpoint={ckpt}"]))
-    assert build_run_spec(_compose([*FAST, f"model.checkpoint={ckpt}", "model.init_missing_mtp=true"])).init_missing_mtp
-    spec = build_run_spec(_compose([*FAST, f"model.checkpoint={ckpt}", "model.num_nextn_predict_layers=0"]))
+        build_run_spec(_compose([*FAST, f"model.checkpoint={ckpt}", "data.tokenizer=byte"]))
+    with_ckpt = [*FAST, f"model.checkpoint={ckpt}", "data.tokenizer=byte"]  # the export holds no tokenizer
+    assert build_run_spec(_compose([*with_ckpt, "model.init_missing_mtp=true"])).init_missing_mtp
+    spec = build_run_spec(_compose([*with_ckpt, "model.num_nextn_predict_layers=0"]))
     assert spec.model.num_nextn_predict_layers == 0 and not spec.init_missing_mtp
 
 
