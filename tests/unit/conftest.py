@@ -9,6 +9,17 @@ import torch.distributed as dist
 
 
 @pytest.fixture(autouse=True)
+def _environment_restored():
+    """Every test leaves ``os.environ`` as it found it: ``run_finetune`` seeds through Lightning, which exports
+    ``PL_GLOBAL_SEED`` / ``PL_SEED_WORKERS``, and a later in-process ``Trainer.fit`` would then re-create its data
+    loaders with seeded workers (a test's result depending on which tests ran before it in the same process)."""
+    env = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(env)
+
+
+@pytest.fixture(autouse=True)
 def _one_thread():
     old = torch.get_num_threads()
     torch.set_num_threads(1)
