@@ -119,7 +119,8 @@ else
   T_ENV=120; T_INSTALL=120; T_KERNELS=400; T_ATTENTION=400; T_TRAIN=400
   # The interpreter runs the whole kernel suite in minutes (the test suite does that itself): a quick subset here.
   quick="test_backend_resolution or test_meta or test_documents_shorter_than_window"
-  KERNEL_ARGS=(-k "$quick or test_matches_indexer_module")
+  # one process (-n 0): xdist workers would each import torch and Triton for five quick tests
+  KERNEL_ARGS=(-n 0 -k "$quick or test_matches_indexer_module")
   read -r -a ATTENTION_ARGS <<< "${GPU_CHECK_ATTENTION_ARGS:---smoke}"
   read -r -a TRAIN_ARGS <<< "${GPU_CHECK_TRAIN_ARGS:---smoke}"
 fi
