@@ -43,6 +43,7 @@ measured.
 from __future__ import annotations
 
 import argparse
+import os
 
 from common import current_rss_kib, emit, peak_rss_kib, reset_peak_rss
 from dsv4.launch import run_on_ranks
@@ -169,7 +170,7 @@ def _rank_body(rank: int, world_size: int, model_name: str, variant: str, seq_le
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks of 64 KiB and more are mmap-ed, unmapped when freed
-    torch.set_num_threads(max(1, 2 // world_size))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, 2 // world_size)))
     config = model_config(model_name, variant)
     meshes = build_meshes(ParallelDims(world_size=world_size, cp=world_size), "cpu")
     cp = CPContext(meshes.cp.get_group()) if world_size > 1 else None

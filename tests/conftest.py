@@ -10,6 +10,10 @@ import tempfile
 # Triton kernels run on CPU tensors under Triton's interpreter; set before anything imports triton (Lightning and
 # torch import it, and Triton reads the setting once). On a GPU, TRITON_INTERPRET=0 tests the compiled kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread in every process the tests start (recipes, ranks, benchmarks): the suite runs one xdist worker
+# per core, so more threads would oversubscribe the cores, and OpenMP's waiting threads then cost several times the
+# work (a memory-plan rank with 2 threads beside a busy worker: 70 s; with 1: 7 s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

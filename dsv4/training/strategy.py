@@ -96,7 +96,9 @@ class DSV4Strategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)  # skip the parent's hard-coded ("data_parallel", "tensor_parallel") mesh
         self._setup_distributed()
-        if self.root_device.type == "cpu":  # one process per rank: share the cores instead of oversubscribing them
+        # one process per rank on a CPU: share the cores instead of oversubscribing them, unless OMP_NUM_THREADS says
+        # how many threads a process gets (as torchrun sets it)
+        if self.root_device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.num_processes, 1)))
         dims = ParallelDims(world_size=self.world_size, cp=self.cp_size, dp=self._dp, ep=self.ep_size).resolved()
         self.meshes = build_meshes(dims, self.root_device)
