@@ -4,11 +4,13 @@ history) and the module's forward and gradients, bit for bit or within 1e-6 / 1e
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from dsv4.config import DSV4Config
 from dsv4.data.tokenizers import ByteTokenizer, HFTokenizer
 from dsv4.model.v41.engram import Engram
 from dsv4.model.v41.engram_hash import (
@@ -16,8 +18,7 @@ from dsv4.model.v41.engram_hash import (
 )
 from dsv4.model.v41.engram_vocab import engram_class_map, engram_class_map_for
 
-LAYERS = [1, 4]  # Engram layers of the public tiny V4.1 fixture: rows 384 and 552 with engram_vocab_size 50
-HIDDEN, HC, HEAD_DIM = 16, 4, 8
+LAYERS = [1, 4]  # Engram layers of v41_tiny (the public tiny V4.1 fixture): rows 384 and 552, engram_vocab_size 50
 TEXTS = ["Hello World", "hello world", "HELLO  world", "Café café CAFÉ cafe", "naïve Naive  NAÏVE",
          "résumé Resume", "ﬁne fine", "tab\tnew\nline  ", "Straße strasse", "Ωmega ωmega", "   spaced   out  "]
 
@@ -54,18 +55,20 @@ def nemo():
 
 @pytest.fixture(scope="module")
 def setup(tok, nemo):
+    """dsv4's v41_tiny config (Engram layers 1 and 4, rows 384 and 552) on the test tokenizer, and the reference's
+    text config with the same Engram dims and hash."""
     cmap = engram_class_map(tok.fast)
-    dims = dict(engram_layer_ids=LAYERS, engram_num_embeddings=[384, 552], engram_max_ngram_size=4,
-                engram_vocab_size=50, engram_n_heads=2, engram_head_dim=HEAD_DIM, engram_pad_token_id=2,
-                engram_compressed_vocab_size=cmap.count, hidden_size=HIDDEN, hc_mult=HC, rms_norm_eps=1e-6,
-                initializer_range=0.02)
+    config = replace(DSV4Config.preset("v41_tiny"), vocab_size=len(tok.fast), engram_compressed_vocab_size=cmap.count)
+    dims = {name: getattr(config, name) for name in (
+        "engram_layer_ids", "engram_num_embeddings", "engram_max_ngram_size", "engram_vocab_size", "engram_n_heads",
+        "engram_head_dim", "engram_pad_token_id", "engram_compressed_vocab_size", "hidden_size", "hc_mult",
+        "rms_norm_eps", "initializer_range")}
     ref_config = nemo.Config(
         vocab_size=len(tok.fast), moe_intermediate_size=8, num_hidden_layers=6, num_attention_heads=2, head_dim=16,
         qk_rope_head_dim=8, q_lora_rank=8, o_lora_rank=8, o_groups=2, n_routed_experts=4, num_experts_per_tok=2,
         sliding_window=4, compress_ratios=[0, 0, 2, 2, 1, 1], kv_source_layer_ids=[2, 4],
         index_source_layer_ids=[2, 4], index_n_heads=2, index_head_dim=16, index_topk=2, candidate_source_layer_id=-1,
         num_nextn_predict_layers=0, dspark_target_layer_ids=[], dtype="float32", **dims)
-    config = SimpleNamespace(engram_trainable=False, **dims)
     return SimpleNamespace(cmap=cmap, config=config, ref_config=ref_config,
                            specs=engram_hash_specs_for(config, cmap),
                            ref_hash=nemo.engram.DeepseekV41NgramHash(ref_config, tok.fast))
@@ -110,8 +113,7 @@ def test_count_and_rows_mismatch_refused(tok, setup):
     with pytest.raises(ValueError, match=rf"{setup.cmap.count} classes but engram_compressed_vocab_size is {wrong}"):
         engram_class_map_for(tok.fast, wrong)
     with pytest.raises(ValueError, match=rf"{setup.cmap.count} classes but engram_compressed_vocab_size is {wrong}"):
-        engram_hash_specs_for(SimpleNamespace(**{**vars(setup.config), "engram_compressed_vocab_size": wrong}),
-                              setup.cmap)
+        engram_hash_specs_for(replace(setup.config, engram_compressed_vocab_size=wrong), setup.cmap)
     with pytest.raises(ValueError, match=r"layer 4: .* need 552 table rows but engram_num_embeddings gives 553"):
         engram_hash_specs(layer_ids=LAYERS, num_embeddings=[384, 553], max_ngram_size=4, n_heads=2, vocab_size=50,
                           class_count=setup.cmap.count, pad_class=0)
@@ -220,15 +222,15 @@ def modules(tok, nemo, setup):
         ref.wkv.weight.normal_(0, 0.15)
         ref.q_weight.add_(0.3 * torch.randn_like(ref.q_weight))
         ref.k_weight.add_(0.3 * torch.randn_like(ref.k_weight))
-    ours = Engram(SimpleNamespace(**{**vars(setup.config), "engram_trainable": True}), 4)
+    ours = Engram(replace(setup.config, engram_trainable=True), 4)
     with torch.no_grad():
         for name in ("embed.weight", "wkv.weight", "q_weight", "k_weight"):
             ours.get_parameter(name).copy_(ref.get_parameter(name))
     ids = _rows(tok, 9, 2, seed=3)
     valid = torch.arange(9) < torch.tensor([[9], [6]])
     ngram_ids, active = engram_ngram_ids(ids, setup.cmap, setup.specs[1], padding_mask=~valid)
-    streams = torch.randn(2, 9, HC, HIDDEN)
-    probe = torch.randn(2, 9, HC, HIDDEN)
+    streams = torch.randn(2, 9, setup.config.hc_mult, setup.config.hidden_size)
+    probe = torch.randn_like(streams)
 
     def run(module, **kw):
         x = streams.clone().requires_grad_(True)
