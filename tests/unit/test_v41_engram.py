@@ -40,7 +40,9 @@ def tok(tmp_path_factory):
     raw.save(str(path))
     fast = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>")
-    return SimpleNamespace(raw=raw, fast=fast, hf=HFTokenizer(path))
+    directory = tmp_path_factory.mktemp("tokdir")
+    fast.save_pretrained(str(directory))
+    return SimpleNamespace(raw=raw, fast=fast, hf=HFTokenizer(path), hf_dir=HFTokenizer(directory))
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +95,7 @@ def test_class_map_equals_reference(tok, nemo, setup):
     ref_map, ref_count = nemo.engram._compressed_token_map(tok.fast)
     assert setup.cmap.count == ref_count < len(tok.fast)
     assert setup.cmap.classes.tolist() == list(ref_map)
-    for other in (tok.raw, tok.hf):
+    for other in (tok.raw, tok.hf, tok.hf_dir):
         found = engram_class_map(other)
         assert found.count == ref_count and found.classes.tolist() == list(ref_map)
     cls = {t: int(setup.cmap.classes[tok.raw.token_to_id(t)]) for t in ("world", "World", "caf", "CAF", "Caf", "el")}
@@ -118,6 +120,17 @@ def test_count_and_rows_mismatch_refused(tok, setup):
         engram_hash_specs(layer_ids=LAYERS, num_embeddings=[384, 553], max_ngram_size=4, n_heads=2, vocab_size=50,
                           class_count=setup.cmap.count, pad_class=0)
     assert engram_class_map_for(tok.fast, setup.config).count == setup.cmap.count
+
+
+def test_flash_table_rows():
+    """V4.1-Flash's Engram dims give exactly the released table sizes (24 buckets of primes > 16M per layer)."""
+    flash = DSV4Config.preset("v41_flash")
+    specs = engram_hash_specs(layer_ids=flash.engram_layer_ids, num_embeddings=flash.engram_num_embeddings,
+                              max_ngram_size=flash.engram_max_ngram_size, n_heads=flash.engram_n_heads,
+                              vocab_size=flash.engram_vocab_size, class_count=flash.engram_compressed_vocab_size,
+                              pad_class=0)
+    assert [s.rows for s in specs] == [384006168, 384016682] and specs[0].n_buckets == 24
+    assert specs[1].primes[0] > specs[0].primes[-1] > specs[0].primes[0] >= 16_000_000
 
 
 # ---- hash ------------------------------------------------------------------------------------------------------
