@@ -4,6 +4,7 @@ history) and the module's forward and gradients, bit for bit or within 1e-6 / 1e
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ from dsv4.config import DSV4Config
 from dsv4.data.tokenizers import ByteTokenizer, HFTokenizer
 from dsv4.model.v41.engram import Engram
 from dsv4.model.v41.engram_hash import (
-    EngramHistory, engram_hash, engram_hash_specs, engram_hash_specs_for, engram_ngram_ids, engram_windows,
+    EngramHashing, EngramHistory, engram_hash_specs, engram_hash_specs_for, engram_ngram_ids,
 )
 from dsv4.model.v41.engram_vocab import engram_class_map, engram_class_map_for
 
@@ -72,7 +73,7 @@ def setup(tok, nemo):
         index_source_layer_ids=[2, 4], index_n_heads=2, index_head_dim=16, index_topk=2, candidate_source_layer_id=-1,
         num_nextn_predict_layers=0, dspark_target_layer_ids=[], dtype="float32", **dims)
     return SimpleNamespace(cmap=cmap, config=config, ref_config=ref_config,
-                           specs=engram_hash_specs_for(config, cmap),
+                           hashing=EngramHashing.build(config, tok.fast), specs=engram_hash_specs_for(config, cmap),
                            ref_hash=nemo.engram.DeepseekV41NgramHash(ref_config, tok.fast))
 
 
@@ -199,6 +200,9 @@ def test_hash_ids_equal_reference(tok, nemo, setup, case):
         assert ngram_ids.dtype == torch.int64 and ngram_ids.shape == (batch, length, 6)
         assert torch.equal(ngram_ids, expected[:, :, k])
         assert torch.equal(active, mask)
+    per_layer, active = setup.hashing(ids, **ours_kwargs)  # all layers from one set of windows
+    assert list(per_layer) == LAYERS and torch.equal(active, mask)
+    assert torch.equal(torch.stack([per_layer[i] for i in LAYERS], 2), expected)
 
 
 def test_history_split_equals_whole_row(tok, setup):
@@ -245,16 +249,18 @@ def modules(tok, nemo, setup):
     streams = torch.randn(2, 9, setup.config.hc_mult, setup.config.hidden_size)
     probe = torch.randn_like(streams)
 
-    def run(module, **kw):
-        x = streams.clone().requires_grad_(True)
+    def run(module, dtype=torch.float32, **kw):
+        x = streams.to(dtype).clone().requires_grad_(True)
         out = module(x, ngram_ids, **kw)
-        (out * probe).sum().backward()
+        (out * probe.to(dtype)).sum().backward()
         grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
         module.zero_grad(set_to_none=True)
         return out.detach(), x.grad, grads
 
-    return SimpleNamespace(streams=streams, active=active, ours=run(ours, active=active),
-                           ref=run(ref, token_mask=valid))
+    fp32 = SimpleNamespace(ours=run(ours, active=active), ref=run(ref, token_mask=valid))
+    bf16 = SimpleNamespace(ours=run(copy.deepcopy(ours).to(torch.bfloat16), torch.bfloat16, active=active),
+                           ref=run(copy.deepcopy(ref).to(torch.bfloat16), torch.bfloat16, token_mask=valid))
+    return SimpleNamespace(streams=streams, active=active, ours=fp32.ours, ref=fp32.ref, bf16=bf16)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, rel: float) -> None:
@@ -270,6 +276,16 @@ def test_forward_and_gradients_equal_reference(modules):
     _close(grad_x, ref_grad_x, 1e-5)
     for name in ("wkv.weight", "q_weight", "k_weight", "embed.weight"):
         _close(grads[name], ref_grads[name], 1e-5)
+
+
+def test_bf16_equals_reference(modules):
+    """bf16 weights and streams: the lookup and wkv run in bf16, the gate in fp32, as the reference's."""
+    out, grad_x, grads = modules.bf16.ours
+    ref_out, ref_grad_x, ref_grads = modules.bf16.ref
+    assert out.dtype == torch.bfloat16
+    _close(out.float(), ref_out.float(), 1e-6)
+    _close(grad_x.float(), ref_grad_x.float(), 1e-5)
+    _close(grads["wkv.weight"].float(), ref_grads["wkv.weight"].float(), 1e-5)
 
 
 def test_gate_zero_on_padding(modules, setup):

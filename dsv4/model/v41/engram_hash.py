@@ -38,7 +38,7 @@ import torch
 from dsv4.model.v41.engram_vocab import EngramClassMap
 
 __all__ = [
-    "EngramHashSpec", "EngramHistory", "EngramWindows", "engram_hash", "engram_hash_specs",
+    "EngramHashSpec", "EngramHashing", "EngramHistory", "EngramWindows", "engram_hash", "engram_hash_specs",
     "engram_hash_specs_for", "engram_ngram_ids", "engram_windows",
 ]
 
@@ -277,3 +277,37 @@ def engram_ngram_ids(input_ids: torch.Tensor, class_map: EngramClassMap | torch.
     windows = engram_windows(input_ids, class_map, max_ngram_size=spec.max_ngram_size, pad_class=spec.pad_class,
                              **blocking)
     return engram_hash(windows, spec), windows.active
+
+
+@dataclass(frozen=True)
+class EngramHashing:
+    """Everything a forward needs to hash: the tokenizer's class map and one spec per Engram layer.
+    ``EngramHashing.build(config, tokenizer)`` refuses a class count other than ``engram_compressed_vocab_size``
+    and table rows other than the primes' sums (ValueError naming both numbers)."""
+
+    class_map: EngramClassMap
+    specs: tuple[EngramHashSpec, ...]
+
+    @classmethod
+    def build(cls, config: Any, tokenizer: Any) -> "EngramHashing":
+        from dsv4.model.v41.engram_vocab import engram_class_map_for
+
+        class_map = engram_class_map_for(tokenizer, config)
+        return cls(class_map, engram_hash_specs_for(config, class_map))
+
+    def spec(self, layer_id: int) -> EngramHashSpec:
+        """The spec of decoder layer ``layer_id``."""
+        for spec in self.specs:
+            if spec.layer_id == layer_id:
+                return spec
+        raise KeyError(f"Engram: layer {layer_id} is not an Engram layer ({[s.layer_id for s in self.specs]})")
+
+    def __call__(self, input_ids: torch.Tensor, **blocking: Any) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """``({layer_id: ngram_ids [B, L, n_buckets]}, active [B, L])`` for every Engram layer; ``blocking`` as in
+        :func:`engram_windows`. The windows are built once and hashed per layer."""
+        if not self.specs:
+            raise ValueError("Engram: the config has no engram_layer_ids")
+        first = self.specs[0]
+        windows = engram_windows(input_ids, self.class_map, max_ngram_size=first.max_ngram_size,
+                                 pad_class=first.pad_class, **blocking)
+        return {spec.layer_id: engram_hash(windows, spec) for spec in self.specs}, windows.active
