@@ -200,7 +200,7 @@ def test_hash_ids_equal_reference(tok, nemo, setup, case):
         assert ngram_ids.dtype == torch.int64 and ngram_ids.shape == (batch, length, 6)
         assert torch.equal(ngram_ids, expected[:, :, k])
         assert torch.equal(active, mask)
-    per_layer, active = setup.hashing(ids, **ours_kwargs)  # all layers from one set of windows
+    per_layer, active = setup.hashing.to(ids.device)(ids, **ours_kwargs)  # all layers from one set of windows
     assert list(per_layer) == LAYERS and torch.equal(active, mask)
     assert torch.equal(torch.stack([per_layer[i] for i in LAYERS], 2), expected)
 

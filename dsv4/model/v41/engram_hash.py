@@ -295,6 +295,11 @@ class EngramHashing:
         class_map = engram_class_map_for(tokenizer, config)
         return cls(class_map, engram_hash_specs_for(config, class_map))
 
+    def to(self, device: torch.device | str) -> "EngramHashing":
+        """The same hashing with the class map on ``device`` (keep one per device: a forward then moves nothing)."""
+        class_map = self.class_map.to(device)
+        return self if class_map is self.class_map else EngramHashing(class_map, self.specs)
+
     def spec(self, layer_id: int) -> EngramHashSpec:
         """The spec of decoder layer ``layer_id``."""
         for spec in self.specs:

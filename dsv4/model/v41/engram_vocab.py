@@ -47,6 +47,11 @@ class EngramClassMap:
         """Number of token ids the map covers."""
         return int(self.classes.numel())
 
+    def to(self, device: torch.device | str) -> "EngramClassMap":
+        """The same map with ``classes`` on ``device`` (itself when already there)."""
+        classes = self.classes.to(device)
+        return self if classes is self.classes else EngramClassMap(classes, self.count)
+
     def class_of(self, token_id: int) -> int:
         """The class id of one token id (e.g. the class written for blocked history: ``engram_pad_token_id``'s)."""
         if not 0 <= token_id < self.vocab_size:
