@@ -11,8 +11,8 @@ the caller's rows, with no alignment at all, if time followed the slots run) and
 layout of these documents runs fewer slots than there are tokens). Random token ids,
 random document lengths, median of ``--repeats`` rounds that run the two modes in turn, one process.
 
-    python benchmarks/dspark_capture.py                          # tiny (alignment 128) and v41_tiny (2)
-    python benchmarks/dspark_capture.py --presets v41_tiny --docs 32 --max-len 512
+    python benchmarks/dspark_capture.py                          # tiny (alignment 128) and v4_ratio2_tiny (2)
+    python benchmarks/dspark_capture.py --presets v4_ratio2_tiny --docs 32 --max-len 512
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _time_interleaved(fns: dict, repeats: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--presets", nargs="+", default=["tiny", "v41_tiny"])
+    p.add_argument("--presets", nargs="+", default=["tiny", "v4_ratio2_tiny"])
     p.add_argument("--docs", type=int, default=16)
     p.add_argument("--min-len", type=int, default=8)
     p.add_argument("--max-len", type=int, default=256)

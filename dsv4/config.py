@@ -2,8 +2,9 @@
 
 Field names follow the Hugging Face ``config.json`` of the released checkpoints; the defaults are the V4 Flash
 values as released (YaRN compress rope and the 43-entry ``compress_ratios`` of the Flash checkpoint). The named
-presets (:data:`PRESETS`, ``DSV4Config.preset(name)``) are defined here and only here: ``conf/model/*.yaml`` select
-one by name.
+presets (:data:`PRESETS`, ``DSV4Config.preset(name)``, V4 and V4.1 alike) are defined here and only here:
+``conf/model/*.yaml`` select one by name. The model family is the class attribute ``model_type`` ("deepseek_v4";
+:class:`dsv4.config_v41.DSV41Config`: "deepseek_v41"); :func:`config_class` maps it back to the class.
 
 Invariants enforced by ``__post_init__`` (a violation raises ``ValueError`` naming the field and the numbers):
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 TOPK_METHODS = ("noaux_tc", "greedy")
@@ -82,6 +83,9 @@ def _flash_compress_ratios() -> list[int]:
 @dataclass
 class DSV4Config:
     """Hyper-parameters of a DSV4 model (defaults: V4 Flash)."""
+
+    # The model family (the ``model_type`` of the checkpoint's config.json); subclasses name theirs.
+    model_type: ClassVar[str] = "deepseek_v4"
 
     vocab_size: int = 129280
     hidden_size: int = 4096
@@ -277,16 +281,47 @@ class DSV4Config:
             raise ValueError(f"DSV4Config.from_dict: unknown keys {unknown}")
         return cls(**{k: v for k, v in data.items() if k in names})
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.model_type in CONFIG_CLASSES and not issubclass(cls, CONFIG_CLASSES[cls.model_type]):
+            raise TypeError(f"{cls.__name__}: model_type {cls.model_type!r} is already {CONFIG_CLASSES[cls.model_type]}")
+        CONFIG_CLASSES.setdefault(cls.model_type, cls)
+
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "DSV4Config":
-        """A named configuration: ``"tiny"`` (CPU tests), ``"flash"`` (V4 Flash), ``"pro"`` (V4 Pro) or
-        ``"v41_tiny"`` (CPU tests with V4.1-style compress ratios 2 and 1: packing alignment 2)."""
+        """A named configuration of :data:`PRESETS`, as the config class of its family (:data:`PRESET_MODEL_TYPES`):
+        ``"tiny"`` (CPU tests), ``"flash"`` (V4 Flash), ``"pro"`` (V4 Pro), ``"v4_ratio2_tiny"`` (the V4 model with
+        compress ratios 2 and 1: packing alignment 2) are :class:`DSV4Config`; ``"v41_tiny"`` (CPU) and
+        ``"v41_flash"`` (the released V4.1-Flash text config) are :class:`dsv4.config_v41.DSV41Config`.
+
+        ``overrides`` replace preset values; a key the family's config does not have raises ``ValueError``."""
         if name not in PRESETS:
             raise ValueError(f"DSV4Config.preset: unknown preset {name!r}, expected one of {sorted(PRESETS)}")
+        target = config_class(PRESET_MODEL_TYPES.get(name, DSV4Config.model_type))
+        if not issubclass(target, cls):
+            raise ValueError(f"{cls.__name__}.preset: preset {name!r} is a {target.model_type} config "
+                             f"({target.__name__}); call DSV4Config.preset({name!r})")
         values = dict(PRESETS[name])
         values.update(overrides)
-        return cls(**values)
+        names = {f.name for f in fields(target)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"DSV4Config.preset: {unknown} are not fields of {target.__name__} "
+                             f"(preset {name!r}, model_type {target.model_type!r})")
+        return target(**values)
 
+
+# model_type -> config class; filled by DSV4Config and its family subclasses as they are defined.
+CONFIG_CLASSES: dict[str, type[DSV4Config]] = {DSV4Config.model_type: DSV4Config}
+
+
+def config_class(model_type: str) -> type[DSV4Config]:
+    """The config class of a model family by its ``model_type`` ("deepseek_v4", "deepseek_v41"; a family registers
+    itself by subclassing :class:`DSV4Config` with its own ``model_type``, and ``dsv4/__init__.py`` imports every
+    family's config module)."""
+    if model_type not in CONFIG_CLASSES:
+        raise ValueError(f"config_class: unknown model_type {model_type!r}, expected one of {sorted(CONFIG_CLASSES)}")
+    return CONFIG_CLASSES[model_type]
 
 _TINY: dict[str, Any] = {
     "vocab_size": 256,
@@ -346,8 +381,59 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Trains on a 2-core CPU: every layer kind (SWA 0, CSA 4, HCA 128) and the CP shard multiple
     # lcm(8, 128) = 128 are exercised; sliding_window 16 keeps the band small.
     "tiny": _TINY,
-    # V4.1-style compression on the tiny shapes: ratio 2 and ratio 1 layers (non-overlapping compressors, no
-    # CSA indexer), so the document alignment / CP shard multiple is lcm(2, 1) = 2 instead of 128. Only the
-    # compress ratios follow V4.1 (Engram, CSA2 KV/index sources and DSpark stages are not modelled).
-    "v41_tiny": {**_TINY, "compress_ratios": [0, 2, 2, 1], "num_hash_layers": 0},
+    # The V4 model with V4.1-style compress ratios on the tiny shapes: ratio 2 and ratio 1 layers (V4's
+    # non-overlapping compressors, no CSA indexer), so the document alignment / CP shard multiple is lcm(2, 1) = 2
+    # instead of 128. Not V4.1 (that is "v41_tiny"): no CSA2 roles, Engram or single-pass hyper-connections.
+    "v4_ratio2_tiny": {**_TINY, "compress_ratios": [0, 2, 2, 1], "num_hash_layers": 0},
+    # DeepSeek-V4.1 (DSV41Config): the released V4.1-Flash text config (its defaults); meta device / plan only.
+    "v41_flash": {},
+    # DeepSeek-V4.1 on CPU (DSV41Config): the tiny public V4.1 fixture's shapes. Roles: window-only 0, 1;
+    # Full 2, 4, 6 (6 is the candidate source: 3 blocks of 2 compressed positions); Reindex 8, 10 (inside the
+    # candidates); Reuse 3, 5 (ratio 2) and 7, 9, 11 (ratio 1); Engram at 1 and 4 (its rows: 6 primes > 50 each);
+    # the last three ratio entries are the DSpark layers (targets 9, 10, 11).
+    "v41_tiny": {
+        "vocab_size": 384,
+        "hidden_size": 64,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 4,
+        "head_dim": 32,
+        "qk_rope_head_dim": 8,
+        "q_lora_rank": 16,
+        "o_lora_rank": 8,
+        "o_groups": 2,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "max_position_embeddings": 1024,
+        "rope_scaling": dict(_TINY["rope_scaling"]),
+        "sliding_window": 4,
+        "compress_ratios": [0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+        "rms_norm_eps": 1e-6,
+        "kv_source_layer_ids": [2, 4, 6],
+        "index_source_layer_ids": [2, 4, 6, 8, 10],
+        "index_n_heads": 8,
+        "index_head_dim": 32,
+        "index_topk": 4,
+        "candidate_source_layer_id": 6,
+        "candidate_topk_blocks": 3,
+        "candidate_block_size": 2,
+        "engram_layer_ids": [1, 4],
+        "engram_num_embeddings": [384, 552],
+        "engram_vocab_size": 50,
+        "engram_n_heads": 2,
+        "engram_head_dim": 32,
+        "engram_compressed_vocab_size": 329,
+        "num_nextn_predict_layers": 3,
+        "dspark_target_layer_ids": [9, 10, 11],
+        "dspark_noise_token_id": 382,
+        "dspark_markov_rank": 16,
+        "dspark_n_routed_experts": 8,
+        "dspark_num_experts_per_tok": 2,
+        "image_token_id": 383,
+        "torch_dtype": "float32",
+        "attention_chunk_size": 64,
+    },
 }
+
+# The family of each preset that is not a V4 config (dsv4.config.config_class).
+PRESET_MODEL_TYPES: dict[str, str] = {"v41_flash": "deepseek_v41", "v41_tiny": "deepseek_v41"}

@@ -1,7 +1,7 @@
 """Capture DSpark target features: a frozen DSV4 target over a dataset, packed, written as safetensors shards.
 
     python recipes/capture_dspark.py                                  # tiny model, bundled corpus, 1 CPU rank
-    python recipes/capture_dspark.py dp=2 model=v41_tiny layer_ids='[1,2,3]'
+    python recipes/capture_dspark.py dp=2 model=v4_ratio2_tiny layer_ids='[1,2,3]'
     python recipes/capture_dspark.py output_dir=/data/feats model.checkpoint=/ckpt/DeepSeek-V4-Flash data=jsonl ...
 
 Re-running with the same config resumes: finished shards are skipped (see dsv4/speculative/capture_job.py).

@@ -125,7 +125,7 @@ def export_run(run_dir: str | os.PathLike, out: str, *, step: int | None = None,
     ``adapter`` writes its PEFT adapter (``export.adapter_dir``), ``merge`` the merged model. ``out`` must be absent
     or empty (checked first) unless ``overwrite`` (``--overwrite``: every file the export does not write is
     removed from it)."""
-    from dsv4.model import DSV4ForCausalLM
+    from dsv4.model import build_causal_lm
     from dsv4.peft.lora import is_adapter_name
 
     if adapter and merge:
@@ -145,7 +145,7 @@ def export_run(run_dir: str | os.PathLike, out: str, *, step: int | None = None,
         raise ValueError(f"{ckpt}: --{'adapter' if adapter else 'merge'} needs a LoRA run's checkpoint; this one "
                          "holds the full model")
     with torch.device("meta"):
-        model = DSV4ForCausalLM(config)
+        model = build_causal_lm(config)
     state = model.state_dict()
     names = list(state)
     missing = [MODEL_PREFIX + n for n in names if MODEL_PREFIX + n not in tensors.entries]
@@ -201,7 +201,7 @@ def _lora_run(ckpt: Path, config):
     its model on the meta device with the adapters applied; the adapters' checkpoint keys are checked."""
     from omegaconf import OmegaConf
 
-    from dsv4.model import DSV4ForCausalLM
+    from dsv4.model import build_causal_lm
     from dsv4.peft.apply import apply_lora
     from dsv4.training.schema import lora_config
 
@@ -213,7 +213,7 @@ def _lora_run(ckpt: Path, config):
     if lora is None:
         raise CheckpointFormatError(f"{resolved}: peft is none, but {ckpt} holds LoRA adapters")
     with torch.device("meta"):
-        model = DSV4ForCausalLM(config)
+        model = build_causal_lm(config)
         apply_lora(model, lora)
     return cfg, lora, model
 

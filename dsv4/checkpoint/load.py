@@ -486,9 +486,9 @@ def load_model_from_hf(path: str, *, device: str | torch.device = "cpu", init_mi
     """Build ``DSV4ForCausalLM`` from ``path/config.json`` (``overrides`` replace config fields) and load it
     (``init_missing_mtp`` as in :func:`load_hf_checkpoint`)."""
     from dsv4.checkpoint.hf_config import config_from_hf
-    from dsv4.model import DSV4ForCausalLM
+    from dsv4.model import build_causal_lm
 
     config = config_from_hf(path, **overrides)
-    model = DSV4ForCausalLM(config).to(device)
+    model = build_causal_lm(config).to(device)
     load_hf_checkpoint(model, path, init_missing_mtp=init_missing_mtp)
     return model

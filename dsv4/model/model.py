@@ -109,6 +109,10 @@ class DSV4ForCausalLM(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
+        family = getattr(config, "model_type", "deepseek_v4")
+        if family != "deepseek_v4":
+            raise ValueError(f"DSV4ForCausalLM: config.model_type is {family!r}, not 'deepseek_v4'; build the model "
+                             "of the config's family with dsv4.model.build_causal_lm(config)")
         self.config = config
         self.model = DSV4Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -34,7 +34,7 @@ import torch
 
 from dsv4.config import DSV4Config
 from dsv4.parallel.cp.layout import cp_chunks
-from dsv4.model.model import DSV4ForCausalLM
+from dsv4.model import build_causal_lm
 from dsv4.parallel.expert_shard import shard_experts
 from dsv4.parallel.wrap import OFFLOAD, fsdp_units, store_frozen_in_compute_dtype
 from dsv4.peft.apply import apply_lora
@@ -304,7 +304,7 @@ def memory_plan(setup: PlanSetup) -> MemoryPlan:
     """Build the model on ``meta``, shard it like rank 0 of ``setup`` and plan one training step."""
     setup.check()
     with torch.device("meta"):
-        model = DSV4ForCausalLM(setup.config)
+        model = build_causal_lm(setup.config)
     if setup.lora is not None:  # frozen parameters are stored in their unit's compute dtype (apply_fsdp does it)
         apply_lora(model, setup.lora)
         store_frozen_in_compute_dtype(fsdp_units(model, setup.compute_dtype))

@@ -43,11 +43,11 @@ def shard_name(k: int) -> str:
 
 def _build_model(job: dict):
     from dsv4.config import DSV4Config
-    from dsv4.model import DSV4ForCausalLM
+    from dsv4.model import build_causal_lm
 
     config = DSV4Config.from_dict(job["model"])
     torch.manual_seed(job["seed"])
-    model = DSV4ForCausalLM(config)
+    model = build_causal_lm(config)
     checkpoint = job.get("checkpoint")
     if checkpoint and Path(checkpoint).is_dir():  # a Hugging Face-format DSV4 checkpoint (FP8/FP4 or exported)
         from dsv4.checkpoint import load_hf_checkpoint

@@ -51,7 +51,7 @@ import torch
 
 from dsv4.batch import TokenBatch
 from dsv4.distributed import all_reduce_sum, is_initialized
-from dsv4.model import DSV4ForCausalLM
+from dsv4.model import DSV4ForCausalLM, build_causal_lm
 from dsv4.model.moe import MoEGate, update_load_balancing_bias
 from dsv4.parallel.wrap import clip_grad_norm_
 from dsv4.training.loss import reduce_token_loss
@@ -110,7 +110,7 @@ class DSV4LightningModule(L.LightningModule):
         """
         if self.model is not None:
             return
-        self.model = DSV4ForCausalLM(self.config)
+        self.model = build_causal_lm(self.config)
         parallel = self.parallel
         if self.lora is not None:  # before loading: a kept base receives the checkpoint's FP8 / FP4 bytes as they are
             from dsv4.peft.apply import apply_lora, lora_summary

@@ -23,18 +23,22 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 
 from dsv4.config import PRESETS, DSV4Config
+from dsv4.config_v41 import DSV41Config
 
 
 def _model_schema() -> type:
-    hints = typing.get_type_hints(DSV4Config)
-    overrides = [(f.name, Optional[hints[f.name]], field(default=None)) for f in dataclasses.fields(DSV4Config)]
+    # DSV41Config's fields are a superset of DSV4Config's: one schema for both families (a key the preset's family
+    # lacks is refused by DSV4Config.preset, naming it).
+    hints = typing.get_type_hints(DSV41Config)
+    overrides = [(f.name, Optional[hints[f.name]], field(default=None)) for f in dataclasses.fields(DSV41Config)]
     schema = dataclasses.make_dataclass(
         "ModelConfig", [("preset", str, field(default="tiny")), ("checkpoint", Optional[str], field(default=None)),
                         ("init_missing_mtp", bool, field(default=False))] + overrides)
     schema.__doc__ = ("The model group: ``preset`` (one of dsv4.config.PRESETS), ``checkpoint`` (a Hugging Face-"
                       "format DSV4 checkpoint directory loaded before training), ``init_missing_mtp`` (MTP depths "
                       "the checkpoint lacks keep their random initialisation instead of stopping the run) and any "
-                      "DSV4Config field to override")
+                      "field of the preset's config class (DSV4Config, or DSV41Config for the v41_* presets) to "
+                      "override")
     return schema
 
 
@@ -42,7 +46,8 @@ ModelConfig = _model_schema()
 
 
 def model_config(model_cfg: Any) -> DSV4Config:
-    """The :class:`DSV4Config` a composed model group describes (ValueError naming the bad field)."""
+    """The config a composed model group describes (:class:`DSV4Config`, or :class:`DSV41Config` for a V4.1 preset;
+    ValueError naming the bad field)."""
     from omegaconf import OmegaConf
 
     values = OmegaConf.to_container(model_cfg, resolve=True) if not isinstance(model_cfg, dict) else dict(model_cfg)

@@ -153,7 +153,7 @@ def test_dspark_capture_benchmark_reports_the_slot_ratio_and_the_token_bound():
     here from the same seeded lengths; the packed layout's slot ratio cannot exceed them."""
     import torch
 
-    rows = _run("dspark_capture.py", "--presets", "v41_tiny", "--docs", "4", "--min-len", "8", "--max-len", "64",
+    rows = _run("dspark_capture.py", "--presets", "v4_ratio2_tiny", "--docs", "4", "--min-len", "8", "--max-len", "64",
                 "--docs-per-row", "2", "--repeats", "1")
     value = {r["name"]: r["value"] for r in rows}
     lengths = torch.randint(8, 65, (4,), generator=torch.Generator().manual_seed(0)).tolist()

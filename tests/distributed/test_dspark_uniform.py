@@ -11,7 +11,7 @@ from dsv4.launch import run_on_ranks
 pytestmark = pytest.mark.distributed
 
 LAYERS = [1, 3]
-# v41_tiny aligns documents to 2: rank 0 -> 4 + 2 = 6 aligned slots, rank 1 -> 6 + 10 = 16
+# v4_ratio2_tiny aligns documents to 2: rank 0 -> 4 + 2 = 6 aligned slots, rank 1 -> 6 + 10 = 16
 _ROWS = {0: ([3, 1], 5), 1: ([5, 9], 15)}
 
 
@@ -20,7 +20,7 @@ def _model():
     from dsv4.model import DSV4ForCausalLM
 
     torch.manual_seed(0)
-    return DSV4ForCausalLM(DSV4Config.preset("v41_tiny"))
+    return DSV4ForCausalLM(DSV4Config.preset("v4_ratio2_tiny"))
 
 
 def _inputs(rank: int):

@@ -28,7 +28,7 @@ def test_model_yaml_names_its_preset_only(name):
     values = yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text())
     training = {k: v for k, v in values.items() if k not in ("preset", "checkpoint", "init_missing_mtp")}
     assert set(training) <= {"activation_checkpointing"}
-    assert training == ({"activation_checkpointing": "block"} if name in ("flash", "pro") else {})
+    assert training == ({"activation_checkpointing": "block"} if name in ("flash", "pro", "v41_flash") else {})
     assert model_config(_compose([f"model={name}"]).model) == DSV4Config.preset(name, **training)
 
 
@@ -108,8 +108,8 @@ def test_schema_rejects_typos_and_types():
 
 
 def test_capture_config_is_typed_and_names_weights_like_finetune():
-    cfg = _compose(["model=v41_tiny", "model.checkpoint=/ckpt"], name="capture_dspark")
-    assert cfg.model.checkpoint == "/ckpt" and model_config(cfg.model) == DSV4Config.preset("v41_tiny")
+    cfg = _compose(["model=v4_ratio2_tiny", "model.checkpoint=/ckpt"], name="capture_dspark")
+    assert cfg.model.checkpoint == "/ckpt" and model_config(cfg.model) == DSV4Config.preset("v4_ratio2_tiny")
     with pytest.raises(Exception, match="weights"):
         _compose(["weights=/ckpt"], name="capture_dspark")
     with pytest.raises(Exception, match="layer_ids"):

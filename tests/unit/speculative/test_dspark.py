@@ -26,7 +26,7 @@ def _alone(model, ids, layer_ids):
     return cap.hidden_states()[0], cap.last_hidden_state()[0]
 
 
-@pytest.mark.parametrize("name, alignment", [("tiny", 128), ("v41_tiny", 2)])
+@pytest.mark.parametrize("name, alignment", [("tiny", 128), ("v4_ratio2_tiny", 2)])
 def test_packed_capture_equals_per_document(name, alignment):
     model = _model(name)
     cfg = model.config
@@ -53,7 +53,7 @@ def test_packed_capture_equals_per_document(name, alignment):
 
 
 def test_frozen_forward_projects_only_the_last_position():
-    model = _model("v41_tiny").train()
+    model = _model("v4_ratio2_tiny").train()
     rows = []
     original = model.logits_from_hidden
 
@@ -95,7 +95,7 @@ def test_model_seq_lens_path_and_logits_to_keep():
 
 
 def test_packed_loss_equals_sum_of_documents():
-    model = _model("v41_tiny")
+    model = _model("v4_ratio2_tiny")
     ids = torch.randint(1, 256, (1, 9))
     labels = torch.roll(ids, -1, 1)
     labels[0, [2, 8]] = -100  # last token of each document
@@ -108,7 +108,7 @@ def test_packed_loss_equals_sum_of_documents():
 
 
 def test_capture_validation_and_helpers():
-    model = _model("v41_tiny")
+    model = _model("v4_ratio2_tiny")
     for bad in ([], [1, 1], [2, 1], [-1], [4]):
         with pytest.raises(ValueError, match="layer ids"):
             FeatureCapture(model, bad)
