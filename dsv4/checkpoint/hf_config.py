@@ -314,6 +314,10 @@ def translate_transformers_config(data: dict[str, Any], notes: list[str] | None 
 def _v41_rope(text: dict[str, Any], notes: list[str]) -> None:
     """V4.1's YaRN from ``rope_parameters`` (transformers' spelling: one dict with ``rope_type`` and ``rope_theta``)
     when the file has no ``rope_scaling``."""
+    if isinstance(text.get("rope_scaling"), dict):  # one spelling in memory: "type" (the release has rope_type)
+        scaling = dict(text["rope_scaling"])
+        kind = scaling.pop("rope_type", scaling.pop("type", None))
+        text["rope_scaling"] = {"type": kind, **scaling}
     if "rope_scaling" in text or "rope_parameters" not in text:
         return
     params = text["rope_parameters"]

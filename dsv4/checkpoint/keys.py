@@ -209,9 +209,10 @@ _F32_KEYS = re.compile(r"(^|\.)(hc_(attn|ffn)_(fn|base|scale)|hc_head_(fn|base|s
 _V41_FP8_MODULES = re.compile(
     r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.(w1|w2|w3)|engram\.wkv)"
     r"\.weight$")
-# V4.1 keeps the compressor projections in fp32 (they run in fp32), besides V4's F32 tensors and the image bias.
-_V41_F32_KEYS = re.compile(r"^layers\.\d+\.(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink|ffn\.gate\.(bias|bias_vl)"
-                           r"|attn\.compressor\.(wkv|wgate)\.weight)$")
+# V4.1's reference keeps in fp32 (and writes as F32) what V4 keeps, the image bias, the compressor projections (they
+# run in fp32) and the head.
+_V41_F32_KEYS = re.compile(r"^(head\.weight|layers\.\d+\.(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink"
+                           r"|ffn\.gate\.(bias|bias_vl)|attn\.compressor\.(wkv|wgate)\.weight))$")
 _EXPERT_WEIGHT = re.compile(r"(^|\.)ffn\.experts\.\d+\.(w1|w2|w3)\.weight$")
 
 

@@ -193,9 +193,11 @@ def _check_and_plan(
     beyond: dict[str, int] = {}  # routed-expert key with an expert index >= n_routed_experts -> n_routed_experts
     scales = {k for k in ckpt.tensors if K.is_scale_key(k)}
     for key, info in ckpt.tensors.items():
-        if key in scales:
-            continue
         reason = K.skip_reason(key, family)
+        if key in scales:
+            if reason is not None:  # counted with its group; skipped with its weight
+                not_built[reason] = not_built.get(reason, 0) + 1
+            continue
         if reason is not None:
             not_built[reason] = not_built.get(reason, 0) + 1
             skipped.append(key)
