@@ -104,29 +104,18 @@ class DSV4Model(nn.Module):
         return self.norm(self.hc_head(x))
 
 
-class DSV4ForCausalLM(nn.Module):
-    """DSV4 backbone + fp32 lm_head + MTP depths + token-sum CE loss. See the module docstring."""
+class CausalLM(nn.Module):
+    """What every model family's causal LM shares: the public forward (inputs resolved by
+    :func:`~dsv4.model.inputs.resolve_inputs`, the packed layout restored, ``logits_to_keep``), the fp32
+    ``lm_head``, the token-sum CE loss (chunked without logits). A family provides ``self.config``,
+    ``self.lm_head`` and ``_hidden_states(inputs) -> (hidden [B, L, d], MTP hiddens, MTP labels or None, indexer KL
+    sums)``."""
 
-    def __init__(self, config) -> None:
-        super().__init__()
-        family = getattr(config, "model_type", "deepseek_v4")
-        if family != "deepseek_v4":
-            raise ValueError(f"DSV4ForCausalLM: config.model_type is {family!r}, not 'deepseek_v4'; build the model "
-                             "of the config's family with dsv4.model.build_causal_lm(config)")
-        self.config = config
-        self.model = DSV4Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.mtp = MultiTokenPrediction(config)
-        self.apply(self._init_weights)
+    config: object
+    lm_head: nn.Linear
 
-    def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=std)
+    def _hidden_states(self, inputs: ModelInputs) -> tuple[torch.Tensor, list[torch.Tensor], list | None, list]:
+        raise NotImplementedError
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 lm_head: ``[B, L, d] -> [B, L, vocab]`` fp32."""
@@ -168,21 +157,6 @@ class DSV4ForCausalLM(nn.Module):
             out.mtp_logits = [layout.restore(t) for t in out.mtp_logits]
         return out
 
-    def _hidden_states(self, inputs: ModelInputs) -> tuple[torch.Tensor, list[torch.Tensor], list | None, list]:
-        """Backbone + MTP depths: ``(hidden [B, L, d], MTP hiddens, MTP labels or None, the CSA layers' indexer KL
-        sums)``."""
-        meta = build_attention_metadata(self.config, inputs.position_ids, inputs.seq_ids, inputs.padding, inputs.cp)
-        layers = [m for m in self.modules() if isinstance(m, DSV4Attention) and m.indexer is not None]
-        for layer in layers:
-            layer.indexer_loss = None
-        backbone = self.model(inputs.input_ids, meta, inputs.cp)
-        mtp_hiddens, mtp_labels = self.mtp(backbone.streams, self.model.embed_tokens, inputs.input_ids, meta,
-                                           labels=inputs.labels, cp=inputs.cp)
-        losses = [layer.indexer_loss for layer in layers if layer.indexer_loss is not None]
-        for layer in layers:  # the output holds them now; the layers keep no graph past this forward
-            layer.indexer_loss = None
-        return backbone.hidden, mtp_hiddens, mtp_labels, losses
-
     def _head_and_loss(self, hidden, mtp_hiddens, labels, mtp_labels, logits_to_keep, return_logits) -> DSV4Output:
         keep = _keep_positions(logits_to_keep, hidden.shape[1])
         if keep is not None and labels is not None:
@@ -221,6 +195,46 @@ class DSV4ForCausalLM(nn.Module):
         counts = parameter_counts(self)
         return counts["active"] if active_only else counts["total"]
 
+
+
+class DSV4ForCausalLM(CausalLM):
+    """DSV4 backbone + fp32 lm_head + MTP depths + token-sum CE loss. See the module docstring."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        family = getattr(config, "model_type", "deepseek_v4")
+        if family != "deepseek_v4":
+            raise ValueError(f"DSV4ForCausalLM: config.model_type is {family!r}, not 'deepseek_v4'; build the model "
+                             "of the config's family with dsv4.model.build_causal_lm(config)")
+        self.config = config
+        self.model = DSV4Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = MultiTokenPrediction(config)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+
+    def _hidden_states(self, inputs: ModelInputs) -> tuple[torch.Tensor, list[torch.Tensor], list | None, list]:
+        """Backbone + MTP depths: ``(hidden [B, L, d], MTP hiddens, MTP labels or None, the CSA layers' indexer KL
+        sums)``."""
+        meta = build_attention_metadata(self.config, inputs.position_ids, inputs.seq_ids, inputs.padding, inputs.cp)
+        layers = [m for m in self.modules() if isinstance(m, DSV4Attention) and m.indexer is not None]
+        for layer in layers:
+            layer.indexer_loss = None
+        backbone = self.model(inputs.input_ids, meta, inputs.cp)
+        mtp_hiddens, mtp_labels = self.mtp(backbone.streams, self.model.embed_tokens, inputs.input_ids, meta,
+                                           labels=inputs.labels, cp=inputs.cp)
+        losses = [layer.indexer_loss for layer in layers if layer.indexer_loss is not None]
+        for layer in layers:  # the output holds them now; the layers keep no graph past this forward
+            layer.indexer_loss = None
+        return backbone.hidden, mtp_hiddens, mtp_labels, losses
 
 def _keep_positions(logits_to_keep, length: int) -> torch.Tensor | None:
     """``None`` (keep all) or the 1-D index of the positions whose logits are projected."""

@@ -1,0 +1,133 @@
+"""CSA2: the attention layer of DeepSeek-V4.1, in four roles chosen by the config (``attention_role``).
+
+Per layer with compress ratio ``r`` (0, 1 or 2):
+
+* Q: ``q_lat = q_norm(wq_a x)``, ``q = wq_b q_lat -> [B, L, H, D]``, RoPE. No per-head query norm (V4 has one).
+* K = V: ``kv = kv_norm(wkv x) -> [B, L, D]``, RoPE, FP8-rounded (``fake_quant``: blocks of 32, power-of-two
+  scales over the whole rotated vector).
+* RoPE: the main table for ``r == 0``; the compress table (``compress_rope_theta`` + YaRN) for ``r > 0``.
+* Keys: the sliding window over ``kv`` (document-local, ``sliding_window`` rows ending at the query), plus for
+  ``r > 0`` the compressed rows of the shared state (:mod:`dsv4.model.v41.shared_state`) the state's top-k names.
+  The sink, the softmax and the window/compressed masks are V4's kernel (:mod:`dsv4.model.attention_backend`).
+* Output: inverse RoPE, grouped ``wo_a`` (``o_groups`` blocks), ``wo_b``.
+
+Roles (what a layer owns and what it does to the shared state):
+
+* ``window`` (``r == 0``): neither compressor nor indexer; window keys only; the state passes through.
+* ``full`` (``kv_source_layer_ids``): a compressor (:class:`~dsv4.model.v41.compressor.CSA2Compressor`) and an
+  indexer with keys: builds a new state from its own input (compressed rows RoPE'd at each window's first
+  position and FP4-rounded: blocks of 16, E4M3 scales; index keys; its selection).
+* ``reindex`` (``index_source_layer_ids`` only): an indexer without keys: the state with its own selection.
+* ``reuse``: neither: attends to the state's rows with the state's selection.
+
+The per-forward positions, document ids, RoPE tables and window metadata come from V4's
+:func:`~dsv4.model.attention_metadata.build_attention_metadata` (ratios 1 and 2), shared by every layer. Everything
+here is document-local arithmetic on those tables: nothing of size ``[L, L]`` is built. Context parallelism for V4.1
+(halo of window keys, the compressed rows and index keys of earlier ranks) is not implemented; the model refuses
+``cp`` with more than one rank before any layer runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor, nn
+
+from dsv4.model.attention import AttentionSink, BlockDiagonalLinear
+from dsv4.model.attention_backend import attention_kernel
+from dsv4.model.attention_metadata import AttentionMetadata
+from dsv4.model.fake_quant import fake_quant_fp4, fake_quant_fp8
+from dsv4.model.norm import RMSNorm
+from dsv4.model.rope import apply_rope
+from dsv4.model.v41.compressor import CSA2Compressor
+from dsv4.model.v41.indexer import CSA2Indexer
+from dsv4.model.v41.shared_state import SharedState
+
+
+class CSA2Attention(nn.Module):
+    """One V4.1 attention layer: ``forward(x [B, L, d], meta, state) -> (out [B, L, d], state)``."""
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.ratio = config.ratio_for_layer(layer_idx)
+        self.role = config.attention_role(layer_idx)
+        self.n_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.window = config.sliding_window
+        self.n_groups = config.o_groups
+        self.fake_quant = config.fake_quant
+        d_m, eps = config.hidden_size, config.rms_norm_eps
+        self.wq_a = nn.Linear(d_m, config.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(config.q_lora_rank, eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(d_m, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, eps)
+        self.sink = AttentionSink(self.n_heads)
+        group_in = self.n_heads * self.head_dim // self.n_groups
+        self.wo_a = BlockDiagonalLinear(group_in, self.n_groups * config.o_lora_rank, self.n_groups)
+        self.wo_b = nn.Linear(self.n_groups * config.o_lora_rank, d_m, bias=False)
+        self.compressor = CSA2Compressor(d_m, self.head_dim, self.ratio, eps) if self.role == "full" else None
+        self.indexer = CSA2Indexer(config, layer_idx) if self.role in ("full", "reindex") else None
+
+    def forward(self, x: Tensor, meta: AttentionMetadata, state: SharedState | None) -> tuple[Tensor, SharedState | None]:
+        """Attention of this rank's tokens; returns the output and the shared state for the next layer.
+
+        Args:
+            x: ``[B, L, d]`` (input-layernormed).
+            meta: the forward's :class:`~dsv4.model.attention_metadata.AttentionMetadata`.
+            state: the shared state of the layers before (None before the first Full layer).
+        """
+        b, length, _ = x.shape
+        rope = meta.rope_compress if self.ratio else meta.rope_main
+        kv = apply_rope(self.kv_norm(self.wkv(x)), rope)
+        if self.fake_quant:
+            kv = fake_quant_fp8(kv, 32)
+        q_lat = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(q_lat).view(b, length, self.n_heads, self.head_dim), rope)
+
+        compressed = comp_seq = comp_pos = topk = local_windows = None
+        if self.ratio:
+            windows, key_windows = meta.windows[self.ratio], meta.key_windows[self.ratio]
+            if self.role == "full":
+                latent = self.compressor(x, windows)
+                rows = apply_rope(latent, windows.rope)
+                if self.fake_quant:
+                    rows = fake_quant_fp4(rows, 16, "e4m3")
+                state = SharedState(ratio=self.ratio, owner=self.layer_idx, compressed=rows,
+                                    index_keys=self.indexer.keys(latent, windows), topk=None)
+            elif state is None:
+                raise ValueError(f"V4.1 layer {self.layer_idx} ({self.role}) runs before any KV source layer")
+            state.check_consumer(self.layer_idx, self.ratio)
+            if self.indexer is not None:
+                selected, candidates = self.indexer(
+                    x, q_lat, meta.rope_compress, meta.seq_ids, meta.position_ids, state.index_keys, key_windows,
+                    self.ratio, state.candidates)
+                state = replace(state, topk=selected, candidates=candidates)
+            compressed, topk = state.compressed, state.topk
+            comp_seq, comp_pos = key_windows.seq_ids, key_windows.positions
+            local_windows = windows.seq_ids.shape[1]
+
+        kernel = attention_kernel(self.config.attention_backend, q.device)
+        out = kernel(
+            q, kv, self.sink(),
+            window=self.window,
+            query_seq_ids=meta.seq_ids,
+            query_positions=meta.position_ids,
+            kv_seq_ids=meta.kv_seq_ids,
+            kv_padding=meta.kv_padding,
+            query_offset=meta.halo,
+            compressed=compressed,
+            compressed_seq_ids=comp_seq,
+            compressed_positions=comp_pos,
+            ratio=self.ratio,
+            topk_indices=topk,
+            chunk_size=self.config.attention_chunk_size,
+            compressed_local_rows=local_windows,
+            key_floors=meta.key_floors.get(self.ratio),
+        )
+        out = apply_rope(out, rope, inverse=True)
+        out = self.wo_a(out.reshape(b, length, self.n_groups, -1)).reshape(b, length, -1)
+        return self.wo_b(out), state

@@ -1,0 +1,104 @@
+"""`DSV41Model` (embedding -> V4.1 blocks -> final collapse -> norm) and `DSV41ForCausalLM` (+ fp32 lm_head, loss).
+
+``DSV41ForCausalLM`` has the public call signature and output of :class:`dsv4.model.model.DSV4ForCausalLM`
+(``input_ids, position_ids, packed_seq_ids, padding_mask, cp, labels``, ``seq_lens=`` rows of back-to-back
+documents, ``return_logits``, ``logits_to_keep`` -> :class:`~dsv4.model.model.DSV4Output`), through the shared
+:class:`~dsv4.model.model.CausalLM`. Differences from V4:
+
+* blocks are :class:`~dsv4.model.v41.block.DSV41Block`: CSA2 attention roles with a shared per-forward state,
+  single-pass hyper-connections (the first block reads stream 0, the final collapse uses the last FFN site's
+  ``pre``; no hyper-head), Engram at ``engram_layer_ids``;
+* no MTP depths: V4.1's DSpark layers (``mtp.*`` in the release, the last ``compress_ratios`` entries) are a
+  separate drafter, not part of this backbone (``mtp_logits`` stays empty);
+* text only: a token equal to ``config.image_token_id`` raises ``ValueError`` (no vision tower);
+* one rank: ``cp`` with more than one rank raises ``ValueError`` (V4.1 context parallelism is not implemented).
+
+Module names follow V4's (``model.embed_tokens``, ``model.layers.{i}``, ``model.norm``, ``lm_head``).
+:meth:`DSV41ForCausalLM.feature_modules` names the modules whose first forward input is a DSpark target feature
+(the streams entering a layer's attention site, after its Engram update).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.model.attention_metadata import AttentionMetadata, build_attention_metadata
+from dsv4.model.context_parallel import is_parallel
+from dsv4.model.inputs import ModelInputs
+from dsv4.model.model import BackboneOutput, CausalLM
+from dsv4.model.norm import RMSNorm
+from dsv4.model.v41.block import DSV41Block
+from dsv4.model.v41.hyper_connections import SinglePassHyperConnection, first_carry
+
+
+class DSV41Model(nn.Module):
+    """Backbone: ``forward(input_ids [B, L], meta, engram_inputs) -> BackboneOutput`` (``streams``: the last
+    block's streams ``[B, L, hc, d]``)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DSV41Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, engram_inputs=None) -> BackboneOutput:
+        h = self.embed_tokens(input_ids)
+        x = h.unsqueeze(-2).expand(*h.shape[:-1], self.config.hc_mult, h.shape[-1])
+        carry, state = first_carry(x), None
+        for layer in self.layers:
+            x, carry, state = layer(x, carry, state, meta, engram_inputs)
+        return BackboneOutput(hidden=self.norm(SinglePassHyperConnection.collapse(x, carry)), streams=x)
+
+
+class DSV41ForCausalLM(CausalLM):
+    """DeepSeek-V4.1 backbone + fp32 lm_head + token-sum CE loss. See the module docstring."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        if getattr(config, "model_type", None) != "deepseek_v41":
+            raise ValueError(f"DSV41ForCausalLM needs a DSV41Config (model_type 'deepseek_v41'), got "
+                             f"{type(config).__name__} ({getattr(config, 'model_type', None)!r})")
+        if config.indexer_loss_coeff:
+            raise ValueError(f"DSV41ForCausalLM: indexer_loss_coeff={config.indexer_loss_coeff} is not supported for "
+                             "V4.1 (its indexer is frozen, as in the released training code); set it to 0")
+        self.config = config
+        self.model = DSV41Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+
+    def feature_modules(self, layer_ids: list[int]) -> list[nn.Module]:
+        """The modules whose first forward input is the DSpark target feature of each of ``layer_ids``: the
+        streams ``[B, L, hc, d]`` entering the layer's attention site (``layers[i].attn_hc``), after its Engram."""
+        n = len(self.model.layers)
+        bad = [i for i in layer_ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"feature_modules: layer ids {bad} outside [0, {n})")
+        return [self.model.layers[i].attn_hc for i in layer_ids]
+
+    def _hidden_states(self, inputs: ModelInputs) -> tuple[torch.Tensor, list[torch.Tensor], list | None, list]:
+        if is_parallel(inputs.cp):
+            raise ValueError(f"DSV41ForCausalLM: context parallelism (cp of {inputs.cp.size} ranks) is not "
+                             "implemented for V4.1; run with cp=1")
+        image = inputs.input_ids == self.config.image_token_id
+        if image.any():
+            raise ValueError(f"DSV41ForCausalLM trains text only: input_ids hold image_token_id="
+                             f"{self.config.image_token_id} at {int(image.sum())} positions")
+        meta = build_attention_metadata(self.config, inputs.position_ids, inputs.seq_ids, inputs.padding, inputs.cp)
+        backbone = self.model(inputs.input_ids, meta, self.engram_inputs(inputs))
+        return backbone.hidden, [], None, []
+
+    def engram_inputs(self, inputs: ModelInputs):
+        """What every Engram layer of this forward reads (its hashed n-grams), computed once; None without
+        Engram layers."""
+        if not self.config.engram_layer_ids:
+            return None
+        raise ValueError("DSV41ForCausalLM: Engram layers are not available in this tree")
+
+

@@ -1,0 +1,227 @@
+"""DeepSeek-V4.1 in dsv4 against the independent reference (NeMo Automodel 0.7.0's ``deepseek_v41``, CPU, fp32).
+
+One module-scoped case: the tiny V4.1 (``v41_tiny``, every attention role: window 0-1, Full 2/4/6, Reuse 3/5/7/9/11,
+Reindex 8/10 inside layer 6's candidate blocks; Engram off until its module is merged) with well-conditioned weights
+(tests/v41_reference.py) copied into dsv4 by name. Asserted: logits of an unpacked odd-length row and of a packed
+row of uneven documents (``seq_lens`` and dsv4's own aligned ``packed_seq_ids`` / ``position_ids``) within 1e-5 of
+the largest logit; gradients of a loss within 1e-4 (per tensor, relative to its largest entry), hyper-connection
+parameters included; the DSpark target features; the fake quantisation bit for bit; a packed row equals its
+documents run alone; and that the case is well conditioned (no near top-k tie, 1e-7 noise moves logits far less
+than the tolerance, every role and the hyper-connections move them far more).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.config import DSV4Config
+from dsv4.model import build_causal_lm
+from dsv4.model.v41.indexer import CSA2Indexer
+from dsv4.packing import aligned_packed_layout
+from tests.v41_reference import build_reference, dsv4_names, load_into
+
+SEED = 0
+LOGIT_TOL = 1e-5  # of the largest |logit|
+GRAD_TOL = 1e-4  # of each tensor's largest |gradient|
+UNPACKED_LEN = 23
+DOCS = [11, 5, 8]  # a packed row of uneven, odd documents
+TARGETS = [9, 10, 11]
+
+
+def _config():
+    return DSV4Config.preset("v41_tiny", engram_layer_ids=[], engram_num_embeddings=[])
+
+
+def _ids(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 380, (1, length), generator=torch.Generator().manual_seed(seed))  # no image_token_id 383
+
+
+def _loss_weights(shape) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(7))
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor, tol: float) -> str:
+    """The error and the share of positions whose logits differ by more than ``tol`` (relative)."""
+    scale = b.abs().max()
+    err = (a - b).abs() / scale
+    bad = (err.amax(-1) > tol).float().mean().item()
+    return f"max error {err.max().item():.3g} of the largest logit; {bad:.0%} of positions differ"
+
+
+def _features(modules):
+    store = {}
+    handles = [m.register_forward_pre_hook(lambda mod, args, i=i: store.__setitem__(i, args[0].detach().clone()))
+               for i, m in zip(TARGETS, modules)]
+    return store, handles
+
+
+@pytest.fixture(scope="module")
+def case():
+    config = _config()
+    ref = build_reference(config, SEED)
+    model = build_causal_lm(config).eval()
+    load_into(model, ref)
+    out = {"config": config, "ref": ref, "model": model}
+    ids = _ids(UNPACKED_LEN, 1)
+    weights = _loss_weights((1, UNPACKED_LEN, config.vocab_size))
+    # unpacked: logits, features, gradients of one loss, both models
+    ref_feats, handles = _features(ref.get_dspark_target_feature_modules(TARGETS))
+    logits = ref(ids).logits
+    (logits * weights).sum().backward()
+    [h.remove() for h in handles]
+    out["ref_logits"], out["ref_feats"] = logits.detach(), ref_feats
+    out["ref_grads"] = dsv4_names({n: p.grad for n, p in ref.named_parameters() if p.grad is not None})
+    feats, handles = _features(model.feature_modules(TARGETS))
+    logits = model(ids).logits
+    (logits * weights).sum().backward()
+    [h.remove() for h in handles]
+    out["logits"], out["feats"] = logits.detach(), feats
+    out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    out["ids"] = ids
+    # packed: the reference with seq_lens, dsv4 with seq_lens and with its own aligned packed arguments
+    pids, lens = _ids(sum(DOCS), 2), torch.tensor([DOCS])
+    with torch.no_grad():
+        out["ref_packed"] = ref(pids, seq_lens=lens).logits
+        out["packed_seq_lens"] = model(pids, seq_lens=lens).logits
+        layout = aligned_packed_layout(lens, tuple(pids.shape), config.shard_multiple)
+        aligned = model(layout.pack(pids, fill=0), position_ids=layout.position_ids,
+                        packed_seq_ids=layout.sequence_ids, padding_mask=layout.padding_mask).logits
+        out["packed_own"] = layout.restore(aligned)
+    out["pids"] = pids
+    return out
+
+
+def test_unpacked_logits_equal_the_reference(case):
+    ref, got = case["ref_logits"], case["logits"]
+    assert ref.shape == got.shape == (1, UNPACKED_LEN, 384)
+    assert ((got - ref).abs().max() <= LOGIT_TOL * ref.abs().max()), _differ(got, ref, LOGIT_TOL)
+
+
+def test_packed_logits_equal_the_reference(case):
+    ref = case["ref_packed"]
+    for name in ("packed_seq_lens", "packed_own"):
+        got = case[name]
+        assert got.shape == ref.shape == (1, sum(DOCS), 384)
+        assert (got - ref).abs().max() <= LOGIT_TOL * ref.abs().max(), f"{name}: {_differ(got, ref, LOGIT_TOL)}"
+
+
+def test_gradients_equal_the_reference(case):
+    ref, got = case["ref_grads"], case["grads"]
+    assert set(got) == set(ref), (sorted(set(got) ^ set(ref)))
+    assert {n for n in got if n.endswith(("attn_hc.fn", "ffn_hc.base", "compressor.wgate.weight"))}
+    assert not any(".indexer." in n for n in got)  # the indexer is frozen in both
+    bad = {n: ((got[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref
+           if (got[n] - ref[n]).abs().max() > GRAD_TOL * ref[n].abs().max()}
+    assert not bad, bad
+
+
+def test_dspark_target_features_equal_the_reference(case):
+    for i in TARGETS:
+        ref, got = case["ref_feats"][i], case["feats"][i]
+        assert got.shape == ref.shape == (1, UNPACKED_LEN, 4, 64)
+        assert (got - ref).abs().max() <= LOGIT_TOL * ref.abs().max(), i
+
+
+def test_fake_quantisation_is_the_reference_rounding_bit_for_bit():
+    from nemo_automodel.components.models.deepseek_v41.quantization import quantize_cache
+
+    from dsv4.model.fake_quant import fake_quant_fp4, fake_quant_fp8
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 3, 64, generator=gen) * torch.logspace(-3, 3, 8)[:, None, None]
+    x[0, 0, :32] = torch.arange(32) * 0.25  # every E2M1 midpoint, in one block of scale 1
+    x[1, 0, :8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]) * 2.0**-4
+    assert torch.equal(fake_quant_fp8(x, 32), quantize_cache(x, format="fp8", block_size=32))
+    assert torch.equal(fake_quant_fp4(x, 16, "e4m3"), quantize_cache(x, format="nvfp4", block_size=16))
+    assert torch.equal(fake_quant_fp4(x, 32, "pow2"), quantize_cache(x, format="mxfp4", block_size=32))
+    assert not torch.equal(fake_quant_fp4(x, 32, "pow2"), x)
+    leaf = x.clone().requires_grad_()
+    fake_quant_fp8(leaf, 32).backward(x)  # straight through
+    assert torch.equal(leaf.grad, x)
+
+
+def test_packed_row_equals_its_documents_run_alone(case):
+    model, pids, packed = case["model"], case["pids"], case["packed_seq_lens"]
+    start = 0
+    with torch.no_grad():
+        for n in DOCS:
+            alone = model(pids[:, start:start + n]).logits
+            part = packed[:, start:start + n]
+            assert (part - alone).abs().max() <= LOGIT_TOL * alone.abs().max(), (n, _differ(part, alone, LOGIT_TOL))
+            start += n
+
+
+def _top_gaps(model, ids) -> list[float]:
+    """The smallest relative gap between the k-th and (k+1)-th score of every top-k choice of a forward: the
+    indexer selections and candidate blocks, and the MoE routing."""
+    gaps = []
+    original = CSA2Indexer.top
+
+    def recording(scores, k):
+        finite = scores.masked_fill(torch.isposinf(scores), float("nan"))
+        scale = finite.nan_to_num(0.0, neginf=0.0).abs().amax()
+        values = scores.sort(dim=-1, descending=True).values
+        if values.shape[-1] > k:
+            kth, nxt = values[..., k - 1], values[..., k]
+            real = torch.isfinite(kth) & torch.isfinite(nxt)
+            if real.any():
+                gaps.append(((kth - nxt)[real].min() / scale).item())
+        return original(scores, k)
+
+    def routing(gate, args):
+        scores = torch.nn.functional.softplus(args[0].float() @ gate.weight.float().t()).sqrt()
+        values = (scores + gate.e_score_correction_bias).sort(dim=-1, descending=True).values
+        gaps.append(((values[:, gate.top_k - 1] - values[:, gate.top_k]).min() / values.abs().max()).item())
+
+    handles = [layer.mlp.gate.register_forward_pre_hook(routing) for layer in model.model.layers]
+    CSA2Indexer.top = staticmethod(recording)
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        CSA2Indexer.top = staticmethod(original)
+        [h.remove() for h in handles]
+    return gaps
+
+
+def test_the_case_is_well_conditioned(case):
+    """No top-k choice within 1e-5 (relative) of a tie (100 times the two implementations' score differences);
+    noise of 1e-7 (relative) on every block's input moves logits by less than a tenth of the tolerance; every
+    attention role and the hyper-connections move them by far more."""
+    model, ids, base = case["model"], case["ids"], case["logits"]
+    gaps = _top_gaps(model, ids)
+    assert len(gaps) == 5 + 12 + 1 and min(gaps) > 1e-5, min(gaps)  # 5 index layers + 1 candidate source, 12 MoE
+
+    def moved(**hooks) -> float:
+        handles = [module.register_forward_hook(hook) if kind == "post" else module.register_forward_pre_hook(hook)
+                   for kind, module, hook in hooks["hooks"]]
+        try:
+            with torch.no_grad():
+                logits = model(ids).logits
+        finally:
+            [h.remove() for h in handles]
+        return ((logits - base).abs().max() / base.abs().max()).item()
+
+    gen = torch.Generator().manual_seed(5)
+
+    def noise(_module, args):
+        x = args[0]
+        return (x + 1e-7 * x.abs().amax() * torch.randn(x.shape, generator=gen),) + args[1:]
+
+    layers = model.model.layers
+    assert moved(hooks=[("pre", layer, noise) for layer in layers]) < LOGIT_TOL / 10
+
+    def silence(_module, _args, out):
+        return torch.zeros_like(out[0]), out[1]
+
+    config = case["config"]
+    for role in ("window", "full", "reindex", "reuse"):
+        sites = [("post", layer.self_attn, silence) for i, layer in enumerate(layers)
+                 if config.attention_role(i) == role]
+        assert moved(hooks=sites) > 1e-3, role
+
+    def flat_mix(_module, args):
+        return (torch.ones_like(args[0]),)  # every site's coefficients from a constant input
+
+    assert moved(hooks=[("pre", layer.attn_hc, flat_mix) for layer in layers]) > 1e-3

@@ -1,0 +1,130 @@
+"""The independent V4.1 reference for tests: NeMo Automodel 0.7.0's ``deepseek_v41`` built tiny on CPU, well
+conditioned, and its weights mapped onto dsv4's module names.
+
+Import this module only from V4.1 reference tests (importing NeMo Automodel costs about 10 CPU-seconds).
+
+Conditioning (the V4.1 forward rounds KV to FP8/FP4 and makes hard top-k choices, so with large random weights a
+1e-6 change moves logits by O(1)): input-side projections at std ~0.15, the projections that write into the residual
+streams (``wo_b``, expert and shared-expert down projections) at std 0.003, norms near 1, random sinks, router
+biases and hyper-connection bases. :func:`build_reference` returns the reference in fp32 eval mode;
+:func:`dsv4_state_dict` maps its state onto a :class:`dsv4.model.v41.model.DSV41ForCausalLM`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from nemo_automodel.components.models.common import BackendConfig
+from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+from dsv4.config_v41 import DSV41Config
+
+BACKEND = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope="torch", rope_fusion=False,
+                        experts="torch", dispatcher="torch")
+# DSV41Config fields that are dsv4's own (training choices), not part of the released text_config
+DSV4_ONLY = ("fake_quant", "engram_trainable", "mtp_loss_weight", "indexer_loss_coeff", "attention_chunk_size",
+             "loss_chunk_size", "activation_checkpointing", "moe_chunk_tokens", "attention_backend", "torch_dtype",
+             "num_hash_layers", "image_token_id")
+INPUT_STD = 0.15  # projections reading the residual streams / the attention internals
+OUTPUT_STD = 0.003  # projections writing into the residual streams
+
+
+def reference_config(config: DSV41Config) -> DeepseekV41Config:
+    """The NeMo Automodel config of ``config`` (fp32, no vision tower)."""
+    text = {k: v for k, v in config.to_dict().items() if k not in DSV4_ONLY}
+    return DeepseekV41Config(text_config={**text, "dtype": "float32"}, vision_config={"num_hidden_layers": 0},
+                             image_token_id=config.image_token_id, dtype="float32")
+
+
+@torch.no_grad()
+def condition_(model: torch.nn.Module, seed: int) -> None:
+    """Draw every weight of the reference ``model`` in place, well conditioned (module docstring)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(t: torch.Tensor, std: float, mean: float = 0.0) -> None:
+        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32) * std + mean)
+
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith("down_projs") or name.endswith("down_proj.weight") or name.endswith("attn.wo_b.weight"):
+            normal(p, OUTPUT_STD)
+        elif name.endswith("norm.weight"):
+            normal(p, 0.1, 1.0)
+        elif name.endswith("sinks_param.weight"):
+            normal(p, 0.5)
+        elif name.endswith(("e_score_correction_bias", "bias_vl")):
+            normal(p, 0.05)
+        elif name.endswith("hc.base"):
+            normal(p, 0.5)
+        elif name.endswith("hc.scale"):
+            normal(p, 0.1, 1.0)
+        elif name.endswith("embed_tokens.weight"):
+            normal(p, 1.0)
+        elif p.is_floating_point():
+            normal(p, INPUT_STD)
+
+
+def _eager_expert_activations(model: torch.nn.Module) -> None:
+    """Run the reference experts' SwiGLU eagerly: the library wraps it in ``torch.compile`` (about 15 CPU-seconds
+    of compilation per process); the undecorated function is the same arithmetic."""
+    for module in model.modules():
+        act = getattr(module, "expert_activation_grouped", None)
+        if isinstance(act, functools.partial) and hasattr(act.func, "_torchdynamo_orig_callable"):
+            module.expert_activation_grouped = functools.partial(act.func._torchdynamo_orig_callable, *act.args,
+                                                                 **act.keywords)
+
+
+def build_reference(config: DSV41Config, seed: int) -> DeepseekV41ForCausalLM:
+    """The reference tiny V4.1 (fp32, eval) with conditioned weights drawn from ``seed``."""
+    if config.engram_layer_ids:
+        raise ValueError("build_reference: Engram layers need the reference tokenizer (not wired here yet)")
+    torch.manual_seed(seed)
+    model = DeepseekV41ForCausalLM(reference_config(config), backend=BACKEND).float().eval()
+    _eager_expert_activations(model)
+    condition_(model, seed)
+    return model
+
+
+def dsv4_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Reference-named tensors (weights or their gradients) under dsv4's names and layouts (``DSV41ForCausalLM``
+    keys; the fused expert ``gate_and_up_projs [E, d, 2I]`` -> ``w1`` / ``w3 [E, I, d]``, ``down_projs [E, I, d]``
+    -> ``w2 [E, d, I]``)."""
+    out = {}
+    for name, t in tensors.items():
+        t = t.detach().clone()
+        key = name.replace(".attn.", ".self_attn.").replace(".ffn.", ".mlp.")
+        key = key.replace(".attn_norm.", ".input_layernorm.").replace(".ffn_norm.", ".post_attention_layernorm.")
+        key = key.replace("self_attn.sinks_param.weight", "self_attn.sink.logits")
+        key = key.replace("shared_experts.gate_proj", "shared_experts.w1").replace(
+            "shared_experts.up_proj", "shared_experts.w3").replace("shared_experts.down_proj", "shared_experts.w2")
+        if key.endswith("experts.gate_and_up_projs"):  # [E, d, 2I]: gate | up
+            gate, up = t.chunk(2, dim=-1)
+            out[key.replace("gate_and_up_projs", "w1")] = gate.transpose(1, 2).contiguous()
+            out[key.replace("gate_and_up_projs", "w3")] = up.transpose(1, 2).contiguous()
+            continue
+        if key.endswith("experts.down_projs"):  # [E, I, d]
+            out[key.replace("down_projs", "w2")] = t.transpose(1, 2).contiguous()
+            continue
+        out[key] = t
+    return out
+
+
+def dsv4_state_dict(reference: DeepseekV41ForCausalLM) -> dict[str, torch.Tensor]:
+    """The reference's weights under dsv4's names (``DSV41ForCausalLM.state_dict()`` keys)."""
+    return dsv4_names(reference.state_dict())
+
+
+def load_into(model: torch.nn.Module, reference: DeepseekV41ForCausalLM) -> None:
+    """Copy the reference's weights into the dsv4 ``model``; every parameter and persistent buffer of both is
+    matched (ValueError naming the leftovers)."""
+    state = dsv4_state_dict(reference)
+    own = model.state_dict()
+    wanted = {k for k in own if not k.endswith("expert_load")}
+    missing, extra = sorted(wanted - set(state)), sorted(set(state) - wanted)
+    if missing or extra:
+        raise ValueError(f"load_into: dsv4 keys without a reference weight {missing}; reference keys unused {extra}")
+    bad = [(k, tuple(state[k].shape), tuple(own[k].shape)) for k in wanted if state[k].shape != own[k].shape]
+    if bad:
+        raise ValueError(f"load_into: shape mismatches {bad}")
+    model.load_state_dict(state, strict=False)
