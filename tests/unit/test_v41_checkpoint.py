@@ -585,3 +585,23 @@ def test_quantized_export_error_of_an_off_grid_model(case, tmp_path):
     errors = [((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want)]
     assert max(errors) <= QUANT_LOGIT_ERROR, errors
     assert min(errors) > 1e-4, errors  # the weights did move
+
+
+def test_converted_run_checkpoint_equals_the_export(case, exports, tmp_path):
+    """``python -m dsv4.checkpoint export`` of a V4.1 run's DCP checkpoint (its ``meta.pt`` names the family) writes
+    the files ``export_hf_checkpoint`` wrote for the same weights, byte for byte."""
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    from dsv4.checkpoint.convert import MODEL_PREFIX
+
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    ckpt.mkdir(parents=True)
+    save({MODEL_PREFIX + k: v for k, v in case.model.state_dict().items()}, storage_writer=FileSystemWriter(str(ckpt)),
+         no_dist=True)
+    torch.save({"dsv4": {"config": case.model.config.to_dict(), "model_type": "deepseek_v41"}}, ckpt / "meta.pt")
+    out = tmp_path / "out"
+    assert cli_main(["export", str(tmp_path / "run"), "--out", str(out), "--dtype", "quantized", "--no-progress"]) == 0
+    want = exports["quantized"].path
+    assert sorted(os.listdir(out)) == sorted(os.listdir(want))
+    for name in os.listdir(want):
+        assert (out / name).read_bytes() == open(os.path.join(want, name), "rb").read(), name
