@@ -13,7 +13,9 @@ Order of work (nothing is read before every check passed):
    depths the config does not build (``num_nextn_predict_layers``) are skipped, as are scales of skipped keys.
 2. Stream shard by shard (files in name order, keys in file order): read one weight (and its ``.scale``, which
    may live in another shard), dequantise (FP8 block / FP4 packed, :mod:`dsv4.checkpoint.quant`) or cast to the
-   target's dtype, copy into the parameter or buffer, drop it. Peak extra memory is about one tensor.
+   target's dtype, copy into the parameter or buffer, drop it. A weight stored in more than
+   :data:`LOAD_CHUNK_BYTES` (V4.1's Engram tables) goes by row chunks of about that size, each with its scale rows.
+   Peak extra memory is about one tensor, or one chunk.
 
 Families (:data:`dsv4.checkpoint.keys.FAMILIES`): the model's config class names its family (``DSV4Config``: V4,
 ``DSV41Config``: V4.1), and the directory's ``config.json`` must be of the same family, with a
@@ -455,9 +457,38 @@ def check_model_config(config, path: str) -> None:
                          + "; ".join(f"model.{k}={json.dumps(f)} (the model has {json.dumps(m)})" for k, f, m in diffs))
 
 
+LOAD_CHUNK_BYTES = 256 * 1024**2
+"""A stored weight above this many bytes is read, dequantised and copied in row chunks of about this size (V4.1's
+Engram tables: ~98 GB each in FP8, whose fp32 dequantisation at once would need four times that)."""
+
+
+def _row_block(it: _Item) -> int:
+    """The rows one scale row covers (a chunk boundary must fall between scale rows)."""
+    return it.scheme.fp8_block[0] if it.fmt == "fp8" else 1
+
+
+def _load_chunked(reader: TensorReader, it: _Item, dest: torch.Tensor, info: TensorInfo) -> None:
+    """``it`` (a float target, stored above :data:`LOAD_CHUNK_BYTES`) read, dequantised and copied by row chunks."""
+    rows, block = info.shape[0], _row_block(it)
+    step = max(block, LOAD_CHUNK_BYTES // max(1, info.nbytes // rows) // block * block)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        weight = reader.read(it.hf_key, (start, stop))
+        if it.fmt == "plain":
+            value = weight
+        else:
+            scale = reader.read(it.scale_key, (start // block, -(-stop // block)))
+            value = dequantize(weight, scale, it.fmt, torch.float32, it.scheme)
+        dest[start:stop].copy_(value.to(device=dest.device, dtype=dest.dtype))
+
+
 def _load_item(reader: TensorReader, it: _Item, state: dict[str, torch.Tensor]) -> None:
     target = state[it.target]
     dest = target if it.expert_row is None else target[it.expert_row]
+    info = reader.ckpt.tensors[it.hf_key]
+    if not it.keep and len(info.shape) >= 1 and info.shape[0] > 1 and info.nbytes > LOAD_CHUNK_BYTES:
+        _load_chunked(reader, it, dest, info)
+        return
     weight = reader.read(it.hf_key)
     scale = reader.read(it.scale_key) if it.scale_key else None  # may sit in another shard
     if it.keep:

@@ -385,6 +385,23 @@ def test_skipped_groups_logged_once(release, loaded):
     assert not any(k.startswith(("mtp.", "vision.", "aligner.", "image_")) for k in loaded.report.keys_read)
 
 
+def test_large_tensors_load_in_row_chunks(release, loaded, monkeypatch):
+    """Above ``LOAD_CHUNK_BYTES`` a tensor is read, dequantised and copied by row chunks (each with its scale rows):
+    with a 1000-byte limit (chunks of 1 to 31 rows, 32 for FP8 tiles) the Engram tables, the FP8 tiles and the plain
+    tensors load to the same values, every byte read once."""
+    import dsv4.checkpoint.load as L
+
+    monkeypatch.setattr(L, "LOAD_CHUNK_BYTES", 1000)
+    model = _standin(loaded.config, release.deq)
+    report = load_hf_checkpoint(model, release.path)
+    assert report.bytes_read == loaded.report.bytes_read and sorted(report.keys_read) == sorted(loaded.report.keys_read)
+    want = loaded.model.state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, want[name]), name
+    assert release.tensors["layers.4.engram.embed.weight"].nbytes > 1000  # chunked: 552 rows of 32 bytes
+    assert release.tensors["layers.1.engram.wkv.weight"].nbytes > 1000  # FP8 tiles in chunks of 32 rows
+
+
 def test_v4_checkpoint_into_v41_model_refused(release, tmp_path):
     from tests.unit.checkpoint.test_keys_and_config import FLASH_JSON
 
