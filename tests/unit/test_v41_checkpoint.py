@@ -622,3 +622,22 @@ def test_converted_run_checkpoint_equals_the_export(case, exports, tmp_path):
     assert sorted(os.listdir(out)) == sorted(os.listdir(want))
     for name in os.listdir(want):
         assert (out / name).read_bytes() == open(os.path.join(want, name), "rb").read(), name
+
+
+def test_expert_parallel_rank_reads_only_its_experts(case):
+    """``ep_rank=1, ep_size=2``: of the routed experts only 4..7 are read (and their scales), into their rows."""
+    import re
+
+    from dsv4.model import build_causal_lm
+
+    model = build_causal_lm(case.config)
+    report = load_hf_checkpoint(model, case.path, ep_rank=1, ep_size=2)
+    experts = {int(m.group(1)) for k in report.keys_read if (m := re.search(r"\.experts\.(\d+)\.", k))}
+    assert experts == {4, 5, 6, 7}
+    assert sum(".experts." in k for k in report.keys_read) == 12 * 4 * 3 * 2  # layers x experts x w1-3 x weight+scale
+    got, want = model.state_dict(), case.model.state_dict()
+    for name in want:
+        if name.endswith(("experts.w1", "experts.w2", "experts.w3")):
+            assert torch.equal(got[name][4:], want[name][4:]) and not torch.equal(got[name][:4], want[name][:4])
+        else:
+            assert torch.equal(got[name], want[name]), name
