@@ -114,6 +114,12 @@ def holds_weights(path: str) -> bool:
     return os.path.isfile(os.path.join(path, INDEX_FILE)) or any(n.endswith(".safetensors") for n in os.listdir(path))
 
 
+def built_mtp_depths(config) -> int:
+    """The MTP depths a model of ``config`` builds: ``num_nextn_predict_layers`` for V4, none for V4.1 (whose
+    ``num_nextn_predict_layers`` counts the DSpark drafter's layers, a separate model)."""
+    return 0 if config_family(config) == K.V41 else int(config.num_nextn_predict_layers)
+
+
 def check_mtp_weights(path: str, depths: int, init_missing: bool = False) -> list[int]:
     """The MTP depths of ``0 .. depths-1`` that the checkpoint directory ``path`` holds no key of, from the shard
     headers alone (either layout); :func:`missing_mtp_error` when there are any and not ``init_missing``."""

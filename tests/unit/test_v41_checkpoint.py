@@ -641,3 +641,13 @@ def test_expert_parallel_rank_reads_only_its_experts(case):
             assert torch.equal(got[name][4:], want[name][4:]) and not torch.equal(got[name][:4], want[name][:4])
         else:
             assert torch.equal(got[name], want[name]), name
+
+
+def test_start_up_mtp_check_expects_no_depths_of_a_v41_model(case, exports):
+    """The recipe's start-up check (``check_mtp_weights`` with ``built_mtp_depths``) accepts a V4.1 directory without
+    ``mtp.*`` keys (a dsv4 export): the V4.1 model builds no MTP depth; its DSpark layers are another model."""
+    from dsv4.checkpoint.load import built_mtp_depths, check_mtp_weights
+
+    assert case.config.num_nextn_predict_layers == 3 and built_mtp_depths(case.config) == 0
+    assert check_mtp_weights(exports["float32"].path, built_mtp_depths(case.config)) == []
+    assert built_mtp_depths(DSV4Config.preset("tiny")) == 1
