@@ -5,8 +5,10 @@ Import this module only from V4.1 reference tests (importing NeMo Automodel cost
 
 Conditioning (the V4.1 forward rounds KV to FP8/FP4 and makes hard top-k choices, so with large random weights a
 1e-6 change moves logits by O(1)): input-side projections at std ~0.15, the projections that write into the residual
-streams (``wo_b``, expert and shared-expert down projections) at std 0.003, norms near 1, random sinks, router
-biases and hyper-connection bases. :func:`build_reference` returns the reference in fp32 eval mode;
+streams (``wo_b``, expert and shared-expert down projections, Engram's value rows) at std 0.003, norms near 1,
+random sinks, router biases and hyper-connection bases, hyper-connection projections at 0.05 (mixing logits of
+std ~1: a saturated Sinkhorn gives gradients that fp32 rounding alone moves by 1e-4), embeddings and Engram tables
+at std 1. :func:`build_reference` returns the reference in fp32 eval mode;
 :func:`dsv4_state_dict` maps its state onto a :class:`dsv4.model.v41.model.DSV41ForCausalLM`.
 """
 
@@ -29,6 +31,7 @@ DSV4_ONLY = ("fake_quant", "engram_trainable", "mtp_loss_weight", "indexer_loss_
              "num_hash_layers", "image_token_id")
 INPUT_STD = 0.15  # projections reading the residual streams / the attention internals
 OUTPUT_STD = 0.003  # projections writing into the residual streams
+HC_FN_STD = 0.05  # hyper-connection projections (hc_mult * hidden = 256 inputs)
 
 
 def reference_config(config: DSV41Config) -> DeepseekV41Config:
@@ -47,7 +50,13 @@ def condition_(model: torch.nn.Module, seed: int) -> None:
         t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32) * std + mean)
 
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.endswith("down_projs") or name.endswith("down_proj.weight") or name.endswith("attn.wo_b.weight"):
+        if name.endswith("engram.wkv.weight"):  # hc_mult key blocks (read the streams' direction), then the value
+            hidden = p.shape[0] // (model.config.text_config.hc_mult + 1)
+            normal(p[:-hidden], INPUT_STD)
+            normal(p[-hidden:], OUTPUT_STD)
+        elif name.endswith(("engram.q_weight", "engram.k_weight")):
+            normal(p, 0.3, 1.0)
+        elif name.endswith("down_projs") or name.endswith("down_proj.weight") or name.endswith("attn.wo_b.weight"):
             normal(p, OUTPUT_STD)
         elif name.endswith("norm.weight"):
             normal(p, 0.1, 1.0)
@@ -55,11 +64,13 @@ def condition_(model: torch.nn.Module, seed: int) -> None:
             normal(p, 0.5)
         elif name.endswith(("e_score_correction_bias", "bias_vl")):
             normal(p, 0.05)
+        elif name.endswith("hc.fn"):  # mixes of std ~1: a saturated Sinkhorn leaves fp32-noise gradients
+            normal(p, HC_FN_STD)
         elif name.endswith("hc.base"):
             normal(p, 0.5)
         elif name.endswith("hc.scale"):
             normal(p, 0.1, 1.0)
-        elif name.endswith("embed_tokens.weight"):
+        elif name.endswith(("embed_tokens.weight", "engram.embed.weight")):
             normal(p, 1.0)
         elif p.is_floating_point():
             normal(p, INPUT_STD)
@@ -75,12 +86,40 @@ def _eager_expert_activations(model: torch.nn.Module) -> None:
                                                                  **act.keywords)
 
 
-def build_reference(config: DSV41Config, seed: int) -> DeepseekV41ForCausalLM:
-    """The reference tiny V4.1 (fp32, eval) with conditioned weights drawn from ``seed``."""
-    if config.engram_layer_ids:
-        raise ValueError("build_reference: Engram layers need the reference tokenizer (not wired here yet)")
+ENGRAM_TEXTS = ["Hello World", "hello world", "HELLO  world", "Café café CAFÉ cafe", "naïve Naive  NAÏVE",
+                "résumé Resume", "ﬁne fine", "tab\tnew\nline  ", "Straße strasse", "Ωmega ωmega"]
+
+
+def engram_tokenizer():
+    """A small byte-level BPE fast tokenizer (300 ids) whose normalised classes merge case / accent variants: the
+    tokenizer both implementations derive the Engram class map from."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(ENGRAM_TEXTS * 3, trainers.BpeTrainer(
+        vocab_size=300, min_frequency=1, special_tokens=["<s>", "</s>", "<pad>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def tiny_config(tokenizer, **overrides) -> DSV41Config:
+    """``v41_tiny`` on ``tokenizer``: its vocabulary and Engram class count."""
+    from dsv4.config import DSV4Config
+    from dsv4.model.v41.engram_vocab import engram_class_map
+
+    return DSV4Config.preset("v41_tiny", vocab_size=len(tokenizer),
+                             engram_compressed_vocab_size=engram_class_map(tokenizer).count, **overrides)
+
+
+def build_reference(config: DSV41Config, seed: int, tokenizer=None) -> DeepseekV41ForCausalLM:
+    """The reference tiny V4.1 (fp32, eval) with conditioned weights drawn from ``seed`` (``tokenizer``: the fast
+    tokenizer of Engram's class map, needed with Engram layers)."""
     torch.manual_seed(seed)
-    model = DeepseekV41ForCausalLM(reference_config(config), backend=BACKEND).float().eval()
+    model = DeepseekV41ForCausalLM(reference_config(config), backend=BACKEND, tokenizer=tokenizer).float().eval()
     _eager_expert_activations(model)
     condition_(model, seed)
     return model

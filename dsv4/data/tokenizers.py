@@ -172,6 +172,13 @@ class HFTokenizer:
             return len(self._hf)
         return int(self._fast.get_vocab_size(with_added_tokens=True))
 
+    @property
+    def backend_tokenizer(self) -> Any:
+        """The underlying ``tokenizers.Tokenizer`` (None for a slow transformers tokenizer)."""
+        if self._hf is not None:
+            return getattr(self._hf, "backend_tokenizer", None)
+        return self._fast
+
     def token_to_id(self, token: str) -> int | None:
         if self._hf is not None:
             return self._hf.get_vocab().get(token)

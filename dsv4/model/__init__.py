@@ -24,10 +24,11 @@ def causal_lm_class(config) -> type[nn.Module]:
                      "'deepseek_v41'")
 
 
-def build_causal_lm(config) -> nn.Module:
+def build_causal_lm(config, **options) -> nn.Module:
     """A freshly initialised causal LM of ``config``'s family (DSV4ForCausalLM or DSV41ForCausalLM); both take
-    the same forward arguments and return :class:`DSV4Output`."""
-    return causal_lm_class(config)(config)
+    the same forward arguments and return :class:`DSV4Output`. ``options`` go to the class (V4.1: ``tokenizer``,
+    the checkpoint's, for Engram hashing)."""
+    return causal_lm_class(config)(config, **options)
 
 
 __all__ = ["DSV4ForCausalLM", "DSV4Model", "DSV4Output", "build_causal_lm", "causal_lm_class", "parameter_counts"]

@@ -1,13 +1,13 @@
 """DeepSeek-V4.1 in dsv4 against the independent reference (NeMo Automodel 0.7.0's ``deepseek_v41``, CPU, fp32).
 
-One module-scoped case: the tiny V4.1 (``v41_tiny``, every attention role: window 0-1, Full 2/4/6, Reuse 3/5/7/9/11,
-Reindex 8/10 inside layer 6's candidate blocks; Engram off until its module is merged) with well-conditioned weights
-(tests/v41_reference.py) copied into dsv4 by name. Asserted: logits of an unpacked odd-length row and of a packed
+One module-scoped case: the tiny V4.1 (``v41_tiny`` on a small BPE tokenizer: every attention role, window 0-1,
+Full 2/4/6, Reuse 3/5/7/9/11, Reindex 8/10 inside layer 6's candidate blocks; Engram at 1 and 4) with
+well-conditioned weights (tests/v41_reference.py) copied into dsv4 by name. Asserted: logits of an unpacked odd-length row and of a packed
 row of uneven documents (``seq_lens`` and dsv4's own aligned ``packed_seq_ids`` / ``position_ids``) within 1e-5 of
 the largest logit; gradients of a loss within 1e-4 (per tensor, relative to its largest entry), hyper-connection
-parameters included; the DSpark target features; the fake quantisation bit for bit; a packed row equals its
+parameters and Engram's ``wkv`` included; the DSpark target features (and those of Engram layer 4: after its update); the fake quantisation bit for bit; a packed row equals its
 documents run alone; and that the case is well conditioned (no near top-k tie, 1e-7 noise moves logits far less
-than the tolerance, every role and the hyper-connections move them far more).
+than the tolerance, every role, Engram and the hyper-connections move them far more).
 """
 
 from __future__ import annotations
@@ -15,26 +15,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.config import DSV4Config
 from dsv4.model import build_causal_lm
 from dsv4.model.v41.indexer import CSA2Indexer
 from dsv4.packing import aligned_packed_layout
-from tests.v41_reference import build_reference, dsv4_names, load_into
+from tests.v41_reference import build_reference, dsv4_names, engram_tokenizer, load_into, tiny_config
 
-SEED = 0
+SEED = 13  # a conditioned draw (test_the_case_is_well_conditioned); several others are not
 LOGIT_TOL = 1e-5  # of the largest |logit|
 GRAD_TOL = 1e-4  # of each tensor's largest |gradient|
 UNPACKED_LEN = 23
 DOCS = [11, 5, 8]  # a packed row of uneven, odd documents
-TARGETS = [9, 10, 11]
-
-
-def _config():
-    return DSV4Config.preset("v41_tiny", engram_layer_ids=[], engram_num_embeddings=[])
+TARGETS = [4, 9, 10, 11]  # v41_tiny's dspark_target_layer_ids and Engram layer 4
+VOCAB = 300  # the test tokenizer's (image_token_id 383 lies outside it)
 
 
 def _ids(length: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 380, (1, length), generator=torch.Generator().manual_seed(seed))  # no image_token_id 383
+    return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
 def _loss_weights(shape) -> torch.Tensor:
@@ -58,9 +54,11 @@ def _features(modules):
 
 @pytest.fixture(scope="module")
 def case():
-    config = _config()
-    ref = build_reference(config, SEED)
-    model = build_causal_lm(config).eval()
+    tokenizer = engram_tokenizer()
+    config = tiny_config(tokenizer, engram_trainable=True)  # the reference trains its tables: compare their grads
+    assert config.vocab_size == VOCAB and config.dspark_target_layer_ids == TARGETS[1:]
+    ref = build_reference(config, SEED, tokenizer)
+    model = build_causal_lm(config, tokenizer=tokenizer).eval()
     load_into(model, ref)
     out = {"config": config, "ref": ref, "model": model}
     ids = _ids(UNPACKED_LEN, 1)
@@ -94,7 +92,7 @@ def case():
 
 def test_unpacked_logits_equal_the_reference(case):
     ref, got = case["ref_logits"], case["logits"]
-    assert ref.shape == got.shape == (1, UNPACKED_LEN, 384)
+    assert ref.shape == got.shape == (1, UNPACKED_LEN, VOCAB)
     assert ((got - ref).abs().max() <= LOGIT_TOL * ref.abs().max()), _differ(got, ref, LOGIT_TOL)
 
 
@@ -102,15 +100,20 @@ def test_packed_logits_equal_the_reference(case):
     ref = case["ref_packed"]
     for name in ("packed_seq_lens", "packed_own"):
         got = case[name]
-        assert got.shape == ref.shape == (1, sum(DOCS), 384)
+        assert got.shape == ref.shape == (1, sum(DOCS), VOCAB)
         assert (got - ref).abs().max() <= LOGIT_TOL * ref.abs().max(), f"{name}: {_differ(got, ref, LOGIT_TOL)}"
 
 
 def test_gradients_equal_the_reference(case):
+    """Per tensor within 1e-4 of its largest entry. The closest are the hyper-connection ``scale`` gradients
+    (three sums over every token and mix with much cancellation): fp32 rounding alone moves them by ~1e-4 (both
+    implementations differ from a float64 run of dsv4 by about that), every other tensor agrees within 5e-5."""
     ref, got = case["ref_grads"], case["grads"]
     assert set(got) == set(ref), (sorted(set(got) ^ set(ref)))
-    assert {n for n in got if n.endswith(("attn_hc.fn", "ffn_hc.base", "compressor.wgate.weight"))}
-    assert not any(".indexer." in n for n in got)  # the indexer is frozen in both
+    for part in ("attn_hc.fn", "ffn_hc.base", "compressor.wgate.weight", "engram.wkv.weight", "engram.q_weight"):
+        assert any(n.endswith(part) for n in got), part
+    assert any(n.endswith("engram.embed.weight") for n in got)
+    assert not any(".indexer." in n for n in got)  # frozen in both
     bad = {n: ((got[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref
            if (got[n] - ref[n]).abs().max() > GRAD_TOL * ref[n].abs().max()}
     assert not bad, bad
@@ -152,7 +155,7 @@ def test_packed_row_equals_its_documents_run_alone(case):
             start += n
 
 
-def _top_gaps(model, ids) -> list[float]:
+def _top_gaps(model, ids, **kwargs) -> list[float]:
     """The smallest relative gap between the k-th and (k+1)-th score of every top-k choice of a forward: the
     indexer selections and candidate blocks, and the MoE routing."""
     gaps = []
@@ -178,7 +181,7 @@ def _top_gaps(model, ids) -> list[float]:
     CSA2Indexer.top = staticmethod(recording)
     try:
         with torch.no_grad():
-            model(ids)
+            model(ids, **kwargs)
     finally:
         CSA2Indexer.top = staticmethod(original)
         [h.remove() for h in handles]
@@ -187,21 +190,28 @@ def _top_gaps(model, ids) -> list[float]:
 
 def test_the_case_is_well_conditioned(case):
     """No top-k choice within 1e-5 (relative) of a tie (100 times the two implementations' score differences);
-    noise of 1e-7 (relative) on every block's input moves logits by less than a tenth of the tolerance; every
-    attention role and the hyper-connections move them by far more."""
+    noise of 1e-7 (relative) on every block's input moves the logits of both rows by less than a tenth of the
+    tolerance; every attention role, Engram and the hyper-connections move them by far more. (Draws that fail the
+    noise check exist: seed 1 passes it, yet one FP4 rounding of a compressed row differs between the two
+    implementations in the packed row; seeds 2 and 3 fail it.)"""
     model, ids, base = case["model"], case["ids"], case["logits"]
-    gaps = _top_gaps(model, ids)
-    assert len(gaps) == 5 + 12 + 1 and min(gaps) > 1e-5, min(gaps)  # 5 index layers + 1 candidate source, 12 MoE
+    packed = {"seq_lens": torch.tensor([DOCS])}
+    gaps = _top_gaps(model, ids), _top_gaps(model, case["pids"], **packed)
+    for found in gaps:  # 5 index layers, the candidate source, 12 MoE
+        assert len(found) == 5 + 1 + 12 and min(found) > 1e-5, min(found)
 
-    def moved(**hooks) -> float:
+    def moved(hooks, row=None) -> float:
         handles = [module.register_forward_hook(hook) if kind == "post" else module.register_forward_pre_hook(hook)
-                   for kind, module, hook in hooks["hooks"]]
+                   for kind, module, hook in hooks]
         try:
             with torch.no_grad():
-                logits = model(ids).logits
+                if row is None:
+                    logits, reference = model(ids).logits, base
+                else:
+                    logits, reference = model(case["pids"], **packed).logits, case["packed_seq_lens"]
         finally:
             [h.remove() for h in handles]
-        return ((logits - base).abs().max() / base.abs().max()).item()
+        return ((logits - reference).abs().max() / reference.abs().max()).item()
 
     gen = torch.Generator().manual_seed(5)
 
@@ -210,7 +220,8 @@ def test_the_case_is_well_conditioned(case):
         return (x + 1e-7 * x.abs().amax() * torch.randn(x.shape, generator=gen),) + args[1:]
 
     layers = model.model.layers
-    assert moved(hooks=[("pre", layer, noise) for layer in layers]) < LOGIT_TOL / 10
+    for row in (None, "packed"):
+        assert moved([("pre", layer, noise) for layer in layers], row) < LOGIT_TOL / 10, row
 
     def silence(_module, _args, out):
         return torch.zeros_like(out[0]), out[1]
@@ -219,9 +230,14 @@ def test_the_case_is_well_conditioned(case):
     for role in ("window", "full", "reindex", "reuse"):
         sites = [("post", layer.self_attn, silence) for i, layer in enumerate(layers)
                  if config.attention_role(i) == role]
-        assert moved(hooks=sites) > 1e-3, role
+        assert moved(sites) > 1e-3, role
 
     def flat_mix(_module, args):
         return (torch.ones_like(args[0]),)  # every site's coefficients from a constant input
 
-    assert moved(hooks=[("pre", layer.attn_hc, flat_mix) for layer in layers]) > 1e-3
+    assert moved([("pre", layer.attn_hc, flat_mix) for layer in layers]) > 1e-3
+
+    def no_memory(_module, args, _out):
+        return args[0]
+
+    assert moved([("post", layer.engram, no_memory) for layer in layers if layer.engram is not None]) > 1e-3

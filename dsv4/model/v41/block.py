@@ -9,7 +9,9 @@ hyper-connections (:mod:`dsv4.model.v41.hyper_connections`).
     X = expand(X, mlp(post_attention_layernorm(collapse(X, mix_a.pre))), mix_f.post, mix_f.comb)
     carry = mix_f.pre
 
-``forward(X [B, L, hc, d], carry [B, L, hc] fp32, state, meta, engram_inputs) -> (X, carry, state)``. ``state`` is
+``forward(X [B, L, hc, d], carry [B, L, hc] fp32, state, meta, engram_inputs) -> (X, carry, state)``;
+``engram_inputs``: ``({layer_id: ngram_ids [B, L, n_buckets]}, active [B, L])`` of the forward
+(:class:`~dsv4.model.v41.engram_hash.EngramHashing`), None without Engram layers. ``state`` is
 the CSA2 shared state (:mod:`dsv4.model.v41.shared_state`), passed from block to block and never modified in place,
 so ``activation_checkpointing`` (``block`` / ``selective``, :mod:`dsv4.model.recompute`) recomputes a block from its
 inputs exactly.
@@ -24,6 +26,7 @@ from dsv4.model.attention_metadata import AttentionMetadata
 from dsv4.model.norm import RMSNorm
 from dsv4.model.recompute import recomputed
 from dsv4.model.v41.attention import CSA2Attention
+from dsv4.model.v41.engram import Engram
 from dsv4.model.v41.hyper_connections import SinglePassHyperConnection
 from dsv4.model.v41.moe import V41MoE
 from dsv4.model.v41.shared_state import SharedState
@@ -35,12 +38,9 @@ def make_site(config) -> SinglePassHyperConnection:
                                      init_std=config.initializer_range)
 
 
-def make_engram(config, layer_idx: int) -> nn.Module | None:
+def make_engram(config, layer_idx: int) -> Engram | None:
     """The Engram module of an ``engram_layer_ids`` layer, else None."""
-    if layer_idx not in config.engram_layer_ids:
-        return None
-    raise ValueError(f"V4.1 layer {layer_idx} is an Engram layer (engram_layer_ids={config.engram_layer_ids}) but "
-                     "this tree has no Engram module yet; build with engram_layer_ids=[] and engram_num_embeddings=[]")
+    return Engram(config, layer_idx) if layer_idx in config.engram_layer_ids else None
 
 
 class DSV41Block(nn.Module):
@@ -67,7 +67,8 @@ class DSV41Block(nn.Module):
     def _forward(self, x, carry, state, meta: AttentionMetadata, engram_inputs):
         selective = self.activation_checkpointing == "selective" and torch.is_grad_enabled()
         if self.engram is not None:
-            x = self.engram(x, *engram_inputs)
+            ngram_ids, active = engram_inputs
+            x = self.engram(x, ngram_ids[self.layer_idx], active)
         mix_a = self.attn_hc(x)
         h = self.input_layernorm(self.attn_hc.collapse(x, carry))
         y, state = recomputed(self.self_attn, h, meta, state) if selective else self.self_attn(h, meta, state)

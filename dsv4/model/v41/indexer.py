@@ -14,7 +14,8 @@ No compressor of its own and no Hadamard rotation (V4's CSA indexer has both):
   ``candidate_block_size`` consecutive compressed rows of the query's document (block ``j`` = document-local rows
   ``[j s, (j + 1) s)``) with the highest block maximum, the block of the newest visible row always among them;
   Reindex layers after it choose only inside those blocks; every index layer keeps its ``min(index_topk, P)`` best
-  rows (-1 where fewer are visible).
+  rows (-1 where fewer are visible). Exact ties (a row scores exactly 0 when every head's dot product is negative)
+  go to the lowest row, as in V4's indexer; the released code leaves them to ``torch.topk``.
 
 Candidates are kept as the first row of each chosen block ``[B, L, kb]`` (-1 = none), not as a ``[B, L, P]`` mask.
 Queries run in chunks of ``attention_chunk_size``: the largest intermediate is ``[B, chunk, H_I, P]``.
@@ -29,7 +30,7 @@ from dsv4.model.compressor import WindowMetadata
 from dsv4.model.fake_quant import fake_quant_fp4
 from dsv4.model.norm import RMSNorm
 from dsv4.model.rope import RopeTable, apply_rope
-from dsv4.model.sparse_attention import compressed_key_allowed
+from dsv4.model.sparse_attention import compressed_key_allowed, stable_topk
 
 
 def block_starts(key_positions: Tensor, block_size: int) -> Tensor:
@@ -136,6 +137,7 @@ class CSA2Indexer(nn.Module):
 
     @staticmethod
     def top(scores: Tensor, k: int) -> Tensor:
-        """The indices of the ``k`` largest of ``scores [..., n]`` (any order), -1 where the score is -inf."""
-        top = scores.topk(k, dim=-1)
-        return top.indices.masked_fill(torch.isneginf(top.values), -1)
+        """The indices of the ``k`` largest of ``scores [..., n]``, -1 where the score is -inf; exact ties go to the
+        lowest row (:func:`~dsv4.model.sparse_attention.stable_topk`), so a document selects the same rows in a
+        packed row as alone."""
+        return stable_topk(scores, k)

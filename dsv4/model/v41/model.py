@@ -11,6 +11,8 @@ documents, ``return_logits``, ``logits_to_keep`` -> :class:`~dsv4.model.model.DS
 * no MTP depths: V4.1's DSpark layers (``mtp.*`` in the release, the last ``compress_ratios`` entries) are a
   separate drafter, not part of this backbone (``mtp_logits`` stays empty);
 * text only: a token equal to ``config.image_token_id`` raises ``ValueError`` (no vision tower);
+* Engram hashes n-grams through the checkpoint tokenizer's class map: ``DSV41ForCausalLM(config, tokenizer=...)``
+  or :meth:`DSV41ForCausalLM.set_engram_tokenizer` before the first forward of a config with Engram layers;
 * one rank: ``cp`` with more than one rank raises ``ValueError`` (V4.1 context parallelism is not implemented).
 
 Module names follow V4's (``model.embed_tokens``, ``model.layers.{i}``, ``model.norm``, ``lm_head``).
@@ -29,6 +31,7 @@ from dsv4.model.inputs import ModelInputs
 from dsv4.model.model import BackboneOutput, CausalLM
 from dsv4.model.norm import RMSNorm
 from dsv4.model.v41.block import DSV41Block
+from dsv4.model.v41.engram_hash import EngramHashing
 from dsv4.model.v41.hyper_connections import SinglePassHyperConnection, first_carry
 
 
@@ -55,7 +58,7 @@ class DSV41Model(nn.Module):
 class DSV41ForCausalLM(CausalLM):
     """DeepSeek-V4.1 backbone + fp32 lm_head + token-sum CE loss. See the module docstring."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, tokenizer=None) -> None:
         super().__init__()
         if getattr(config, "model_type", None) != "deepseek_v41":
             raise ValueError(f"DSV41ForCausalLM needs a DSV41Config (model_type 'deepseek_v41'), got "
@@ -67,6 +70,20 @@ class DSV41ForCausalLM(CausalLM):
         self.model = DSV41Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.apply(self._init_weights)
+        for layer in self.model.layers:
+            if layer.engram is not None:
+                layer.engram.reset_parameters()
+        self.engram_hashing: EngramHashing | None = None
+        self._hashing_on: dict[torch.device, EngramHashing] = {}
+        if tokenizer is not None:
+            self.set_engram_tokenizer(tokenizer)
+
+    def set_engram_tokenizer(self, tokenizer) -> None:
+        """Hash Engram n-grams with ``tokenizer``'s class map (the checkpoint's tokenizer; ValueError when its
+        class count is not ``engram_compressed_vocab_size`` or the table rows do not match, naming both)."""
+        if self.config.engram_layer_ids:
+            self.engram_hashing = EngramHashing.build(self.config, tokenizer)
+            self._hashing_on = {}
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -94,11 +111,17 @@ class DSV41ForCausalLM(CausalLM):
         backbone = self.model(inputs.input_ids, meta, self.engram_inputs(inputs))
         return backbone.hidden, [], None, []
 
-    def engram_inputs(self, inputs: ModelInputs):
-        """What every Engram layer of this forward reads (its hashed n-grams), computed once; None without
-        Engram layers."""
+    def engram_inputs(self, inputs: ModelInputs) -> tuple[dict[int, torch.Tensor], torch.Tensor] | None:
+        """What every Engram layer of this forward reads, hashed once: ``({layer_id: ngram_ids [B, L, n_buckets]},
+        active [B, L])`` (history stops at row starts, documents and padding); None without Engram layers."""
         if not self.config.engram_layer_ids:
             return None
-        raise ValueError("DSV41ForCausalLM: Engram layers are not available in this tree")
-
-
+        if self.engram_hashing is None:
+            raise ValueError(f"DSV41ForCausalLM: Engram layers {self.config.engram_layer_ids} hash n-grams through the "
+                             "checkpoint tokenizer's class map; pass tokenizer= when building the model or call "
+                             "model.set_engram_tokenizer(tokenizer)")
+        device = inputs.input_ids.device
+        if device not in self._hashing_on:
+            self._hashing_on[device] = self.engram_hashing.to(device)
+        hashing = self._hashing_on[device]
+        return hashing(inputs.input_ids, packed_seq_ids=inputs.seq_ids, padding_mask=inputs.padding)
