@@ -521,13 +521,30 @@ def _load_kept(it: _Item, weight: torch.Tensor, scale: torch.Tensor | None, dest
 
 
 def load_model_from_hf(path: str, *, device: str | torch.device = "cpu", init_missing_mtp: bool = False,
-                       **overrides):
-    """Build ``DSV4ForCausalLM`` from ``path/config.json`` (``overrides`` replace config fields) and load it
-    (``init_missing_mtp`` as in :func:`load_hf_checkpoint`)."""
+                       tokenizer=None, **overrides):
+    """Build the causal LM of ``path/config.json``'s family (``DSV4ForCausalLM`` / ``DSV41ForCausalLM``;
+    ``overrides`` replace config fields) and load it (``init_missing_mtp`` as in :func:`load_hf_checkpoint`).
+
+    A V4.1 model with Engram layers hashes n-grams through its checkpoint's tokenizer: ``tokenizer`` when given,
+    else the directory's own (``tokenizer.json``, read by :class:`~dsv4.data.tokenizers.HFTokenizer`, one INFO line
+    naming it); a directory without one gives a model whose first forward asks for it
+    (``model.set_engram_tokenizer``), with one INFO line saying so."""
     from dsv4.checkpoint.hf_config import config_from_hf
     from dsv4.model import build_causal_lm
 
     config = config_from_hf(path, **overrides)
-    model = build_causal_lm(config).to(device)
+    options = {}
+    if config_family(config) == K.V41 and config.engram_layer_ids:
+        if tokenizer is None and os.path.isfile(os.path.join(path, "tokenizer.json")):
+            from dsv4.data.tokenizers import HFTokenizer
+
+            tokenizer = HFTokenizer(path)
+            log.info("%s: Engram hashes n-grams through the directory's tokenizer (tokenizer.json)", path)
+        elif tokenizer is None:
+            log.info("%s: no tokenizer.json and no tokenizer= given: call model.set_engram_tokenizer(...) before the "
+                     "first forward (Engram layers %s hash through the checkpoint's tokenizer)", path,
+                     config.engram_layer_ids)
+        options["tokenizer"] = tokenizer
+    model = build_causal_lm(config, **options).to(device)
     load_hf_checkpoint(model, path, init_missing_mtp=init_missing_mtp)
     return model
