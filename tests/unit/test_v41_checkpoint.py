@@ -622,3 +622,19 @@ def test_start_up_mtp_check_expects_no_depths_of_a_v41_model(case, exports):
     assert case.config.num_nextn_predict_layers == 3 and built_mtp_depths(case.config) == 0
     assert check_mtp_weights(exports["float32"].path, built_mtp_depths(case.config)) == []
     assert built_mtp_depths(DSV4Config.preset("tiny")) == 1
+
+
+def test_flash_config_reads_as_the_v41_flash_preset(nemo):
+    """NeMo's default (V4.1-Flash) nested config with the release's quantization_config reads as ``v41_flash`` in
+    every field the release carries, and the preset written back reads the same in NeMo."""
+    data = nemo.Config(quantization_config=dict(RELEASE_QUANT)).to_dict()
+    cfg = config_from_hf(data)
+    preset = DSV4Config.preset("v41_flash")
+    dsv4_only = {"fake_quant", "engram_trainable", "mtp_loss_weight", "indexer_loss_coeff", "attention_chunk_size",
+                 "loss_chunk_size", "activation_checkpointing", "moe_chunk_tokens", "attention_backend"}
+    diffs = {f.name: (getattr(cfg, f.name), getattr(preset, f.name)) for f in dataclasses.fields(preset)
+             if f.name not in dsv4_only and getattr(cfg, f.name) != getattr(preset, f.name)}
+    assert not diffs, diffs
+    back = nemo.Config(**json.loads(json.dumps(config_to_hf(preset, quantized=True))))
+    assert back.text_config.to_dict() == {**nemo.Config().text_config.to_dict(), "dtype": "bfloat16"}
+    assert back.quantization_config == RELEASE_QUANT and len(cfg.compress_ratios) == 43
