@@ -13,7 +13,7 @@ and the numbers):
   non-negative and index ``compress_ratios``; every KV source is an index source; a ratio-0 layer is neither;
   every compressed backbone layer follows a KV source ("Full" layer) of its own ratio, with no layer of another
   ratio between them (it reads that source's compressed KV).
-* ``candidate_source_layer_id`` is -1 (no two-level top-k) or a KV source, with positive
+* ``candidate_source_layer_id`` is -1 (no two-level top-k) or the last KV source, with positive
   ``candidate_topk_blocks`` and ``candidate_block_size``.
 * ``engram_num_embeddings`` has one positive row count per ``engram_layer_ids`` entry; with Engram layers the
   Engram dims are positive, ``engram_max_ngram_size >= 2`` and ``0 <= engram_pad_token_id < vocab_size``.
@@ -154,6 +154,10 @@ class DSV41Config(DSV4Config):
         if candidate >= 0 and candidate not in self.kv_source_layer_ids:
             fail("candidate_source_layer_id", f"layer {candidate} is not a KV source "
                  f"(kv_source_layer_ids={self.kv_source_layer_ids})")
+        later = [i for i in self.kv_source_layer_ids if candidate >= 0 and i > candidate]
+        if later:
+            fail("candidate_source_layer_id", f"KV sources {later} come after the candidate source {candidate}: their "
+                 "fresh shared state has no candidates for the index layers that follow (the last KV source or -1)")
         if len(self.engram_num_embeddings) != len(self.engram_layer_ids):
             fail("engram_num_embeddings", f"has {len(self.engram_num_embeddings)} entries, expected one per "
                  f"engram_layer_ids entry ({len(self.engram_layer_ids)}: {self.engram_layer_ids})")

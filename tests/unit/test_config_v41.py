@@ -57,6 +57,7 @@ def test_tiny_preset_has_every_role():
         ({"kv_source_layer_ids": [2, 2, 4, 6]}, "kv_source_layer_ids", "[2, 2, 4, 6]"),
         ({"engram_layer_ids": [1, 20], "engram_num_embeddings": [1, 2]}, "engram_layer_ids", "layer 20"),
         ({"candidate_source_layer_id": 8}, "candidate_source_layer_id", "layer 8"),
+        ({"candidate_source_layer_id": 4}, "candidate_source_layer_id", "KV sources [6] come after"),
         ({"candidate_block_size": 0}, "candidate_block_size", "0"),
         ({"engram_num_embeddings": [384]}, "engram_num_embeddings", "1 entries"),
         ({"engram_num_embeddings": [384, 0]}, "engram_num_embeddings", "[384, 0]"),

@@ -24,7 +24,7 @@ SEED = 13  # a conditioned draw (test_the_case_is_well_conditioned); several oth
 LOGIT_TOL = 1e-5  # of the largest |logit|
 GRAD_TOL = 1e-4  # of each tensor's largest |gradient|
 UNPACKED_LEN = 23
-DOCS = [11, 5, 8]  # a packed row of uneven, odd documents
+DOCS = [11, 6, 7]  # a packed row of uneven documents; the second ends on the alignment, no pad before the third
 TARGETS = [4, 9, 10, 11]  # v41_tiny's dspark_target_layer_ids and Engram layer 4
 VOCAB = 300  # the test tokenizer's (image_token_id 383 lies outside it)
 
