@@ -3,8 +3,9 @@
 ``python -m dsv4.checkpoint export RUN_DIR [--step N] --out DIR [--dtype bfloat16|float32|quantized] [--adapter]
 [--merge] [--overwrite]``
 (:func:`export_run`): the checkpoint is ``RUN_DIR/checkpoints/step<N>.ckpt`` (``last.ckpt`` without ``--step``; a
-``*.ckpt`` directory may be given as ``RUN_DIR``). The model config comes from its ``meta.pt``; the model is built
-on the meta device (no memory), and each tensor is read from the checkpoint only when the export writes it
+``*.ckpt`` directory may be given as ``RUN_DIR``). The model config comes from its ``meta.pt``, of the class its
+``model_type`` names (a V4.1 run's exports in the V4.1 layout); the model is built on the meta device (no memory),
+and each tensor is read from the checkpoint only when the export writes it
 (``torch.distributed.checkpoint`` loads one key at a time), so peak memory is two copies of the largest tensor (the
 chunk deserialised, then copied into place) and its converted form (2.0x in ``benchmarks/checkpoint_export.py``).
 The files are byte-identical to the run's own ``export.hf_dir`` of the same step
@@ -103,7 +104,8 @@ class DCPTensors:
 
 
 def _config(ckpt: Path):
-    from dsv4.config import DSV4Config
+    """The run's model config from ``meta.pt``, of the class its ``model_type`` names (absent: a V4 run)."""
+    from dsv4.config import config_class
 
     meta = ckpt / META_FILE
     if not meta.is_file():
@@ -115,7 +117,10 @@ def _config(ckpt: Path):
     config = state.get("dsv4", {}).get("config") if isinstance(state, dict) else None
     if not isinstance(config, dict):
         raise CheckpointFormatError(f"{meta}: no dsv4 model config (not written by a dsv4 run?)")
-    return DSV4Config.from_dict(config)
+    try:
+        return config_class(state["dsv4"].get("model_type", "deepseek_v4")).from_dict(config)
+    except ValueError as err:
+        raise CheckpointFormatError(f"{meta}: {err}") from None
 
 
 def export_run(run_dir: str | os.PathLike, out: str, *, step: int | None = None, dtype: str = "bfloat16",

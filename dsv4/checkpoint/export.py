@@ -13,6 +13,13 @@
 ``config.json`` (:func:`~dsv4.checkpoint.hf_config.config_to_hf`) has the release's fields, ``compress_ratios`` with
 one entry per MTP block after the backbone's.
 
+A V4.1 model (its config a ``DSV41Config``) is written in the V4.1 release layout (:mod:`dsv4.checkpoint.keys`,
+family ``deepseek_v41``): ``"quantized"`` stores the dense linears and ``engram.wkv`` as FP8 with 32x32 tiles, the
+Engram tables FP8 with one scale per row and 32 columns, the routed experts packed FP4; ``"bfloat16"`` keeps in F32
+what the V4.1 reference keeps in fp32 (``hc_*``, ``attn_sink``, ``gate.bias`` / ``bias_vl``, the compressor's
+``wkv`` / ``wgate``, ``head``); ``config.json`` is nested (``text_config``, ``vision_config`` with no layers,
+``image_token_id``).
+
 Any parallel layout (FSDP2 shards, EP expert slices, cp / dp): every rank of the group calls
 :func:`export_hf_checkpoint`. Every rank plans the same files from the metadata alone (:func:`converted_meta`, one
 shard per ``max_shard_bytes`` in export order, each file's header and offsets from
@@ -47,8 +54,8 @@ from torch import nn
 
 from dsv4.checkpoint import keys as K
 from dsv4.checkpoint.export_dir import export_dir_problem, remove_stale_files
-from dsv4.checkpoint.hf_config import CONFIG_FILE, INDEX_FILE, write_hf_config
-from dsv4.checkpoint.quant import fp4_scale_shape, fp8_scale_shape, quantize_fp4_packed, quantize_fp8_block
+from dsv4.checkpoint.hf_config import CONFIG_FILE, INDEX_FILE, SCHEMES, config_family, write_hf_config
+from dsv4.checkpoint.quant import quantize, scale_shape
 from dsv4.checkpoint.safetensors_write import TensorMeta, create_file, file_layout, write_tensor
 from dsv4.distributed import full_tensor, group_rank, group_size, is_initialized, resolve_group
 from dsv4.model.moe import GroupedExperts
@@ -71,10 +78,19 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full_tensor(t).detach().cpu()
 
 
+def _family(model: nn.Module, config=None) -> str:
+    """The checkpoint family an export of ``model`` writes (its config's, V4 without one)."""
+    from dsv4.config import DSV4Config
+
+    config = config if config is not None else getattr(model, "config", None)
+    return config_family(config) if isinstance(config, DSV4Config) else K.V4
+
+
 def iter_hf_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]] | None = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(on-disk key, full tensor)`` for every persistent tensor of ``model`` (or for the ``(state-dict name,
     tensor)`` pairs of ``tensors``, e.g. a LoRA model's merged weights), experts split per expert."""
+    family = _family(model)
     for name, t in (model.state_dict().items() if tensors is None else tensors):
         if K.is_stacked_expert(name):
             module = model.get_submodule(name.rsplit(".", 1)[0])
@@ -85,27 +101,27 @@ def iter_hf_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]
                 )
             full = _full(t)
             for row in range(full.shape[0]):
-                yield K.ours_to_hf(name, module.expert_offset + row), full[row].clone()
+                yield K.ours_to_hf(name, module.expert_offset + row, family), full[row].clone()
             continue
-        hf = K.ours_to_hf(name)
+        hf = K.ours_to_hf(name, family=family)
         if hf is None:
             raise KeyError(f"export: no on-disk name for state-dict key {name!r}")
         yield hf, _full(t)
 
 
-def convert_for_export(hf_key: str, tensor: torch.Tensor, dtype: str) -> list[tuple[str, torch.Tensor]]:
-    """One model tensor -> the on-disk tensor(s) (weight, and ``.scale`` when quantised)."""
+def convert_for_export(hf_key: str, tensor: torch.Tensor, dtype: str, family: str = K.V4) -> list[tuple[str, torch.Tensor]]:
+    """One model tensor -> the on-disk tensor(s) of ``family`` (weight, and ``.scale`` when quantised)."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
-    fmt = K.on_disk_format(hf_key)
+    fmt = K.on_disk_format(hf_key, family)
     if not tensor.dtype.is_floating_point:
         return [(hf_key, tensor.to(torch.int64).contiguous())]
     if dtype == "float32":
         return [(hf_key, tensor.float().contiguous())]
     if fmt == "f32":
         return [(hf_key, tensor.float().contiguous())]
-    if dtype == "quantized" and fmt in ("fp8", "fp4"):
-        q, s = quantize_fp8_block(tensor) if fmt == "fp8" else quantize_fp4_packed(tensor)
+    if dtype == "quantized" and fmt in ("fp8", "fp8_rows", "fp4"):
+        q, s = quantize(tensor, fmt, SCHEMES[family])
         return [(hf_key, q.contiguous()), (K.scale_key_of_weight(hf_key), s.contiguous())]
     return [(hf_key, tensor.to(torch.bfloat16).contiguous())]
 
@@ -128,25 +144,25 @@ def model_sources(model: nn.Module) -> list[ExportSource]:
             for name, t in model.state_dict().items()]
 
 
-def converted_meta(hf_key: str, shape: tuple[int, ...], is_float: bool, dtype: str) -> list[TensorMeta]:
+def converted_meta(hf_key: str, shape: tuple[int, ...], is_float: bool, dtype: str, family: str = K.V4
+                   ) -> list[TensorMeta]:
     """What :func:`convert_for_export` makes of a tensor of ``shape``, from the metadata alone."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
-    fmt = K.on_disk_format(hf_key)
+    fmt = K.on_disk_format(hf_key, family)
     if not is_float:
         return [TensorMeta(hf_key, torch.int64, shape)]
     if dtype == "float32" or fmt == "f32":
         return [TensorMeta(hf_key, torch.float32, shape)]
-    if dtype == "quantized" and fmt in ("fp8", "fp4"):
+    if dtype == "quantized" and fmt in ("fp8", "fp8_rows", "fp4"):
         if len(shape) != 2 or (fmt == "fp4" and shape[1] % 2):
             raise ValueError(f"export: {hf_key} of shape {list(shape)} cannot be stored as {fmt} (2-D"
                              f"{', even columns' if fmt == 'fp4' else ''})")
-        scale = K.scale_key_of_weight(hf_key)
-        if fmt == "fp8":
-            return [TensorMeta(hf_key, torch.float8_e4m3fn, shape),
-                    TensorMeta(scale, torch.float8_e8m0fnu, tuple(fp8_scale_shape(shape)))]
-        return [TensorMeta(hf_key, torch.int8, (shape[0], shape[1] // 2)),
-                TensorMeta(scale, torch.float8_e8m0fnu, tuple(fp4_scale_shape(shape)))]
+        scale = TensorMeta(K.scale_key_of_weight(hf_key), torch.float8_e8m0fnu,
+                           tuple(scale_shape(fmt, shape, SCHEMES[family])))
+        if fmt == "fp4":
+            return [TensorMeta(hf_key, torch.int8, (shape[0], shape[1] // 2)), scale]
+        return [TensorMeta(hf_key, torch.float8_e4m3fn, shape), scale]
     return [TensorMeta(hf_key, torch.bfloat16, shape)]
 
 
@@ -189,7 +205,8 @@ def _expert_writers(name: str, num_experts: int, ranges: list[tuple[int, int]]) 
     return writers
 
 
-def _plan(model: nn.Module, sources: list[ExportSource], dtype: str, world: int, group) -> list[_Planned]:
+def _plan(model: nn.Module, sources: list[ExportSource], dtype: str, world: int, group, family: str = K.V4
+          ) -> list[_Planned]:
     holders = expert_holders(model, group)
     planned: list[_Planned] = []
     plain = 0
@@ -199,13 +216,14 @@ def _plan(model: nn.Module, sources: list[ExportSource], dtype: str, world: int,
             module = model.get_submodule(module_name)
             writers = _expert_writers(module_name, module.num_experts, holders[module_name])
             for e in range(module.num_experts):
-                hf = K.ours_to_hf(src.name, e)
-                planned.append(_Planned(i, hf, e, writers[e], converted_meta(hf, src.shape[1:], src.is_float, dtype)))
+                hf = K.ours_to_hf(src.name, e, family)
+                planned.append(_Planned(i, hf, e, writers[e],
+                                        converted_meta(hf, src.shape[1:], src.is_float, dtype, family)))
             continue
-        hf = K.ours_to_hf(src.name)
+        hf = K.ours_to_hf(src.name, family=family)
         if hf is None:
-            raise KeyError(f"export: no on-disk name for state-dict key {src.name!r}")
-        planned.append(_Planned(i, hf, None, plain % world, converted_meta(hf, src.shape, src.is_float, dtype)))
+            raise KeyError(f"export: no on-disk name for state-dict key {src.name!r} ({family} layout)")
+        planned.append(_Planned(i, hf, None, plain % world, converted_meta(hf, src.shape, src.is_float, dtype, family)))
         plain += 1
     return planned
 
@@ -261,7 +279,8 @@ def export_hf_checkpoint(
         problem = box[0]
     if problem is not None:
         raise ValueError(problem)
-    planned = _plan(model, sources, dtype, world, group)
+    family = _family(model, config)
+    planned = _plan(model, sources, dtype, world, group, family)
     shards = _shards(planned, max_shard_bytes)
     n = len(shards)
     names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -298,7 +317,7 @@ def export_hf_checkpoint(
                 if p.writer != rank:
                     continue
                 value = full if p.expert is None else full[p.expert - offset]
-                for meta, (key, t) in zip(p.parts, convert_for_export(p.hf_key, value, dtype), strict=True):
+                for meta, (key, t) in zip(p.parts, convert_for_export(p.hf_key, value, dtype, family), strict=True):
                     if key != meta.key or t.dtype != meta.dtype or tuple(t.shape) != meta.shape:
                         raise ValueError(f"export: {key} converted to {t.dtype} {list(t.shape)}, planned {meta.dtype} "
                                          f"{list(meta.shape)} under {meta.key}")

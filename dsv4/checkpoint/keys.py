@@ -1,4 +1,5 @@
-"""Key adapter: on-disk (HF release) tensor names <-> the ``DSV4ForCausalLM`` state-dict names.
+"""Key adapter: on-disk (HF release) tensor names <-> the dsv4 state-dict names, for each checkpoint family
+(:data:`FAMILIES`: ``deepseek_v4``, the default, and ``deepseek_v41``).
 
 On disk there is no ``model.`` prefix. The renames, per block
 (backbone prefix ``layers.{i}.`` <-> ``model.layers.{i}.``, MTP prefix ``mtp.{k}.`` <-> ``mtp.layers.{k}.``):
@@ -12,7 +13,9 @@ On disk there is no ``model.`` prefix. The renames, per block
                                                             compressor.*, indexer.* incl. indexer.compressor.*)
     ffn.gate.bias               <-> mlp.gate.e_score_correction_bias
     ffn.experts.{e}.w{1,2,3}.weight <-> mlp.experts.w{1,2,3}[e - expert_offset]   (stacked, no transpose)
-    ffn.<rest>                  <-> mlp.<rest>            (gate.weight, gate.tid2eid, shared_experts.w{1,2,3}.weight)
+    ffn.<rest>                  <-> mlp.<rest>            (gate.weight, gate.tid2eid, gate.bias_vl,
+                                                            shared_experts.w{1,2,3}.weight)
+    engram.<rest>               <-> engram.<rest>         (V4.1: embed.weight, wkv.weight, q_weight, k_weight)
     MTP only: e_proj/h_proj/enorm/hnorm/norm keep their names; hc_head_{fn,base,scale} <-> hc_head.hc_*
 
 Globals: ``embed.weight <-> model.embed_tokens.weight``, ``head.weight <-> lm_head.weight``, ``norm.weight <->
@@ -20,12 +23,29 @@ model.norm.weight``, ``hc_head_{fn,base,scale} <-> model.hc_head.hc_{fn,base,sca
 
 Quantisation scales are ``<module>.scale`` next to ``<module>.weight`` (never ``hc_*_scale``, which are learned
 F32 parameters); they are not model keys and are handled by the loader.
+
+DeepSeek-V4.1 (``deepseek_v41``) uses the same block names (its indexer holds ``wq_b``, ``weights_proj``, ``wk`` and
+``k_norm`` and no compressor; its gate adds ``bias_vl``; Engram layers add ``engram.*``) and has no ``hc_head_*``,
+``tid2eid`` or ``ape``. Its ``mtp.*`` keys are the DSpark drafter, not DeepSeek MTP blocks; they, the vision tower
+(``vision.*``), the aligner (``aligner.*``) and the image marker embeddings (``image_start``, ``image_end``,
+``image_newline``) are not part of the text backbone dsv4 trains: :func:`skip_reason` names them, the loader skips
+them with one INFO line, and :func:`hf_to_ours` maps none of them.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+V4 = "deepseek_v4"
+V41 = "deepseek_v41"
+FAMILIES = (V4, V41)
+
+
+def check_family(family: str) -> str:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown checkpoint family {family!r}; expected one of {FAMILIES}")
+    return family
 
 # Renames inside a block, (on-disk, ours), most specific first. A trailing "." or "_" marks a prefix rename (the
 # rest of the name is kept); otherwise the whole name must match. Both directions use the same table.
@@ -38,6 +58,7 @@ _BLOCK_RENAMES: list[tuple[str, str]] = [
     ("attn.", "self_attn."),
     ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
     ("ffn.", "mlp."),
+    ("engram.", "engram."),
 ]
 _MTP_ONLY_RENAMES: list[tuple[str, str]] = [
     ("e_proj.weight", "e_proj.weight"),
@@ -70,6 +91,26 @@ _GLOBALS_HF_TO_OURS = {
     "hc_head_scale": "model.hc_head.hc_scale",
 }
 _GLOBALS_OURS_TO_HF = {v: k for k, v in _GLOBALS_HF_TO_OURS.items()}
+_V41_GLOBALS = ("embed.weight", "head.weight", "norm.weight")  # V4.1 has no hc_head_*
+
+# V4.1 keys outside the text backbone: (prefix or whole name, what it is). The loader skips them with one INFO line.
+V41_SKIPPED: tuple[tuple[str, str], ...] = (
+    ("mtp.", "the DSpark drafter"),
+    ("vision.", "the vision tower"),
+    ("aligner.", "the vision aligner"),
+    ("image_", "the image marker embeddings"),
+)
+
+
+def skip_reason(hf_key: str, family: str = V4) -> str | None:
+    """For a family's key that is not part of the text backbone dsv4 builds, the group it belongs to (``"mtp.*
+    (the DSpark drafter)"``); else None. V4 has none (its ``mtp.*`` blocks are MTP depths the model may build)."""
+    if check_family(family) != V41:
+        return None
+    for prefix, what in V41_SKIPPED:
+        if hf_key.startswith(prefix):
+            return f"{prefix}* ({what})"
+    return None
 
 # Indices are ASCII digits without leading zeros, so that one number has one key ("experts.07" is unexpected).
 _HF_EXPERT = re.compile(r"^ffn\.experts\.(0|[1-9][0-9]*)\.(w1|w2|w3)\.weight$")
@@ -100,8 +141,11 @@ def scale_key_of_weight(hf_weight_key: str) -> str | None:
     return hf_weight_key[: -len(".weight")] + ".scale" if hf_weight_key.endswith(".weight") else None
 
 
-def hf_to_ours(hf_key: str) -> OurKey | None:
-    """Map an on-disk tensor name to our state-dict name; ``None`` for a name the adapter does not know."""
+def hf_to_ours(hf_key: str, family: str = V4) -> OurKey | None:
+    """Map an on-disk tensor name of ``family`` to our state-dict name; ``None`` for a name the adapter does not
+    know (and for the keys :func:`skip_reason` names)."""
+    if check_family(family) == V41 and (skip_reason(hf_key, family) or hf_key.startswith("hc_head_")):
+        return None
     if hf_key in _GLOBALS_HF_TO_OURS:
         return OurKey(_GLOBALS_HF_TO_OURS[hf_key])
     m = _HF_BLOCK.match(hf_key)
@@ -120,11 +164,14 @@ def hf_to_ours(hf_key: str) -> OurKey | None:
     return None if mapped is None else OurKey(prefix + mapped)
 
 
-def ours_to_hf(name: str, expert: int | None = None) -> str | None:
+def ours_to_hf(name: str, expert: int | None = None, family: str = V4) -> str | None:
     """Inverse of :func:`hf_to_ours`. A stacked expert tensor (``...mlp.experts.w1``) needs the global ``expert``
     index; ``None`` for a name the adapter does not know."""
     if name in _GLOBALS_OURS_TO_HF:
-        return _GLOBALS_OURS_TO_HF[name]
+        hf = _GLOBALS_OURS_TO_HF[name]
+        return hf if check_family(family) == V4 or hf in _V41_GLOBALS else None
+    if check_family(family) == V41 and name.startswith("mtp."):
+        return None
     m = _OURS_BLOCK.match(name)
     if m is None:
         return None
@@ -154,18 +201,33 @@ def mtp_depth(hf_key: str) -> int | None:
     return int(m.group(2)) if m is not None and m.group(1) == "mtp" else None
 
 
-# Which tensors the release stores in which format (section 2.4), by on-disk name.
+# Which tensors the release stores in which format (section 2.4 of the V4 notes; the V4.1 notes), by on-disk name.
 _FP8_MODULES = re.compile(
     r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.(w1|w2|w3)|e_proj|h_proj)\.weight$"
 )
 _F32_KEYS = re.compile(r"(^|\.)(hc_(attn|ffn)_(fn|base|scale)|hc_head_(fn|base|scale)|attn\.attn_sink|ape|ffn\.gate\.bias)$")
+_V41_FP8_MODULES = re.compile(
+    r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.(w1|w2|w3)|engram\.wkv)"
+    r"\.weight$")
+# V4.1's reference keeps in fp32 (and writes as F32) what V4 keeps, the image bias, the compressor projections (they
+# run in fp32) and the head.
+_V41_F32_KEYS = re.compile(r"^(head\.weight|layers\.\d+\.(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink"
+                           r"|ffn\.gate\.(bias|bias_vl)|attn\.compressor\.(wkv|wgate)\.weight))$")
+_EXPERT_WEIGHT = re.compile(r"(^|\.)ffn\.experts\.\d+\.(w1|w2|w3)\.weight$")
 
 
-def on_disk_format(hf_key: str) -> str:
-    """Release format of a tensor: ``"fp8"`` (e4m3 + 128x128 e8m0 scale), ``"fp4"`` (packed e2m1 + e8m0 per 32),
-    ``"f32"``, ``"int"`` (tid2eid) or ``"bf16"``."""
-    if re.search(r"(^|\.)ffn\.experts\.\d+\.(w1|w2|w3)\.weight$", hf_key):
+def on_disk_format(hf_key: str, family: str = V4) -> str:
+    """Release format of a tensor of ``family``: ``"fp8"`` (e4m3 + the family's block e8m0 scale: 128x128 in V4,
+    32x32 in V4.1), ``"fp8_rows"`` (V4.1 Engram tables: e4m3 + one e8m0 scale per row and 32 columns), ``"fp4"``
+    (packed e2m1 + e8m0 per 32), ``"f32"``, ``"int"`` (tid2eid) or ``"bf16"``."""
+    if _EXPERT_WEIGHT.search(hf_key):
         return "fp4"
+    if check_family(family) == V41:
+        if re.fullmatch(r"layers\.\d+\.engram\.embed\.weight", hf_key):
+            return "fp8_rows"
+        if _V41_FP8_MODULES.search(hf_key):
+            return "fp8"
+        return "f32" if _V41_F32_KEYS.search(hf_key) else "bf16"
     if _FP8_MODULES.search(hf_key):
         return "fp8"
     if hf_key.endswith("tid2eid"):

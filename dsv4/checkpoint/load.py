@@ -13,7 +13,17 @@ Order of work (nothing is read before every check passed):
    depths the config does not build (``num_nextn_predict_layers``) are skipped, as are scales of skipped keys.
 2. Stream shard by shard (files in name order, keys in file order): read one weight (and its ``.scale``, which
    may live in another shard), dequantise (FP8 block / FP4 packed, :mod:`dsv4.checkpoint.quant`) or cast to the
-   target's dtype, copy into the parameter or buffer, drop it. Peak extra memory is about one tensor.
+   target's dtype, copy into the parameter or buffer, drop it. A weight stored in more than
+   :data:`LOAD_CHUNK_BYTES` (V4.1's Engram tables) goes by row chunks of about that size, each with its scale rows.
+   Peak extra memory is about one tensor, or one chunk.
+
+Families (:data:`dsv4.checkpoint.keys.FAMILIES`): the model's config class names its family (``DSV4Config``: V4,
+``DSV41Config``: V4.1), and the directory's ``config.json`` must be of the same family, with a
+``quantization_config`` the family's formats read (``ValueError`` naming the field otherwise, before anything is
+read). A V4 checkpoint's FP8 tiles are 128 x 128; V4.1's are 32 x 32, its Engram tables FP8 with one scale per row
+and 32 columns (:mod:`dsv4.checkpoint.quant`). V4.1 keys outside the text backbone (``mtp.*``: the DSpark drafter,
+``vision.*``, ``aligner.*``, ``image_*``; :func:`dsv4.checkpoint.keys.skip_reason`) are skipped, never read, and
+named in one INFO line per load (with their counts) and in ``report.skipped``.
 
 Both layouts of :mod:`dsv4.checkpoint.layouts` load: the release's, and what transformers' ``save_pretrained``
 writes (read through :func:`~dsv4.checkpoint.layouts.release_view`; errors name the file's own keys). An MTP depth
@@ -52,14 +62,23 @@ import torch
 from torch import nn
 
 from dsv4.checkpoint import keys as K
-from dsv4.checkpoint.hf_config import INDEX_FILE
+from dsv4.checkpoint.hf_config import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SCHEMES,
+    checkpoint_family,
+    config_family,
+    quant_scheme_of,
+    read_hf_config_dict,
+)
 from dsv4.checkpoint.quant import (
+    V4_SCHEME,
+    QuantScheme,
     dequantize,
-    fp4_scale_shape,
-    fp8_scale_shape,
     kept_format,
     logical_shape,
     quantize_kept,
+    scale_shape,
 )
 from dsv4.checkpoint.layouts import release_view
 from dsv4.checkpoint.safetensors_io import DTYPES, CheckpointDir, TensorInfo, TensorReader
@@ -93,6 +112,12 @@ def missing_mtp_error(path: str, layout: str, missing: list[int], depths: int) -
 def holds_weights(path: str) -> bool:
     """``path`` has an index file or a ``*.safetensors`` file (what :class:`CheckpointDir` reads)."""
     return os.path.isfile(os.path.join(path, INDEX_FILE)) or any(n.endswith(".safetensors") for n in os.listdir(path))
+
+
+def built_mtp_depths(config) -> int:
+    """The MTP depths a model of ``config`` builds: ``num_nextn_predict_layers`` for V4, none for V4.1 (whose
+    ``num_nextn_predict_layers`` counts the DSpark drafter's layers, a separate model)."""
+    return 0 if config_family(config) == K.V41 else int(config.num_nextn_predict_layers)
 
 
 def check_mtp_weights(path: str, depths: int, init_missing: bool = False) -> list[int]:
@@ -132,9 +157,10 @@ class _Item:
     hf_key: str
     target: str  # our state-dict name
     expert_row: int | None  # row of a stacked expert tensor
-    fmt: str  # "fp8" | "fp4" | "plain"
+    fmt: str  # "fp8" | "fp8_rows" | "fp4" | "plain"
     scale_key: str | None
     keep: str | None = None  # the target's kept format ("fp8" | "fp4"), None for a float target
+    scheme: QuantScheme = V4_SCHEME  # the checkpoint family's formats
 
 
 def _expert_ranges(
@@ -162,22 +188,33 @@ def _expert_ranges(
 
 def _check_and_plan(
     ckpt: CheckpointDir, targets: dict[str, torch.Tensor], ranges: dict[str, tuple[int, int, int, int]], mtp_depths: int,
-    left_out: set[str] = frozenset(),
+    left_out: set[str] = frozenset(), family: str = K.V4, scheme: QuantScheme = V4_SCHEME,
+    not_built: dict[str, int] | None = None,
 ) -> tuple[list[_Item], list[str]]:
+    """The load plan (see the module docstring); ``not_built`` collects the counts of the keys
+    :func:`~dsv4.checkpoint.keys.skip_reason` names, by group."""
     items: list[_Item] = []
     skipped: list[str] = []
+    not_built = {} if not_built is None else not_built
     seen_targets: dict[tuple[str, int | None], str] = {}  # (target, expert) -> the on-disk key that fills it
     unexpected: list[str] = []
     beyond: dict[str, int] = {}  # routed-expert key with an expert index >= n_routed_experts -> n_routed_experts
     scales = {k for k in ckpt.tensors if K.is_scale_key(k)}
     for key, info in ckpt.tensors.items():
+        reason = K.skip_reason(key, family)
         if key in scales:
+            if reason is not None:  # counted with its group; skipped with its weight
+                not_built[reason] = not_built.get(reason, 0) + 1
+            continue
+        if reason is not None:
+            not_built[reason] = not_built.get(reason, 0) + 1
+            skipped.append(key)
             continue
         depth = K.mtp_depth(key)
         if depth is not None and depth >= mtp_depths:
             skipped.append(key)
             continue
-        mapped = K.hf_to_ours(key)
+        mapped = K.hf_to_ours(key, family)
         if mapped is not None and mapped.name in left_out:
             skipped.append(key)
             continue
@@ -211,11 +248,11 @@ def _check_and_plan(
         has_scale = scale_key in scales
         keep = kept_format(target)
         fmt = _validate(info, ckpt.tensors.get(scale_key) if has_scale else None, expected_shape,
-                        torch.float32 if keep else target.dtype)
+                        torch.float32 if keep else target.dtype, scheme, K.on_disk_format(key, family))
         if keep and fmt not in ("plain", keep):
             raise ValueError(f"{key}: stored as {fmt} but the model keeps this tensor as {keep} "
                              f"(peft.base_dtype=fp8 keeps the release's formats)")
-        items.append(_Item(key, mapped.name, row, fmt, scale_key if has_scale else None, keep))
+        items.append(_Item(key, mapped.name, row, fmt, scale_key if has_scale else None, keep, scheme))
         seen_targets[(mapped.name, mapped.expert)] = key
     for s in sorted(scales):
         w = K.weight_key_of_scale(s)
@@ -231,9 +268,10 @@ def _check_and_plan(
     for name in targets:
         if name in ranges:
             first, count, _, _ = ranges[name]
-            missing += [K.ours_to_hf(name, e) for e in range(first, first + count) if (name, e) not in seen_targets]
+            missing += [K.ours_to_hf(name, e, family) for e in range(first, first + count)
+                        if (name, e) not in seen_targets]
         elif (name, None) not in seen_targets:
-            missing.append(K.ours_to_hf(name) or name)
+            missing.append(K.ours_to_hf(name, family=family) or name)
     if missing:
         raise KeyError(
             f"missing key(s) in {ckpt.path}: {missing[:10]}" + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")
@@ -241,8 +279,10 @@ def _check_and_plan(
     return items, skipped
 
 
-def _validate(info: TensorInfo, scale: TensorInfo | None, expected: tuple[int, ...], target_dtype: torch.dtype) -> str:
-    """Check dtype tag and shape from the header; returns the item format."""
+def _validate(info: TensorInfo, scale: TensorInfo | None, expected: tuple[int, ...], target_dtype: torch.dtype,
+              scheme: QuantScheme = V4_SCHEME, release_fmt: str = "bf16") -> str:
+    """Check dtype tag and shape from the header; returns the item format (an FP8 weight whose release format is
+    ``fp8_rows``, a V4.1 Engram table, is read with row scales; any other with the scheme's tiles)."""
     if info.dtype not in DTYPES:
         raise ValueError(f"{info.key}: unknown dtype {info.dtype!r} (known safetensors dtypes: {sorted(DTYPES)})")
     if scale is not None:
@@ -251,10 +291,10 @@ def _validate(info: TensorInfo, scale: TensorInfo | None, expected: tuple[int, .
         if len(expected) != 2:
             raise ValueError(f"{info.key}: has a scale but the model tensor has shape {expected} (expected 2-D)")
         if info.dtype == "F8_E4M3":
-            fmt, logical, want_scale = "fp8", info.shape, fp8_scale_shape(expected)
+            fmt, logical = ("fp8_rows" if release_fmt == "fp8_rows" else "fp8"), info.shape
         elif info.dtype in ("I8", "U8"):
             logical = (info.shape[0], info.shape[1] * 2) if len(info.shape) == 2 else info.shape
-            fmt, want_scale = "fp4", fp4_scale_shape(expected)
+            fmt = "fp4"
         else:
             raise ValueError(
                 f"{info.key}: a weight with a .scale must be F8_E4M3 (FP8 block) or I8 (packed FP4), got {info.dtype}"
@@ -264,8 +304,12 @@ def _validate(info: TensorInfo, scale: TensorInfo | None, expected: tuple[int, .
                 f"{info.key}: shape {list(info.shape)} ({fmt}, logical {list(logical)}) does not match the model's "
                 f"{list(expected)} (check config.json against the model config)"
             )
+        want_scale = scale_shape(fmt, expected, scheme)
         if tuple(scale.shape) != tuple(want_scale):
-            raise ValueError(f"{scale.key}: scale shape {list(scale.shape)}, expected {list(want_scale)} for {fmt}")
+            tiles = {"fp8": "x".join(map(str, scheme.fp8_block)) + " tiles", "fp8_rows": "1x32 row blocks",
+                     "fp4": "one per row and 32 columns"}[fmt]
+            raise ValueError(f"{scale.key}: scale shape {list(scale.shape)}, expected {list(want_scale)} for {fmt} "
+                             f"({scheme.name}: {tiles})")
         return fmt
     if target_dtype.is_floating_point:
         if info.dtype not in _FLOAT_TAGS:
@@ -301,6 +345,7 @@ def load_hf_checkpoint(
     ``init_missing_mtp``: MTP depths the checkpoint has no key of keep their initialisation instead of being
     refused."""
     start = time.perf_counter()
+    family, scheme = checkpoint_scheme(path, getattr(model, "config", None))
     ckpt, layout = release_view(CheckpointDir.open(path))
     state = model.state_dict(keep_vars=True)
     kept_scales = {kept_scale_name(n) for n, t in state.items() if kept_format(t)}
@@ -309,7 +354,9 @@ def load_hf_checkpoint(
     if only is not None:
         left_out = {n for n in targets if not only(n)}
         targets = {n: t for n, t in targets.items() if n not in left_out}
-    if mtp_depths is None:
+    if family == K.V41:  # its mtp.* keys are the DSpark drafter (skip_reason), not MTP depths
+        mtp_depths = 0
+    elif mtp_depths is None:
         mtp = getattr(model, "mtp", None)
         mtp_depths = len(mtp.layers) if mtp is not None and hasattr(mtp, "layers") else 0
     fresh: list[str] = []
@@ -324,8 +371,12 @@ def load_hf_checkpoint(
             log.info("%s (%s layout) holds no weights for MTP depth(s) %s: they keep their initialisation (%d tensors; "
                      "model.init_missing_mtp=true)", path, layout, missing, len(fresh))
     ranges = _expert_ranges(model, targets, ep_rank, ep_size)
-    items, skipped = _check_and_plan(ckpt, targets, ranges, mtp_depths, left_out)
+    not_built: dict[str, int] = {}
+    items, skipped = _check_and_plan(ckpt, targets, ranges, mtp_depths, left_out, family, scheme, not_built)
     check_model_config(getattr(model, "config", None), path)
+    if not_built:
+        log.info("%s: skipped %d tensors outside the text backbone dsv4 builds (text-only training; they are not "
+                 "read): %s", path, sum(not_built.values()), ", ".join(f"{g}: {n}" for g, n in sorted(not_built.items())))
 
     by_file: dict[str, list[_Item]] = {}
     for it in items:
@@ -347,10 +398,32 @@ def load_hf_checkpoint(
     return report
 
 
+def checkpoint_scheme(path: str, config) -> tuple[str, QuantScheme]:
+    """``(family, quant scheme)`` of loading the directory ``path`` into a model of ``config`` (its family; V4
+    without a config): the directory's ``config.json``, when it has one, must be of that family with a
+    ``quantization_config`` the family's formats read (``ValueError`` naming both families, or the field)."""
+    from dsv4.config import DSV4Config
+
+    family = config_family(config) if isinstance(config, DSV4Config) else K.V4
+    if not os.path.exists(os.path.join(path, CONFIG_FILE)):
+        return family, SCHEMES[family]
+    data = read_hf_config_dict(path)
+    found = checkpoint_family(data)
+    if found != family:
+        raise ValueError(f"{path}: a {found} checkpoint (config.json model_type={data.get('model_type')!r}); the model "
+                         f"is {family} ({type(config).__name__}): build the model from the checkpoint's config "
+                         "(load_model_from_hf) or choose a checkpoint of its family")
+    return family, quant_scheme_of(data, family)
+
+
 # Fields that change the model's numbers without changing any tensor's shape (shapes are checked per key).
 _NUMERIC_FIELDS = ("qk_rope_head_dim", "rope_theta", "compress_rope_theta", "scoring_func", "topk_method",
                    "routed_scaling_factor", "norm_topk_prob", "swiglu_limit", "sliding_window", "hc_sinkhorn_iters",
                    "hc_eps", "index_topk", "rms_norm_eps", "num_experts_per_tok", "hidden_act", "num_hash_layers")
+# ... and V4.1's (compared when the model's config has them)
+_V41_NUMERIC_FIELDS = ("kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id",
+                       "candidate_topk_blocks", "candidate_block_size", "engram_layer_ids", "engram_max_ngram_size",
+                       "engram_vocab_size", "engram_n_heads", "engram_pad_token_id", "engram_compressed_vocab_size")
 
 
 def _yarn(scaling) -> tuple | None:
@@ -378,7 +451,8 @@ def check_model_config(config, path: str) -> None:
         log.warning("%s: its config.json cannot be compared with the model's (%s); the model's config is used",
                     path, err.args[0] if err.args else err)
         return
-    diffs = [(k, getattr(file, k), getattr(config, k)) for k in _NUMERIC_FIELDS if getattr(file, k) != getattr(config, k)]
+    compared = _NUMERIC_FIELDS + tuple(k for k in _V41_NUMERIC_FIELDS if hasattr(config, k) and hasattr(file, k))
+    diffs = [(k, getattr(file, k), getattr(config, k)) for k in compared if getattr(file, k) != getattr(config, k)]
     if _yarn(file.rope_scaling) != _yarn(config.rope_scaling):
         diffs.append(("rope_scaling", file.rope_scaling, config.rope_scaling))
     layers = range(config.num_hidden_layers + config.num_nextn_predict_layers)
@@ -389,15 +463,44 @@ def check_model_config(config, path: str) -> None:
                          + "; ".join(f"model.{k}={json.dumps(f)} (the model has {json.dumps(m)})" for k, f, m in diffs))
 
 
+LOAD_CHUNK_BYTES = 256 * 1024**2
+"""A stored weight above this many bytes is read, dequantised and copied in row chunks of about this size (V4.1's
+Engram tables: ~98 GB each in FP8, whose fp32 dequantisation at once would need four times that)."""
+
+
+def _row_block(it: _Item) -> int:
+    """The rows one scale row covers (a chunk boundary must fall between scale rows)."""
+    return it.scheme.fp8_block[0] if it.fmt == "fp8" else 1
+
+
+def _load_chunked(reader: TensorReader, it: _Item, dest: torch.Tensor, info: TensorInfo) -> None:
+    """``it`` (a float target, stored above :data:`LOAD_CHUNK_BYTES`) read, dequantised and copied by row chunks."""
+    rows, block = info.shape[0], _row_block(it)
+    step = max(block, LOAD_CHUNK_BYTES // max(1, info.nbytes // rows) // block * block)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        weight = reader.read(it.hf_key, (start, stop))
+        if it.fmt == "plain":
+            value = weight
+        else:
+            scale = reader.read(it.scale_key, (start // block, -(-stop // block)))
+            value = dequantize(weight, scale, it.fmt, torch.float32, it.scheme)
+        dest[start:stop].copy_(value.to(device=dest.device, dtype=dest.dtype))
+
+
 def _load_item(reader: TensorReader, it: _Item, state: dict[str, torch.Tensor]) -> None:
     target = state[it.target]
     dest = target if it.expert_row is None else target[it.expert_row]
+    info = reader.ckpt.tensors[it.hf_key]
+    if not it.keep and len(info.shape) >= 1 and info.shape[0] > 1 and info.nbytes > LOAD_CHUNK_BYTES:
+        _load_chunked(reader, it, dest, info)
+        return
     weight = reader.read(it.hf_key)
     scale = reader.read(it.scale_key) if it.scale_key else None  # may sit in another shard
     if it.keep:
         _load_kept(it, weight, scale, dest, state)
         return
-    value = weight if it.fmt == "plain" else dequantize(weight, scale, it.fmt, torch.float32)
+    value = weight if it.fmt == "plain" else dequantize(weight, scale, it.fmt, torch.float32, it.scheme)
     dest.copy_(value.to(device=dest.device, dtype=dest.dtype))
 
 
@@ -407,23 +510,41 @@ def _load_kept(it: _Item, weight: torch.Tensor, scale: torch.Tensor | None, dest
     scale) is quantised into the kept format."""
     scale_target = state[kept_scale_name(it.target)]
     scale_dest = scale_target if it.expert_row is None else scale_target[it.expert_row]
-    if it.fmt == it.keep and scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+    same_tiles = it.fmt == "fp4" or it.scheme.fp8_block == V4_SCHEME.fp8_block  # kept FP8 uses V4's 128x128 tiles
+    if it.fmt == it.keep and same_tiles and scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
         q, s = weight, scale.view(torch.float8_e8m0fnu)
     else:
-        value = weight.float() if it.fmt == "plain" else dequantize(weight, scale, it.fmt, torch.float32)
+        value = weight.float() if it.fmt == "plain" else dequantize(weight, scale, it.fmt, torch.float32, it.scheme)
         q, s = quantize_kept(value, it.keep)
     dest.copy_(q.view(dest.dtype).to(dest.device))
     scale_dest.copy_(s.to(scale_dest.device))
 
 
 def load_model_from_hf(path: str, *, device: str | torch.device = "cpu", init_missing_mtp: bool = False,
-                       **overrides):
-    """Build ``DSV4ForCausalLM`` from ``path/config.json`` (``overrides`` replace config fields) and load it
-    (``init_missing_mtp`` as in :func:`load_hf_checkpoint`)."""
+                       tokenizer=None, **overrides):
+    """Build the causal LM of ``path/config.json``'s family (``DSV4ForCausalLM`` / ``DSV41ForCausalLM``;
+    ``overrides`` replace config fields) and load it (``init_missing_mtp`` as in :func:`load_hf_checkpoint`).
+
+    A V4.1 model with Engram layers hashes n-grams through its checkpoint's tokenizer: ``tokenizer`` when given,
+    else the directory's own (``tokenizer.json``, read by :class:`~dsv4.data.tokenizers.HFTokenizer`, one INFO line
+    naming it); a directory without one gives a model whose first forward asks for it
+    (``model.set_engram_tokenizer``), with one INFO line saying so."""
     from dsv4.checkpoint.hf_config import config_from_hf
     from dsv4.model import build_causal_lm
 
     config = config_from_hf(path, **overrides)
-    model = build_causal_lm(config).to(device)
+    options = {}
+    if config_family(config) == K.V41 and config.engram_layer_ids:
+        if tokenizer is None and os.path.isfile(os.path.join(path, "tokenizer.json")):
+            from dsv4.data.tokenizers import HFTokenizer
+
+            tokenizer = HFTokenizer(path)
+            log.info("%s: Engram hashes n-grams through the directory's tokenizer (tokenizer.json)", path)
+        elif tokenizer is None:
+            log.info("%s: no tokenizer.json and no tokenizer= given: call model.set_engram_tokenizer(...) before the "
+                     "first forward (Engram layers %s hash through the checkpoint's tokenizer)", path,
+                     config.engram_layer_ids)
+        options["tokenizer"] = tokenizer
+    model = build_causal_lm(config, **options).to(device)
     load_hf_checkpoint(model, path, init_missing_mtp=init_missing_mtp)
     return model

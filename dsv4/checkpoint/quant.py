@@ -1,13 +1,15 @@
-"""FP8 / FP4 weight formats of the released DSV4 checkpoints: dequantisation and re-quantisation.
+"""FP8 / FP4 weight formats of the released DeepSeek checkpoints (V4 and V4.1): dequantisation and re-quantisation.
 
 Formats (as stored in the released checkpoints):
 
 * **E8M0 scale** (``float8_e8m0fnu``, one unsigned exponent byte): value = 2^(byte - 127). Decoded from the
-  *bits* (the byte placed in an fp32 exponent field), never by a numeric cast; byte 0 decodes to 0.0 and 0xFF to
-  NaN. ``float32`` scales are accepted as they are.
-* **FP8 block**: weight ``float8_e4m3fn [out, in]`` (logical shape), scale ``[ceil(out/128), ceil(in/128)]``;
-  ``W[r, c] = q[r, c] * s[r // 128, c // 128]``. Ragged edge tiles cover what is left (the weight is never
-  padded).
+  *bits* (the byte placed in an fp32 exponent field), never by a numeric cast; 0xFF decodes to NaN. Byte 0 decodes
+  to what the family's :class:`QuantScheme` says: 0.0 for V4 (as NeMo's V4 adapter reads it), 2^-127 for V4.1 (the
+  E8M0 definition, as torch and NeMo's V4.1 adapter read it). ``float32`` scales are accepted as they are.
+* **FP8 block**: weight ``float8_e4m3fn [out, in]`` (logical shape), scale ``[ceil(out/R), ceil(in/C)]`` for tiles
+  of ``R x C``: ``W[r, c] = q[r, c] * s[r // R, c // C]``. The tile is the family's: 128 x 128 in V4, 32 x 32 in
+  V4.1 (``quantization_config.weight_block_size``); V4.1's Engram tables use 1 x 32 (one scale per row and 32
+  columns, :data:`ROW_BLOCK`). Ragged edge tiles cover what is left (the weight is never padded).
 * **FP4 packed**: weight ``int8 [out, in/2]``, two e2m1 codes per byte along the input axis, **low nibble =
   column 2j, high nibble = column 2j+1** (the byte read as unsigned); scale ``[out, ceil(in/32)]``:
   ``W[r, c] = E2M1[code(r, c)] * s[r, c // 32]``. Codes 0..7 are 0, .5, 1, 1.5, 2, 3, 4, 6; codes 8..15 are
@@ -15,15 +17,20 @@ Formats (as stored in the released checkpoints):
 
 Dequantising into bf16/fp32 is exact (power-of-two scales, short mantissas). Re-quantisation picks per tile /
 group the smallest power of two ``2^k >= amax / 448`` (FP8) or ``>= amax / 6`` (FP4) ("ue8m0"), divides,
-clamps and rounds to nearest, ties to even; an all-zero tile gets scale 1 (byte 127).
+clamps and rounds to nearest, ties to even; an all-zero tile gets scale 1 (byte 127). A weight already on the
+grid (a released tensor, dequantised) re-quantises to the same values.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-FP8_BLOCK = 128
+FP8_BLOCK = 128  # V4's FP8 tile edge
 FP4_GROUP = 32
+ROW_BLOCK = (1, FP4_GROUP)  # V4.1 Engram tables: one scale per row and 32 columns
+E8M0_MIN = 2.0**-127  # the E8M0 definition of byte 0
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 
@@ -38,9 +45,25 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True)
+class QuantScheme:
+    """How one checkpoint family stores its quantised weights: the dense FP8 tile ``fp8_block`` (rows, columns)
+    and what E8M0 byte 0 decodes to (``e8m0_zero``). Engram tables (V4.1) use :data:`ROW_BLOCK`, routed experts
+    packed FP4 with one scale per row and 32 columns in both families."""
+
+    name: str
+    fp8_block: tuple[int, int]
+    e8m0_zero: float
+
+
+V4_SCHEME = QuantScheme("deepseek_v4", (FP8_BLOCK, FP8_BLOCK), 0.0)
+V41_SCHEME = QuantScheme("deepseek_v41", (32, 32), E8M0_MIN)
+
+
 # ---------------------------------------------------------------------------------------------- E8M0 scales
-def decode_e8m0(scale: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes (``float8_e8m0fnu`` or ``uint8``) -> fp32 ``2^(b-127)`` by bit placement; fp32 passes through."""
+def decode_e8m0(scale: torch.Tensor, zero: float = 0.0) -> torch.Tensor:
+    """E8M0 bytes (``float8_e8m0fnu`` or ``uint8``) -> fp32 ``2^(b-127)`` by bit placement (byte 0 -> ``zero``,
+    0xFF -> NaN); fp32 passes through."""
     if scale.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return scale.float()
     if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
@@ -48,6 +71,8 @@ def decode_e8m0(scale: torch.Tensor) -> torch.Tensor:
     b = scale.contiguous().view(torch.uint8).to(torch.int32)
     out = (b << 23).view(torch.float32).clone()
     out[b == 255] = float("nan")
+    if zero != 0.0:
+        out[b == 0] = zero
     return out
 
 
@@ -64,40 +89,50 @@ def _pow2_exponent_at_least(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- FP8 block
-def fp8_scale_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, int]:
+Block = tuple[int, int]
+_V4_BLOCK: Block = (FP8_BLOCK, FP8_BLOCK)
+
+
+def fp8_scale_shape(shape: tuple[int, ...] | torch.Size, block: Block = _V4_BLOCK) -> tuple[int, int]:
+    """The scale shape of an ``[out, in]`` FP8 weight in tiles of ``block`` (rows, columns)."""
     out, inp = shape
-    return _ceil_div(out, FP8_BLOCK), _ceil_div(inp, FP8_BLOCK)
+    return _ceil_div(out, block[0]), _ceil_div(inp, block[1])
 
 
-def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``float8_e4m3fn [out, in]`` and a ``[ceil(out/128), ceil(in/128)]`` scale -> ``dtype [out, in]``."""
+def _expand(s: torch.Tensor, block: Block, out: int, inp: int) -> torch.Tensor:
+    """A per-tile scale -> one value per weight element."""
+    return s.repeat_interleave(block[0], dim=0)[:out].repeat_interleave(block[1], dim=1)[:, :inp]
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                         block: Block = _V4_BLOCK, zero: float = 0.0) -> torch.Tensor:
+    """``float8_e4m3fn [out, in]`` and a ``[ceil(out/R), ceil(in/C)]`` scale (tiles ``block`` = (R, C)) ->
+    ``dtype [out, in]``; scale byte 0 decodes to ``zero``."""
     if weight.dim() != 2:
         raise ValueError(f"dequantize_fp8_block: weight must be 2-D, got shape {tuple(weight.shape)}")
-    if tuple(scale.shape) != fp8_scale_shape(weight.shape):
+    if tuple(scale.shape) != fp8_scale_shape(weight.shape, block):
         raise ValueError(
             f"dequantize_fp8_block: scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
-            f"(expected {fp8_scale_shape(weight.shape)} for {FP8_BLOCK}x{FP8_BLOCK} tiles)"
+            f"(expected {fp8_scale_shape(weight.shape, block)} for {block[0]}x{block[1]} tiles)"
         )
     out, inp = weight.shape
-    s = decode_e8m0(scale)
-    s = s.repeat_interleave(FP8_BLOCK, dim=0)[:out].repeat_interleave(FP8_BLOCK, dim=1)[:, :inp]
-    return (weight.float() * s).to(dtype)
+    return (weight.float() * _expand(decode_e8m0(scale, zero), block, out, inp)).to(dtype)
 
 
-def quantize_fp8_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[out, in]`` float -> (``float8_e4m3fn [out, in]``, ``float8_e8m0fnu [ceil(out/128), ceil(in/128)]``)."""
+def quantize_fp8_block(weight: torch.Tensor, block: Block = _V4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[out, in]`` float -> (``float8_e4m3fn [out, in]``, ``float8_e8m0fnu [ceil(out/R), ceil(in/C)]``) in tiles
+    of ``block`` = (R, C)."""
     if weight.dim() != 2:
         raise ValueError(f"quantize_fp8_block: weight must be 2-D, got shape {tuple(weight.shape)}")
     w = weight.detach().float()
     out, inp = w.shape
-    ro, ri = fp8_scale_shape(w.shape)
-    padded = w.new_zeros(ro * FP8_BLOCK, ri * FP8_BLOCK)
+    ro, ri = fp8_scale_shape(w.shape, block)
+    padded = w.new_zeros(ro * block[0], ri * block[1])
     padded[:out, :inp] = w
-    amax = padded.abs().reshape(ro, FP8_BLOCK, ri, FP8_BLOCK).amax(dim=(1, 3))
+    amax = padded.abs().reshape(ro, block[0], ri, block[1]).amax(dim=(1, 3))
     k = _pow2_exponent_at_least(amax / FP8_MAX).clamp(-127, 127)
     s = torch.ldexp(torch.ones_like(amax), k)
-    s_full = s.repeat_interleave(FP8_BLOCK, dim=0)[:out].repeat_interleave(FP8_BLOCK, dim=1)[:, :inp]
-    q = (w / s_full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = (w / _expand(s, block, out, inp)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, encode_e8m0(k)
 
 
@@ -125,8 +160,10 @@ def pack_fp4_codes(codes: torch.Tensor) -> torch.Tensor:
     return (c[..., 0::2] | (c[..., 1::2] << 4)).view(torch.int8)
 
 
-def dequantize_fp4_packed(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``int8 [out, in/2]`` and a ``[out, ceil(in/32)]`` scale -> ``dtype [out, in]``."""
+def dequantize_fp4_packed(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                          zero: float = 0.0) -> torch.Tensor:
+    """``int8 [out, in/2]`` and a ``[out, ceil(in/32)]`` scale -> ``dtype [out, in]``; scale byte 0 decodes to
+    ``zero``."""
     if packed.dim() != 2:
         raise ValueError(f"dequantize_fp4_packed: weight must be 2-D, got shape {tuple(packed.shape)}")
     out, half = packed.shape
@@ -138,7 +175,7 @@ def dequantize_fp4_packed(packed: torch.Tensor, scale: torch.Tensor, dtype: torc
             f"per {FP4_GROUP} columns)"
         )
     values = E2M1_VALUES[unpack_fp4_codes(packed).long()]
-    s = decode_e8m0(scale).repeat_interleave(FP4_GROUP, dim=1)[:, :inp]
+    s = decode_e8m0(scale, zero).repeat_interleave(FP4_GROUP, dim=1)[:, :inp]
     return (values * s).to(dtype)
 
 
@@ -168,14 +205,42 @@ def quantize_fp4_packed(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return pack_fp4_codes(codes), encode_e8m0(k)
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: str,
-               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """One 2-D tensor in release format ``fmt`` (``"fp8"`` block or ``"fp4"`` packed) -> ``dtype [out, in]``."""
+QUANT_FORMATS = ("fp8", "fp8_rows", "fp4")
+
+
+def scale_shape(fmt: str, logical: tuple[int, ...] | torch.Size, scheme: QuantScheme = V4_SCHEME) -> tuple[int, int]:
+    """The scale shape of a ``logical [out, in]`` weight stored in ``fmt`` (``"fp8"``: the scheme's tile,
+    ``"fp8_rows"``: :data:`ROW_BLOCK`, ``"fp4"``: one per row and 32 columns)."""
     if fmt == "fp8":
-        return dequantize_fp8_block(weight, scale, dtype)
+        return fp8_scale_shape(logical, scheme.fp8_block)
+    if fmt == "fp8_rows":
+        return fp8_scale_shape(logical, ROW_BLOCK)
     if fmt == "fp4":
-        return dequantize_fp4_packed(weight, scale, dtype)
-    raise ValueError(f"dequantize: unknown format {fmt!r}; expected fp8 or fp4")
+        return fp4_scale_shape(logical)
+    raise ValueError(f"scale_shape: unknown format {fmt!r}; expected one of {QUANT_FORMATS}")
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype = torch.bfloat16,
+               scheme: QuantScheme = V4_SCHEME) -> torch.Tensor:
+    """One 2-D tensor in release format ``fmt`` (:data:`QUANT_FORMATS`) of family ``scheme`` -> ``dtype [out, in]``."""
+    if fmt == "fp8":
+        return dequantize_fp8_block(weight, scale, dtype, scheme.fp8_block, scheme.e8m0_zero)
+    if fmt == "fp8_rows":
+        return dequantize_fp8_block(weight, scale, dtype, ROW_BLOCK, scheme.e8m0_zero)
+    if fmt == "fp4":
+        return dequantize_fp4_packed(weight, scale, dtype, scheme.e8m0_zero)
+    raise ValueError(f"dequantize: unknown format {fmt!r}; expected one of {QUANT_FORMATS}")
+
+
+def quantize(weight: torch.Tensor, fmt: str, scheme: QuantScheme = V4_SCHEME) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float ``[out, in]`` weight -> its ``(weight, scale)`` in release format ``fmt`` of family ``scheme``."""
+    if fmt == "fp8":
+        return quantize_fp8_block(weight, scheme.fp8_block)
+    if fmt == "fp8_rows":
+        return quantize_fp8_block(weight, ROW_BLOCK)
+    if fmt == "fp4":
+        return quantize_fp4_packed(weight)
+    raise ValueError(f"quantize: unknown format {fmt!r}; expected one of {QUANT_FORMATS}")
 
 
 # ---------------------------------------------------------------------------------------------- kept in the model

@@ -258,7 +258,9 @@ class TensorReader:
             self._name = name
         return self._handle
 
-    def read(self, key: str) -> torch.Tensor:
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor ``key``, or only its rows ``[start, stop)`` along the first dimension (one contiguous byte
+        range). A key counts in ``keys_read`` once, when its first row (or all of it) is read."""
         info = self.ckpt.tensors[key]
         dtype = info.torch_dtype()
         numel = 1
@@ -269,21 +271,30 @@ class TensorReader:
                 f"{self.ckpt.path}/{info.file}: tensor {key!r}: {info.nbytes} bytes, but shape {list(info.shape)} x "
                 f"{info.dtype} needs {numel * dtype.itemsize}"
             )
-        buf = torch.empty(info.nbytes, dtype=torch.uint8)
+        shape, begin, nbytes = tuple(info.shape), info.begin, info.nbytes
+        if rows is not None:
+            start, stop = rows
+            if not shape or not 0 <= start <= stop <= shape[0]:
+                raise ValueError(f"{key}: rows [{start}, {stop}) outside its shape {list(shape)}")
+            row_bytes = info.nbytes // shape[0] if shape[0] else 0
+            shape, begin, nbytes = (stop - start, *shape[1:]), info.begin + start * row_bytes, (stop - start) * row_bytes
+        buf = torch.empty(nbytes, dtype=torch.uint8)
         f = self._file(info.file)
-        f.seek(info.begin)
+        f.seek(begin)
         view = memoryview(buf.numpy())
         got = 0
-        while got < info.nbytes:
+        while got < nbytes:
             n = f.readinto(view[got:])
             if not n:
                 raise CheckpointFormatError(
-                    f"{self.ckpt.path}/{info.file}: tensor {key!r}: file ended after {got} of its {info.nbytes} bytes"
+                    f"{self.ckpt.path}/{info.file}: tensor {key!r}: file ended after {begin - info.begin + got} of its "
+                    f"{info.nbytes} bytes"
                 )
             got += n
-        self.keys_read.append(key)
-        self.bytes_read += info.nbytes
-        return buf.view(dtype).reshape(info.shape)
+        if rows is None or rows[0] == 0:
+            self.keys_read.append(key)
+        self.bytes_read += nbytes
+        return buf.view(dtype).reshape(shape)
 
     def close(self) -> None:
         if self._handle is not None:

@@ -374,8 +374,8 @@ class DSV4LightningModule(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoint extras
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["dsv4"] = {"config": self.config.to_dict(), "torch_rng": torch.get_rng_state(),
-                              "skipped_nonfinite": self.skipped_nonfinite}
+        checkpoint["dsv4"] = {"config": self.config.to_dict(), "model_type": self.config.model_type,
+                              "torch_rng": torch.get_rng_state(), "skipped_nonfinite": self.skipped_nonfinite}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         extra = checkpoint.get("dsv4", {})

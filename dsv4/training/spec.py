@@ -194,10 +194,10 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         raise ValueError(f"`model.checkpoint`={checkpoint!r} is not a directory")
     init_missing_mtp = bool(cfg.model.get("init_missing_mtp", False))
     if checkpoint:
-        from dsv4.checkpoint.load import check_mtp_weights, holds_weights
+        from dsv4.checkpoint.load import built_mtp_depths, check_mtp_weights, holds_weights
 
         if holds_weights(checkpoint):  # (a directory without weight files is refused by the load)
-            check_mtp_weights(checkpoint, config.num_nextn_predict_layers, init_missing_mtp)
+            check_mtp_weights(checkpoint, built_mtp_depths(config), init_missing_mtp)
     lora = lora_config(cfg.peft)
     adapter = cfg.peft.get("adapter")
     if adapter and (lora is None or not os.path.isdir(adapter)):
