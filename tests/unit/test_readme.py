@@ -72,8 +72,9 @@ def test_architecture_table_lists_5_to_15_real_modules():
 
 
 def test_readme_test_command_is_what_ci_runs():
-    command = "pip install -e '.[test]' && python -m pytest -q"
+    command = "pip install -e '.[test]' && pip install --no-deps nemo-automodel==0.7.0 && python -m pytest -q"
     assert command in README and command in (REPO / ".ci" / "run").read_text()
+    assert command in (REPO / "docs" / "testing.md").read_text()
 
 
 def test_readme_links_every_docs_page():
