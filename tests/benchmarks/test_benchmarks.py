@@ -128,7 +128,7 @@ def test_fake_quant_benchmark_measures_both_families():
     assert all(set(r) == {"name", "shape", "value", "unit"} for r in rows)
     got = {(r["shape"]["model"], r["name"]): r["value"] for r in rows}
     names = ["fake_quant.max_abs_logit_diff", "fake_quant.mean_abs_logit_diff", "fake_quant.kl",
-             "fake_quant.top1_agreement"]
+             "fake_quant.top1_agreement", "fake_quant.max_logit"]
     assert sorted(got) == sorted((m, n) for m in ("tiny", "v41_tiny") for n in names)
     assert all(math.isfinite(v) and v > 0 for v in got.values()), got
     for model in ("tiny", "v41_tiny"):
