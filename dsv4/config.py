@@ -135,6 +135,9 @@ class DSV4Config:
     # routed-expert rows per chunk (dsv4.model.moe): > 0 recomputes each chunk's SwiGLU + W2 in backward; 0 = one piece
     moe_chunk_tokens: int = 0
     attention_backend: str = "auto"  # auto or a registered backend: torch | triton (dsv4.model.attention_backend)
+    # the served KV / indexer numerics in training, straight-through (dsv4.model.fake_quant): V4 rounds the window and
+    # compressed KV to FP8 and the (Hadamard-rotated) indexer queries / keys to FP4; V4.1 (default on) its own formats
+    fake_quant: bool = False
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -209,6 +212,8 @@ class DSV4Config:
             fail("attention_backend", f"must be one of {backends}, got {self.attention_backend!r}")
         if self.torch_dtype not in TORCH_DTYPES:
             fail("torch_dtype", f"must be one of {TORCH_DTYPES}, got {self.torch_dtype!r}")
+        if not isinstance(self.fake_quant, bool):
+            fail("fake_quant", f"must be true or false, got {self.fake_quant!r}")
         if self.tie_word_embeddings:
             fail("tie_word_embeddings", "only untied embeddings are supported (got True)")
 
@@ -231,6 +236,9 @@ class DSV4Config:
                 )
             if self.index_n_heads < 1:
                 fail("index_n_heads", f"must be >= 1 when a layer has ratio 4, got {self.index_n_heads}")
+            if self.fake_quant and self.index_head_dim & (self.index_head_dim - 1):
+                fail("index_head_dim", f"must be a power of two with fake_quant (the indexer's Hadamard rotation), "
+                     f"got {self.index_head_dim}")
 
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))

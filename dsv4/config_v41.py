@@ -89,7 +89,7 @@ class DSV41Config(DSV4Config):
     # top-level config.json
     image_token_id: int = 129264
     # dsv4 additions
-    fake_quant: bool = True  # straight-through FP8 window KV / FP4 compressed KV / FP4 indexer q,k (dsv4.model.fake_quant)
+    fake_quant: bool = True  # (DSV4Config's field, on by default here) FP8 window KV / FP4 compressed KV / FP4 index q,k
     engram_trainable: bool = False  # Engram tables (engram.embed) train; off: frozen as the peers keep them
 
     def __post_init__(self) -> None:

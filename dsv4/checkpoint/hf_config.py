@@ -61,7 +61,7 @@ INDEX_FILE = "model.safetensors.index.json"
 MAX_CONFIG_BYTES = 1 << 20  # a release config.json is a few KB
 # dsv4 training knobs that are not part of the release format.
 _DSV4_ONLY_FIELDS = ("mtp_loss_weight", "indexer_loss_coeff", "attention_chunk_size", "loss_chunk_size",
-                     "activation_checkpointing", "moe_chunk_tokens", "attention_backend")
+                     "activation_checkpointing", "moe_chunk_tokens", "attention_backend", "fake_quant")
 QUANTIZATION_CONFIG: dict[str, Any] = {
     "quant_method": "fp8",
     "fmt": "e4m3",
@@ -82,7 +82,7 @@ V41_MODEL_TYPE, V41_TEXT_MODEL_TYPE, V41_VISION_MODEL_TYPE = "deepseek_v41", "de
 MODEL_TYPES = {"deepseek_v4": K.V4, V41_MODEL_TYPE: K.V41, V41_TEXT_MODEL_TYPE: K.V41}
 SCHEMES = {K.V4: V4_SCHEME, K.V41: V41_SCHEME}
 # dsv4 training knobs of a V4.1 config that are not part of the release format
-_DSV41_ONLY_FIELDS = ("fake_quant", "engram_trainable")
+_DSV41_ONLY_FIELDS = ("engram_trainable",)
 
 
 def read_hf_config_dict(path: str) -> dict[str, Any]:

@@ -4,6 +4,11 @@ Per layer with compress ratio ``r`` (0 = SWA, 4 = CSA, other = HCA-style full co
 
 * Q: ``q_lat = RMSNorm_q(x @ Wq_a)``, ``q = q_lat @ Wq_b -> [B, L, H, D]``, weightless per-head RMSNorm, RoPE.
 * K = V: ``kv = RMSNorm_kv(x @ Wkv) -> [B, L, D]`` (one shared head), RoPE.
+* ``config.fake_quant`` (DeepSeek-V4 inference's KV cache numerics, straight-through): the window KV and the
+  compressed rows are rounded by :func:`~dsv4.model.fake_quant.fake_quant_v4_kv` (FP8, blocks of 64, power-of-two
+  scales, the non-RoPE channels only) right after RoPE, before any CP exchange, so a rank receives the rows its
+  predecessor rounded (the rounding is per row: CP=N equals CP=1); the indexer rounds its queries and keys
+  (:class:`~dsv4.model.indexer.Indexer`).
 * RoPE table: main theta for ``r == 0``; compress theta (+ YaRN) for ``r > 0`` (main Q/KV, compressor, indexer).
 * Keys: sliding window over raw kv; ``r > 0`` adds compressed rows (``Compressor``); ``r == 4`` restricts them to
   the ``Indexer`` top-k. The sparse-attention kernel (``config.attention_backend``: the torch reference or the
@@ -44,6 +49,7 @@ from dsv4.model.attention_backend import attention_kernel
 from dsv4.model.attention_metadata import AttentionMetadata
 from dsv4.model.compressor import Compressor
 from dsv4.model.context_parallel import ContextParallel, ReadyRows
+from dsv4.model.fake_quant import fake_quant_v4_kv
 from dsv4.model.indexer import Indexer
 from dsv4.model.indexer_loss import indexer_kl_sum, zero_gradient
 from dsv4.model.norm import RMSNorm
@@ -93,6 +99,8 @@ class DSV4Attention(nn.Module):
         self.n_heads = config.num_attention_heads
         self.head_dim = config.head_dim
         self.window = config.sliding_window
+        self.fake_quant = config.fake_quant
+        self.rope_dim = config.qk_rope_head_dim
         self.n_groups = config.o_groups
         d_m, eps = config.hidden_size, config.rms_norm_eps
         group_in = self.n_heads * self.head_dim // self.n_groups
@@ -157,7 +165,7 @@ class DSV4Attention(nn.Module):
         # the indexer loss reaches the indexer only: no gradient flows back into the main model
         x_i = zero_gradient(x) if train_indexer else x
 
-        kv = apply_rope(self.kv_norm(self.wkv(x)), rope)  # [B, L, D]
+        kv = self._kv_numerics(apply_rope(self.kv_norm(self.wkv(x)), rope))  # [B, L, D]
         halo = cp.start_halo_exchange(kv, meta.halo, dim=1, kind="halo", route=meta.routes.halo) if meta.halo else None
         if self.ratio > 0:
             prev = self._start_prev_features(self.compressor, x, meta, cp, "compressor_halo")
@@ -172,8 +180,8 @@ class DSV4Attention(nn.Module):
         if self.ratio > 0:
             windows, key_windows = meta.windows[self.ratio], meta.key_windows[self.ratio]
             local_windows = windows.seq_ids.shape[1]  # this block's own windows, the last rows of key_windows
-            compressed = self._start_preceding(self.compressor(x, windows, prev_features=prev.wait()), meta,
-                                               self.ratio, cp, "compressed_gather")
+            rows = self._kv_numerics(self.compressor(x, windows, prev_features=prev.wait()))
+            compressed = self._start_preceding(rows, meta, self.ratio, cp, "compressed_gather")
             comp_seq, comp_pos = key_windows.seq_ids, key_windows.positions
             if self.indexer is not None:
                 q_lat_i = zero_gradient(q_lat) if train_indexer else q_lat
@@ -219,6 +227,10 @@ class DSV4Attention(nn.Module):
                 self.indexer_loss = loss
         out = apply_rope(out, rope, inverse=True)
         return self.wo_b(self._grouped_wo_a(out))
+
+    def _kv_numerics(self, kv: Tensor) -> Tensor:
+        """``kv [B, *, D]`` (RoPE'd window or compressed rows) as the served cache holds it (``fake_quant``)."""
+        return fake_quant_v4_kv(kv, self.rope_dim) if self.fake_quant else kv
 
     def _grouped_wo_a(self, out: Tensor) -> Tensor:
         """Block-diagonal ``wo_a``: ``[B, L, H, D] -> [B, L, G * o_lora_rank]``, group g uses heads of group g."""

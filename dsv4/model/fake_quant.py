@@ -13,6 +13,16 @@ Arithmetic is fp32. A trailing partial block (``C % block``) is rounded as if ze
 
 The scale arithmetic (a multiply by the rounded reciprocal, the exact power-of-two ceiling) follows the released
 inference code, so a value on a rounding boundary lands where it lands there.
+
+Where each family applies them (``config.fake_quant``):
+
+* V4.1 (:mod:`dsv4.model.v41`): window KV ``fake_quant_fp8(kv, 32)`` over the whole RoPE'd vector; compressed KV
+  ``fake_quant_fp4(rows, 16, "e4m3")``; indexer queries and keys ``fake_quant_fp4(x, 32, "pow2")``.
+* V4 (:mod:`dsv4.model.attention`, :mod:`dsv4.model.indexer`): :func:`fake_quant_v4_kv` on the window KV and on
+  the compressed KV (FP8, blocks of 64, power-of-two scales, the non-RoPE channels only: the last ``rope_dim``
+  channels stay exact); :func:`fake_quant_v4_index` on the indexer queries and keys (after RoPE, the Hadamard
+  rotation :func:`hadamard`, then FP4 in blocks of 32 with power-of-two scales; the scores are dot products, which
+  the orthonormal rotation leaves unchanged apart from the rounding).
 """
 
 from __future__ import annotations
@@ -97,3 +107,40 @@ def fake_quant_fp4(x: Tensor, block: int, scale: Literal["e4m3", "pow2"]) -> Ten
     """FP4 E2M1 with E4M3 (``"e4m3"``: compressed KV, blocks of 16) or power-of-two (``"pow2"``: indexer q/k,
     blocks of 32) block scales, straight-through."""
     return _StraightThrough.apply(x, _fp4_round, block, scale)
+
+
+def hadamard(x: Tensor) -> Tensor:
+    """``x [..., n] @ H_n / sqrt(n)``: the orthonormal Walsh-Hadamard transform (Sylvester order,
+    ``H_{2m} = [[H_m, H_m], [H_m, -H_m]]``) over the last dim, ``n`` a power of two; symmetric and its own inverse.
+    Differentiable (the gradient is the same transform). Arithmetic in fp32; the result has ``x``'s dtype."""
+    n = x.shape[-1]
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"hadamard: the last dim must be a power of two, got {n}")
+    y = x.float()
+    h = 1
+    while h < n:
+        pairs = y.unflatten(-1, (n // (2 * h), 2, h))
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return (y * n**-0.5).to(x.dtype)
+
+
+V4_KV_BLOCK = 64  # DeepSeek-V4's window / compressed KV: FP8 blocks of 64 non-RoPE channels
+V4_INDEX_BLOCK = 32  # DeepSeek-V4's indexer queries / keys: FP4 blocks of 32 (after the Hadamard rotation)
+
+
+def fake_quant_v4_kv(kv: Tensor, rope_dim: int) -> Tensor:
+    """DeepSeek-V4's KV cache numerics: the first ``D - rope_dim`` channels of ``kv [..., D]`` through
+    :func:`fake_quant_fp8` in blocks of 64, the last ``rope_dim`` (RoPE) channels unchanged; straight-through."""
+    nope = kv.shape[-1] - rope_dim
+    if nope < 0:
+        raise ValueError(f"fake_quant_v4_kv: rope_dim {rope_dim} exceeds the last dim {kv.shape[-1]}")
+    return torch.cat((fake_quant_fp8(kv[..., :nope], V4_KV_BLOCK), kv[..., nope:]), dim=-1)
+
+
+def fake_quant_v4_index(x: Tensor) -> Tensor:
+    """DeepSeek-V4's indexer numerics for queries / keys ``x [..., D_I]`` (RoPE'd): :func:`hadamard`, then
+    :func:`fake_quant_fp4` in blocks of 32 with power-of-two scales. The result stays in the rotated basis (queries
+    and keys both are, so their dot products are the scores); straight-through in the rounding."""
+    return fake_quant_fp4(hadamard(x), V4_INDEX_BLOCK, "pow2")

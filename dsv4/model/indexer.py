@@ -2,6 +2,9 @@
 
 * Keys: its own overlap compressor at ``index_head_dim`` -> ``K_I [B, P, D_I]`` (normalised, RoPE at ``p * 4``).
 * Queries: ``q_I = q_lat @ Wq_b^I`` -> ``[B, L, H_I, D_I]``, RoPE (compress table) at the query positions.
+* ``config.fake_quant`` (DeepSeek-V4 inference's indexer numerics, straight-through): keys and queries, after RoPE,
+  go through :func:`~dsv4.model.fake_quant.fake_quant_v4_index` (the Hadamard rotation, then FP4 in blocks of 32
+  with power-of-two scales); both stay in the rotated basis, where their dot products are the scores.
 * Head weights: ``w = (x @ W_w) * H_I^-0.5`` -> ``[B, L, H_I]`` (fp32).
 * Score: ``I[s, p] = D_I^-0.5 * sum_h w[s, h] * relu(q_I[s, h] . K_I[p])``; a key that the query may not see
   (``q_doc == 0``, other document / invalid window, or ``p_doc >= (q_pos_doc + 1) // 4``) scores -inf BEFORE the
@@ -33,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from dsv4.config import DSV4Config
 from dsv4.model.attention_backend import indexer_kernel
 from dsv4.model.compressor import Compressor, WindowMetadata
+from dsv4.model.fake_quant import fake_quant_v4_index
 from dsv4.model.rope import RopeTable, apply_rope
 from dsv4.model.sparse_attention import (
     by_floor_groups,
@@ -60,6 +64,7 @@ class Indexer(nn.Module):
         self.chunk_size = config.attention_chunk_size
         self.backend = config.attention_backend  # torch loop or the Triton kernel (dsv4.model.attention_backend)
         self.trainable = config.indexer_loss_coeff > 0
+        self.fake_quant = config.fake_quant
         self.compressor = Compressor(config.hidden_size, self.head_dim, INDEX_RATIO, config.rms_norm_eps)
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
@@ -68,9 +73,14 @@ class Indexer(nn.Module):
                 param.requires_grad_(False)
 
     def keys(self, x: Tensor, windows: WindowMetadata, prev_features: Tensor | None = None) -> Tensor:
-        """Index keys ``[B, P, index_head_dim]`` of the block's complete windows (see ``Compressor.forward``)."""
+        """Index keys ``[B, P, index_head_dim]`` of the block's complete windows (see ``Compressor.forward``;
+        with ``fake_quant`` rotated and FP4-rounded)."""
         with torch.set_grad_enabled(self.trainable and torch.is_grad_enabled()):
-            return self.compressor(x, windows, prev_features)
+            return self._numerics(self.compressor(x, windows, prev_features))
+
+    def _numerics(self, x: Tensor) -> Tensor:
+        """RoPE'd index queries / keys ``[..., index_head_dim]`` as the served indexer holds them (``fake_quant``)."""
+        return fake_quant_v4_index(x) if self.fake_quant else x
 
     def forward(
         self,
@@ -105,7 +115,7 @@ class Indexer(nn.Module):
         """
         b, length, _ = x.shape
         with torch.set_grad_enabled(self.trainable and torch.is_grad_enabled()):
-            q = apply_rope(self.wq_b(q_lat).view(b, length, self.n_heads, self.head_dim), rope)
+            q = self._numerics(apply_rope(self.wq_b(q_lat).view(b, length, self.n_heads, self.head_dim), rope))
             w = torch.nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
         floors = functools.partial(chunk_key_floors, query_seq_ids, query_positions, self.chunk_size, keys.shape[1],
                                    local_windows, INDEX_RATIO, key_floors)  # only where needed (not by Triton)

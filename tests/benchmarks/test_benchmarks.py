@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +119,21 @@ def test_indexer_loss_benchmark_reports_cost_and_learning():
     mass = {r["shape"]["when"]: r["value"] for r in rows if r["name"] == "indexer_loss.selected_mass"}
     assert 0 < mass["before"] < 1 and 0 < mass["after"] < 1
     assert all(r["value"] > 0 for r in rows)
+
+
+def test_fake_quant_benchmark_measures_both_families():
+    """One row of 128 tokens per tiny model: every measurement of both families, as JSON rows of the four keys,
+    positive and finite (the rounding moves the logits; agreement is a share)."""
+    rows = _run("fake_quant.py", "--quick")
+    assert all(set(r) == {"name", "shape", "value", "unit"} for r in rows)
+    got = {(r["shape"]["model"], r["name"]): r["value"] for r in rows}
+    names = ["fake_quant.max_abs_logit_diff", "fake_quant.mean_abs_logit_diff", "fake_quant.kl",
+             "fake_quant.top1_agreement", "fake_quant.max_logit"]
+    assert sorted(got) == sorted((m, n) for m in ("tiny", "v41_tiny") for n in names)
+    assert all(math.isfinite(v) and v > 0 for v in got.values()), got
+    for model in ("tiny", "v41_tiny"):
+        assert got[model, "fake_quant.mean_abs_logit_diff"] <= got[model, "fake_quant.max_abs_logit_diff"]
+        assert got[model, "fake_quant.top1_agreement"] <= 1
 
 
 @pytest.mark.e2e

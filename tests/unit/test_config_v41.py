@@ -100,3 +100,7 @@ def test_model_group_overrides_v41_fields():
         with pytest.raises(ValueError, match="kv_source_layer_ids"):
             model_config(compose(config_name="finetune", overrides=["model=tiny",
                                                                     "model.kv_source_layer_ids=[1]"]).model)
+        # fake_quant is both families' switch: off for V4 unless asked for
+        assert model_config(compose(config_name="finetune", overrides=["model=tiny"]).model).fake_quant is False
+        v4 = model_config(compose(config_name="finetune", overrides=["model=tiny", "model.fake_quant=true"]).model)
+        assert type(v4) is DSV4Config and v4.fake_quant is True
