@@ -390,21 +390,30 @@ def config_from_hf(source: str | os.PathLike | dict[str, Any], **overrides: Any)
     if missing:
         raise KeyError(f"config.json: no {missing} (every field the model uses must be in the file or given as an "
                        "override; nothing is taken from a preset)")
+    _fill_optional_fields(values, notes)
+    n, mtp = int(values["num_hidden_layers"]), int(values["num_nextn_predict_layers"])
+    ratios = values["compress_ratios"]
+    if ratios is not None and len(ratios) > n + mtp:  # e.g. MTP disabled by an override: drop its ratio entries
+        values["compress_ratios"] = list(ratios)[: n + mtp]
+    _log_notes(notes, values, source)
+    return DSV4Config(**values)
+
+
+def _fill_optional_fields(values: dict[str, Any], notes: list[str]) -> None:
+    """Set every absent :data:`OPTIONAL_FIELDS` entry of ``values`` to its default, noting each in ``notes``."""
     for key, default in OPTIONAL_FIELDS.items():
         if key not in values:
             values[key] = default
             notes.append(f"no {key}: " + ("no YaRN" if key == "rope_scaling" else f"{default!r}"))
         elif key == "rope_scaling" and values[key] is None and not any("no YaRN" in n for n in notes):
             notes.append("rope_scaling is null: no YaRN")
-    n, mtp = int(values["num_hidden_layers"]), int(values["num_nextn_predict_layers"])
-    ratios = values["compress_ratios"]
-    if ratios is not None and len(ratios) > n + mtp:  # e.g. MTP disabled by an override: drop its ratio entries
-        values["compress_ratios"] = list(ratios)[: n + mtp]
+
+
+def _log_notes(notes: list[str], values: dict[str, Any], source: Any) -> None:
+    """One log line with the defaults a config read filled in (a WARNING when it runs without YaRN)."""
     if notes:
         level = logging.WARNING if values["rope_scaling"] is None else logging.INFO
-        where = source if isinstance(source, (str, os.PathLike)) else "config"
-        log.log(level, "%s: %s", where, "; ".join(notes))
-    return DSV4Config(**values)
+        log.log(level, "%s: %s", source if isinstance(source, (str, os.PathLike)) else "config", "; ".join(notes))
 
 
 def _config_from_v41(data: dict[str, Any], source: Any, overrides: dict[str, Any]) -> DSV4Config:
@@ -425,13 +434,8 @@ def _config_from_v41(data: dict[str, Any], source: Any, overrides: dict[str, Any
     if missing:
         raise KeyError(f"config.json: the V4.1 text_config has no {missing} (every field the model uses must be in "
                        "the file or given as an override; nothing is taken from a preset)")
-    for key, default in OPTIONAL_FIELDS.items():
-        if key not in values:
-            values[key] = default
-            notes.append(f"no {key}: " + ("no YaRN" if key == "rope_scaling" else f"{default!r}"))
-    if notes:
-        level = logging.WARNING if values["rope_scaling"] is None else logging.INFO
-        log.log(level, "%s: %s", source if isinstance(source, (str, os.PathLike)) else "config", "; ".join(notes))
+    _fill_optional_fields(values, notes)
+    _log_notes(notes, values, source)
     return cls(**values)
 
 
