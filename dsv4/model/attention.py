@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from dsv4.config import DSV4Config
-from dsv4.model.attention_backend import attention_kernel
+from dsv4.model.attention_backend import attend
 from dsv4.model.attention_metadata import AttentionMetadata
 from dsv4.model.compressor import Compressor
 from dsv4.model.context_parallel import ContextParallel, ReadyRows
@@ -198,28 +198,9 @@ class DSV4Attention(nn.Module):
         if halo is not None:
             kv = torch.cat((halo.wait(), kv), dim=1)  # [B, halo + L, D]
 
-        kernel = attention_kernel(self.config.attention_backend, q.device)
         tuning = {"compressed_probs": True} if student is not None else {}  # the indexer loss's teacher
-        tuning["chunk_size"] = self.config.attention_chunk_size  # both kernels visit a query's document rows only
-        tuning["compressed_local_rows"] = local_windows
-        tuning["key_floors"] = meta.key_floors.get(self.ratio)
-        out = kernel(
-            q,
-            kv,
-            self.sink(),
-            window=self.window,
-            query_seq_ids=meta.seq_ids,
-            query_positions=meta.position_ids,
-            kv_seq_ids=meta.kv_seq_ids,
-            kv_padding=meta.kv_padding,
-            query_offset=meta.halo,
-            compressed=compressed,
-            compressed_seq_ids=comp_seq,
-            compressed_positions=comp_pos,
-            ratio=self.ratio,
-            topk_indices=topk,
-            **tuning,
-        )
+        out = attend(self.config, q, kv, self.sink(), meta, ratio=self.ratio, compressed=compressed, topk=topk,
+                     local_windows=local_windows, **tuning)
         if student is not None:
             out, teacher = out
             loss = indexer_kl_sum(teacher, student)  # a recompute saves what the forward saved: compute it again,

@@ -97,6 +97,35 @@ def attention_kernel(backend: str, device: torch.device) -> AttentionKernel:
     return ATTENTION_BACKENDS.get(resolve_attention_backend(backend, device.type)).attention()
 
 
+def attend(config, q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, meta, *, ratio: int,
+           compressed: torch.Tensor | None = None, topk: torch.Tensor | None = None, local_windows: int | None = None,
+           **tuning):
+    """One layer's attention through ``config.attention_backend``: the sliding window over ``kv`` and, for
+    ``ratio > 0``, the ``compressed`` rows of ``meta.key_windows[ratio]`` (restricted to ``topk`` when given), with
+    the per-head ``sink``. ``meta`` is the forward's :class:`~dsv4.model.attention_metadata.AttentionMetadata`;
+    ``tuning`` passes further kernel options (e.g. ``compressed_probs``). Returns what the kernel returns."""
+    key_windows = meta.key_windows[ratio] if ratio and compressed is not None else None
+    kernel = attention_kernel(config.attention_backend, q.device)
+    return kernel(
+        q, kv, sink,
+        window=config.sliding_window,
+        query_seq_ids=meta.seq_ids,
+        query_positions=meta.position_ids,
+        kv_seq_ids=meta.kv_seq_ids,
+        kv_padding=meta.kv_padding,
+        query_offset=meta.halo,
+        compressed=compressed,
+        compressed_seq_ids=None if key_windows is None else key_windows.seq_ids,
+        compressed_positions=None if key_windows is None else key_windows.positions,
+        ratio=ratio,
+        topk_indices=topk,
+        chunk_size=config.attention_chunk_size,  # both kernels visit a query's document rows only
+        compressed_local_rows=local_windows,
+        key_floors=meta.key_floors.get(ratio),
+        **tuning,
+    )
+
+
 def indexer_kernel(backend: str, device: torch.device) -> IndexerKernel | None:
     """The indexer top-k kernel of ``backend`` on ``device``, or None for the torch scoring loop."""
     return ATTENTION_BACKENDS.get(resolve_attention_backend(backend, device.type)).indexer()

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from dsv4.model.attention import AttentionSink, BlockDiagonalLinear
-from dsv4.model.attention_backend import attention_kernel
+from dsv4.model.attention_backend import attend
 from dsv4.model.attention_metadata import AttentionMetadata
 from dsv4.model.fake_quant import fake_quant_fp4, fake_quant_fp8
 from dsv4.model.norm import RMSNorm
@@ -88,7 +88,7 @@ class CSA2Attention(nn.Module):
         q_lat = self.q_norm(self.wq_a(x))
         q = apply_rope(self.wq_b(q_lat).view(b, length, self.n_heads, self.head_dim), rope)
 
-        compressed = comp_seq = comp_pos = topk = local_windows = None
+        compressed = topk = local_windows = None
         if self.ratio:
             windows, key_windows = meta.windows[self.ratio], meta.key_windows[self.ratio]
             if self.role == "full":
@@ -107,27 +107,10 @@ class CSA2Attention(nn.Module):
                     self.ratio, state.candidates)
                 state = replace(state, topk=selected, candidates=candidates)
             compressed, topk = state.compressed, state.topk
-            comp_seq, comp_pos = key_windows.seq_ids, key_windows.positions
             local_windows = windows.seq_ids.shape[1]
 
-        kernel = attention_kernel(self.config.attention_backend, q.device)
-        out = kernel(
-            q, kv, self.sink(),
-            window=self.window,
-            query_seq_ids=meta.seq_ids,
-            query_positions=meta.position_ids,
-            kv_seq_ids=meta.kv_seq_ids,
-            kv_padding=meta.kv_padding,
-            query_offset=meta.halo,
-            compressed=compressed,
-            compressed_seq_ids=comp_seq,
-            compressed_positions=comp_pos,
-            ratio=self.ratio,
-            topk_indices=topk,
-            chunk_size=self.config.attention_chunk_size,
-            compressed_local_rows=local_windows,
-            key_floors=meta.key_floors.get(self.ratio),
-        )
+        out = attend(self.config, q, kv, self.sink(), meta, ratio=self.ratio, compressed=compressed, topk=topk,
+                     local_windows=local_windows)
         out = apply_rope(out, rope, inverse=True)
         out = self.wo_a(out.reshape(b, length, self.n_groups, -1)).reshape(b, length, -1)
         return self.wo_b(out), state

@@ -108,7 +108,7 @@ def recorded():
     torch.manual_seed(0)
     model = DSV4ForCausalLM(DSV4Config.preset("tiny", fake_quant=True)).eval()
     calls, inputs = [], []
-    kernel_module = __import__("dsv4.model.attention", fromlist=["attention_kernel"])
+    kernel_module = __import__("dsv4.model.attention_backend", fromlist=["attention_kernel"])
     real_kernel, real_select = kernel_module.attention_kernel, Indexer._select
 
     def kernel(backend, device):
