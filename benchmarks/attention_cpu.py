@@ -24,7 +24,7 @@ import torch
 
 from common import emit
 from dsv4.config import DSV4Config
-from dsv4.model import attention as attention_module
+from dsv4.model import attention_backend as attention_module
 from dsv4.model.attention import DSV4Attention
 from dsv4.model.attention_metadata import build_attention_metadata
 
