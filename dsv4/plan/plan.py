@@ -31,15 +31,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from dsv4.config import DSV4Config
 from dsv4.parallel.cp.layout import cp_chunks
 from dsv4.model import build_causal_lm
 from dsv4.parallel.expert_shard import shard_experts
-from dsv4.parallel.wrap import OFFLOAD, fsdp_units, store_frozen_in_compute_dtype
+from dsv4.parallel.wrap import OFFLOAD, fsdp_units, model_blocks, store_frozen_in_compute_dtype
 from dsv4.peft.apply import apply_lora
 from dsv4.peft.config import LoRAConfig
-from dsv4.plan.activations import ActivationPlan, Phase, StepTracer, cast_for_compute, plan_activations
+from dsv4.plan.activations import ActivationPlan, Phase, cast_for_compute, plan_activations, step_tracer
 from dsv4.plan.offload import OffloadBytes, offload_bytes
 from dsv4.plan.states import OptimizerProfile, StateBytes, gradient_shard_bytes, parameter_owners, state_bytes
 
@@ -316,11 +317,13 @@ def memory_plan(setup: PlanSetup) -> MemoryPlan:
     mesh_size = {"dp_cp": setup.world, "edp": setup.world // setup.ep}
     offload = None if setup.offload == "none" else offload_bytes(units, owners, mesh_size, states)
     # the embedding is the root unit's (reduced when backward ends); blocks and MTP depths reduce after their backward
+    # (a V4.1 model's top segment reduces nothing of its own: its norm and head are the root's)
+    mtp = getattr(model, "mtp", None)
     segment_gradients = [0, *(gradient_shard_bytes([m], owners, mesh_size, skip=units[-1])
-                              for m in [*model.model.layers, model.mtp])]
+                              for m in [*model.model.layers, *([mtp] if mtp is not None else [nn.Identity()])])]
     cast_for_compute(model, {p: unit.param_dtype for p, unit in owners.items()})
     root = {p for p, unit in owners.items() if unit is units[-1]}
-    tracer = StepTracer(model, setup.micro_batch_size, setup.seq_len // setup.cp, setup.cp, setup.ep > 1,
+    tracer = step_tracer(model, setup.micro_batch_size, setup.seq_len // setup.cp, setup.cp, setup.ep > 1,
                         return_logits=not setup.chunked_loss, root_parameters=root, cp_balance=setup.cp_balance)
     return MemoryPlan(setup, states, plan_activations(tracer), segment_gradients, offload)
 
