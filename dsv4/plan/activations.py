@@ -79,11 +79,15 @@ class Phase:
 @dataclass
 class ActivationPlan:
     """``metadata``: the per-forward attention metadata kept all step; ``segments``: the traces in forward order
-    (blocks of one kind share an object); ``phases``: every forward and backward phase, in execution order."""
+    (blocks of one kind share an object); ``phases``: every forward and backward phase, in execution order;
+    ``per_forward`` (V4.1): the per-forward state by part (attention metadata and Engram n-gram ids, which make up
+    ``metadata``, and the CSA2 shared state the Full / Reindex blocks publish, which is in their ``retained``)."""
 
     metadata: int
     segments: list[SegmentTrace]
     phases: list[Phase]
+    top_name: str = "top (head, MTP, loss)"
+    per_forward: dict[str, int] = field(default_factory=dict)  # V4.1: the parts of ``metadata`` and the shared state
 
     @property
     def peak(self) -> int:
@@ -191,6 +195,10 @@ class StepTracer:
 
     top_name = "top (head, MTP, loss)"
 
+    def per_forward(self) -> dict[str, int]:
+        """The parts of the per-forward state (none besides the metadata in V4)."""
+        return {}
+
     def block_traces(self) -> list[SegmentTrace]:
         """One trace per block, in order; blocks of one kind share a trace object."""
         kinds: dict[tuple, SegmentTrace] = {}
@@ -252,6 +260,18 @@ def _leaf(shape, dtype, view: Callable[[torch.Tensor], torch.Tensor]) -> torch.T
     return leaf
 
 
+def _storage_bytes(*values) -> int:
+    """Bytes of the distinct storages of the tensors in ``values`` (nested lists, dicts, dataclasses)."""
+    seen, total = set(), 0
+    for value in values:
+        for t in _tensors(value):
+            key = t.untyped_storage()._cdata
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
 def _tensors(value):
     if isinstance(value, torch.Tensor):
         yield value
@@ -287,7 +307,8 @@ def plan_activations(tracer: "StepTracer | V41StepTracer") -> ActivationPlan:
         before -= seg.retained
         extra = 0 if i == len(segments) - 1 else held
         phases.append(Phase(f"backward of {names[i]}", metadata + before + seg.backward_peak + extra, i))
-    return ActivationPlan(metadata=metadata, segments=segments, phases=phases)
+    return ActivationPlan(metadata=metadata, segments=segments, phases=phases, top_name=tracer.top_name,
+                          per_forward=tracer.per_forward())
 
 
 # V4.1 (dsv4.model.v41): labels of its block parts; the Engram update counts as "engram".
@@ -345,15 +366,14 @@ class V41StepTracer(StepTracer):
              for i in c.engram_layer_ids},
             torch.ones(self.rows, self.local_len, dtype=torch.bool, device="meta"))
         self.carry = _leaf((self.rows, self.local_len, c.hc_mult), torch.float32, lambda x: x)
+        self.shared_state_bytes = 0  # set by block_traces
 
     def metadata_bytes(self) -> int:
-        seen, total = set(), 0
-        for t in (*_tensors(self.meta), *_tensors(self.engram_inputs)):
-            key = t.untyped_storage()._cdata
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-        return total
+        return _storage_bytes(self.meta, self.engram_inputs)
+
+    def per_forward(self) -> dict[str, int]:
+        return {"attention metadata": _storage_bytes(self.meta), "Engram n-gram ids": _storage_bytes(self.engram_inputs),
+                "CSA2 shared state": self.shared_state_bytes}
 
     def embed(self) -> SegmentTrace:
         model = self.model.model
@@ -370,7 +390,7 @@ class V41StepTracer(StepTracer):
         from dsv4.model.v41.hyper_connections import first_carry
 
         kinds: dict[tuple, SegmentTrace] = {}
-        blocks = []
+        blocks, published = [], []
         with torch.no_grad():
             x = self.embedded._plan_view(self.embedded.detach())
             carry, state = first_carry(x), None
@@ -380,7 +400,11 @@ class V41StepTracer(StepTracer):
                 kinds[kind] = self._block(i, _grad_leaves(state))
             blocks.append(kinds[kind])
             with torch.no_grad():  # the next block's input state (shapes only)
-                x, carry, state = layer(x, carry, state, self.meta, self.engram_inputs)
+                x, carry, new = layer(x, carry, state, self.meta, self.engram_inputs)
+            if new is not state:
+                published.append(new)
+            state = new
+        self.shared_state_bytes = _storage_bytes(published)
         return blocks
 
     def _block(self, index: int, state) -> SegmentTrace:
