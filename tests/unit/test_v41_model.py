@@ -12,6 +12,8 @@ than the tolerance, every role, Engram and the hyper-connections move them far m
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -60,7 +62,7 @@ def case():
     ref = build_reference(config, SEED, tokenizer)
     model = build_causal_lm(config, tokenizer=tokenizer).eval()
     load_into(model, ref)
-    out = {"config": config, "ref": ref, "model": model}
+    out = {"config": config, "ref": ref, "model": model, "tokenizer": tokenizer}
     ids = _ids(UNPACKED_LEN, 1)
     weights = _loss_weights((1, UNPACKED_LEN, config.vocab_size))
     # unpacked: logits, features, gradients of one loss, both models
@@ -241,3 +243,41 @@ def test_the_case_is_well_conditioned(case):
         return args[0]
 
     assert moved([("post", layer.engram, no_memory) for layer in layers if layer.engram is not None]) > 1e-3
+
+
+def test_activation_checkpointing_gives_the_same_gradients(case):
+    """Recomputing blocks (or their attention and FFN) in backward reproduces the shared state exactly: the same
+    logits and gradients as a run that keeps every activation."""
+    runs = {}
+    for mode in ("none", "block", "selective"):
+        config = dataclasses.replace(case["config"], activation_checkpointing=mode)
+        model = build_causal_lm(config, tokenizer=case["tokenizer"]).eval()
+        model.load_state_dict(case["model"].state_dict())
+        logits = model(case["ids"]).logits
+        (logits * _loss_weights(logits.shape)).sum().backward()
+        runs[mode] = logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    logits, grads = runs.pop("none")
+    assert set(grads) == set(case["grads"])
+    for mode, (got, got_grads) in runs.items():
+        assert torch.equal(got, logits), mode
+        assert got_grads.keys() == grads.keys(), mode
+        for name, grad in got_grads.items():
+            assert torch.equal(grad, grads[name]), (mode, name)
+
+
+def test_refusals(case):
+    """Image tokens, a missing Engram tokenizer, the indexer loss and the V4 class on a V4.1 config are refused
+    with ValueErrors naming the cause."""
+    from dsv4.model import DSV4ForCausalLM
+
+    model, config = case["model"], case["config"]
+    ids = case["ids"].clone()
+    ids[0, 3] = config.image_token_id
+    with pytest.raises(ValueError, match=r"text only: input_ids hold image_token_id=383 at 1 positions"):
+        model(ids)
+    with pytest.raises(ValueError, match=r"Engram layers \[1, 4\] hash n-grams"):
+        build_causal_lm(config)(case["ids"])
+    with pytest.raises(ValueError, match="indexer_loss_coeff=0.1 is not supported"):
+        build_causal_lm(dataclasses.replace(config, indexer_loss_coeff=0.1))
+    with pytest.raises(ValueError, match=r"config.model_type is 'deepseek_v41'.*build_causal_lm"):
+        DSV4ForCausalLM(config)

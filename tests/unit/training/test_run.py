@@ -34,8 +34,8 @@ def _compose(overrides):
         (["dp=3", "trainer.devices=4"], "`dp`=3 x `cp`=1 = 3 does not match the world size 4"),
         (["model.compress_ratios=[0,4]"], "compress_ratios"),
         (["seq_len=1000", "cp=2"], "`seq_len`=1000 must be a positive multiple of cp x shard multiple = 2 x 128 = 256"),
-        (["model=v4_ratio2_tiny", "seq_len=6", "cp=4"], "`seq_len`=6 must be a positive multiple of cp x shard multiple = "
-                                                  "4 x 2 = 8"),
+        (["model=v4_ratio2_tiny", "seq_len=6", "cp=4"], "`seq_len`=6 must be a positive multiple of cp x shard "
+                                                        "multiple = 4 x 2 = 8"),
         (["ep=3", "cp=2"], "`ep`=3 must divide dp x cp = 2"),
         (["ep=2", "model.n_routed_experts=9", "cp=2"], "`ep`=2 must divide model.n_routed_experts=9"),
         (["dispatcher=deepep"], "DeepEP"),
