@@ -55,7 +55,11 @@ MODELS: dict[str, dict] = {
                 num_attention_heads=8, head_dim=64, qk_rope_head_dim=32, q_lora_rank=128, o_lora_rank=128, o_groups=4,
                 n_routed_experts=16, moe_intermediate_size=256, num_experts_per_tok=2, index_head_dim=64,
                 index_n_heads=4, index_topk=32, vocab_size=32768, sliding_window=64, attention_chunk_size=256),
+    # DeepSeek-V4.1 on CPU (the v41_tiny preset: CSA2 roles, Engram at layers 1 and 4 hashing through the byte
+    # tokenizer, one CP rank only)
+    "v41_tiny": {},
 }
+PRESETS = {"v41_tiny": "v41_tiny"}  # the preset of each model (the others: tiny)
 VARIANTS = ("none", "block", "selective", "logits", "lora_fp8", "offload", "adam_bf16", "adam_8bit", "chunked")
 CHUNK_TOKENS = 1024  # the chunked variant's model.moe_chunk_tokens (chunks of whole experts, at most this many rows)
 # optim.state_dtype of each variant (the others: float32); the adam_* variants recompute blocks, so that the optimizer
@@ -85,7 +89,7 @@ def model_config(model: str, variant: str):
 
     recompute = ("none" if variant in ("logits", "lora_fp8", "offload") else
                  "block" if variant in STATE_DTYPES or variant == "chunked" else variant)
-    return DSV4Config.preset("tiny", activation_checkpointing=recompute, **MODELS[model],
+    return DSV4Config.preset(PRESETS.get(model, "tiny"), activation_checkpointing=recompute, **MODELS[model],
                              moe_chunk_tokens=CHUNK_TOKENS if variant == "chunked" else 0)
 
 
@@ -108,12 +112,15 @@ def _mmap_large_blocks() -> None:
 def _build(config, meshes, variant: str):
     import torch
 
-    from dsv4.model import DSV4ForCausalLM
+    from dsv4.data.tokenizers import ByteTokenizer
+    from dsv4.model import build_causal_lm
     from dsv4.parallel.wrap import apply_fsdp
     from dsv4.peft import apply_lora
 
     torch.manual_seed(0)
-    model = DSV4ForCausalLM(config)
+    model = build_causal_lm(config)
+    if getattr(config, "engram_layer_ids", None):  # V4.1: Engram hashes through the byte tokenizer (227 classes)
+        model.set_engram_tokenizer(ByteTokenizer())
     if _lora(variant) is not None:
         apply_lora(model, _lora(variant))
     model = apply_fsdp(model, meshes, offload=variant == "offload")
@@ -137,7 +144,8 @@ def _document(config, seq_len: int, rank: int, world_size: int):
 
     from dsv4.data import pack_documents
 
-    ids = torch.randint(0, config.vocab_size, (seq_len,), generator=torch.Generator().manual_seed(1))
+    high = 256 if getattr(config, "engram_layer_ids", None) else config.vocab_size  # V4.1: byte ids, no image token
+    ids = torch.randint(0, high, (seq_len,), generator=torch.Generator().manual_seed(1))
     return pack_documents([ids.tolist()], seq_len, config.shard_multiple)[0].cut(rank, world_size,
                                                                                  config.shard_multiple)
 

@@ -397,7 +397,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "v41_flash": {},
     # DeepSeek-V4.1 on CPU (DSV41Config): the tiny public V4.1 fixture's shapes. Roles: window-only 0, 1;
     # Full 2, 4, 6 (6 is the candidate source: 3 blocks of 2 compressed positions); Reindex 8, 10 (inside the
-    # candidates); Reuse 3, 5 (ratio 2) and 7, 9, 11 (ratio 1); Engram at 1 and 4 (its rows: 6 primes > 50 each);
+    # candidates); Reuse 3, 5 (ratio 2) and 7, 9, 11 (ratio 1); Engram at 1 and 4 (its rows: 6 primes > 50 each; its
+    # classes those of the byte tokenizer, 227, so the recipe trains it on the default data);
     # the last three ratio entries are the DSpark layers (targets 9, 10, 11).
     "v41_tiny": {
         "vocab_size": 384,
@@ -430,7 +431,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "engram_vocab_size": 50,
         "engram_n_heads": 2,
         "engram_head_dim": 32,
-        "engram_compressed_vocab_size": 329,
+        "engram_compressed_vocab_size": 227,  # dsv4's byte tokenizer (the recipe's default data)
         "num_nextn_predict_layers": 3,
         "dspark_target_layer_ids": [9, 10, 11],
         "dspark_noise_token_id": 382,

@@ -34,10 +34,12 @@ from dsv4.model.attention import AttentionSink
 from dsv4.model.compressor import Compressor
 from dsv4.model.hyper_connections import HyperConnection, HyperHead
 from dsv4.model.moe import GroupedExperts
+from dsv4.model.v41.compressor import CSA2Compressor
 from dsv4.parallel.mesh import Meshes
 from dsv4.peft.apply import is_lora_model
 
-FP32_MODULES = (Compressor, HyperConnection, HyperHead, AttentionSink)
+FP32_MODULES = (Compressor, CSA2Compressor, HyperConnection, HyperHead, AttentionSink)  # V4.1's single-pass
+# hyper-connections are HyperConnections
 OFFLOAD = ("none", "optimizer")  # trainer.offload: nothing, or shards + gradients + optimizer state to the host
 
 
@@ -63,8 +65,14 @@ def fsdp_units(model: nn.Module, compute_dtype: torch.dtype = torch.float32,
     units += [FsdpUnit(m, "edp", compute_dtype, reshard_after_forward)
               for m in model.modules() if isinstance(m, GroupedExperts)]
     units += [FsdpUnit(block, "dp_cp", compute_dtype, reshard_after_forward)
-              for block in list(model.model.layers) + list(model.mtp.layers)]
+              for block in model_blocks(model)]
     return units + [FsdpUnit(model, "dp_cp", compute_dtype, False)]
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of a causal LM: the backbone's layers, then V4's MTP depths (a V4.1 model has none)."""
+    mtp = getattr(model, "mtp", None)
+    return list(model.model.layers) + (list(mtp.layers) if mtp is not None else [])
 
 
 def store_frozen_in_compute_dtype(units: list[FsdpUnit]) -> int:

@@ -4,7 +4,9 @@
 
 1. every ``nn.Linear`` whose released name is a target of ``lora.targets`` becomes a :class:`LoRALinear` with an
    adapter; with ``base_dtype=fp8`` every other linear the release stores in FP8 (the indexer's ``wq_b``, MTP's
-   ``e_proj``/``h_proj``, non-target projections) becomes a :class:`LoRALinear` without one, holding its kept form;
+   ``e_proj``/``h_proj``, V4.1's ``engram.wkv``, non-target projections) becomes a :class:`LoRALinear` without
+   one, holding its kept form (the model's family, V4 or V4.1, names the released formats; the kept FP8 form uses
+   128 x 128 tiles in both, so a V4.1 release's 32 x 32 tiles are re-quantised at load);
 2. every ``GroupedExperts`` becomes a :class:`LoRAGroupedExperts` (adapters when ``routed_experts`` is a target,
    kept FP4 when ``base_dtype=fp8``);
 3. every parameter that is not an adapter is frozen (``requires_grad=False``): no gradient, no optimizer state,
@@ -58,6 +60,7 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> dict[str, int]:
     if is_lora_model(model):
         raise ValueError("apply_lora: the model already has LoRA modules")
     keep_base = lora.base_dtype == "fp8"
+    family = K.V41 if getattr(getattr(model, "config", None), "model_type", None) == K.V41 else K.V4
     counts = {"adapted": 0, "kept": 0, "experts": 0}
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
@@ -68,11 +71,11 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> dict[str, int]:
                     child, lora if adapt else None, "fp4" if keep_base else None))
                 counts["experts"] += 1
             elif isinstance(child, nn.Linear):
-                hf = K.ours_to_hf(f"{full}.weight")
+                hf = K.ours_to_hf(f"{full}.weight", family=family)
                 if hf is None:
                     continue
                 adapt = target_group(hf) in lora.targets
-                keep = "fp8" if keep_base and K.on_disk_format(hf) == "fp8" else None
+                keep = "fp8" if keep_base and K.on_disk_format(hf, family) == "fp8" else None
                 if adapt or keep:
                     setattr(parent, child_name, LoRALinear(child, lora if adapt else None, keep))
                     counts["adapted"] += int(adapt)

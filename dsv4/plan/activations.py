@@ -79,11 +79,15 @@ class Phase:
 @dataclass
 class ActivationPlan:
     """``metadata``: the per-forward attention metadata kept all step; ``segments``: the traces in forward order
-    (blocks of one kind share an object); ``phases``: every forward and backward phase, in execution order."""
+    (blocks of one kind share an object); ``phases``: every forward and backward phase, in execution order;
+    ``per_forward`` (V4.1): the per-forward state by part (attention metadata and Engram n-gram ids, which make up
+    ``metadata``, and the CSA2 shared state the Full / Reindex blocks publish, which is in their ``retained``)."""
 
     metadata: int
     segments: list[SegmentTrace]
     phases: list[Phase]
+    top_name: str = "top (head, MTP, loss)"
+    per_forward: dict[str, int] = field(default_factory=dict)  # V4.1: the parts of ``metadata`` and the shared state
 
     @property
     def peak(self) -> int:
@@ -189,6 +193,23 @@ class StepTracer:
         model = self.model.model
         return trace_segment("embedding", "embedding", lambda _: model.embed(self.ids), None, model.embed_tokens, {}, "embedding")
 
+    top_name = "top (head, MTP, loss)"
+
+    def per_forward(self) -> dict[str, int]:
+        """The parts of the per-forward state (none besides the metadata in V4)."""
+        return {}
+
+    def block_traces(self) -> list[SegmentTrace]:
+        """One trace per block, in order; blocks of one kind share a trace object."""
+        kinds: dict[tuple, SegmentTrace] = {}
+        blocks = []
+        for i, layer in enumerate(self.model.model.layers):
+            kind = (i == 0, *_block_kind(layer))  # the first block's input is the broadcast embedding
+            if kind not in kinds:
+                kinds[kind] = self.block(i)
+            blocks.append(kinds[kind])
+        return blocks
+
     def block(self, index: int) -> SegmentTrace:
         layer = self.model.model.layers[index]
         kind = f"ratio {layer.compress_ratio}{', hash' if layer.mlp.gate.is_hash else ''}{', first' if index == 0 else ''}"
@@ -239,6 +260,18 @@ def _leaf(shape, dtype, view: Callable[[torch.Tensor], torch.Tensor]) -> torch.T
     return leaf
 
 
+def _storage_bytes(*values) -> int:
+    """Bytes of the distinct storages of the tensors in ``values`` (nested lists, dicts, dataclasses)."""
+    seen, total = set(), 0
+    for value in values:
+        for t in _tensors(value):
+            key = t.untyped_storage()._cdata
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
 def _tensors(value):
     if isinstance(value, torch.Tensor):
         yield value
@@ -257,17 +290,11 @@ def _block_kind(layer: DSV4Block) -> tuple:
     return (type(layer), layer.compress_ratio, layer.mlp.gate.is_hash)
 
 
-def plan_activations(tracer: StepTracer) -> ActivationPlan:
+def plan_activations(tracer: "StepTracer | V41StepTracer") -> ActivationPlan:
     """Trace each distinct segment once and compose the step's activation phases (see the module docstring)."""
-    kinds: dict[tuple, SegmentTrace] = {}
-    blocks = []
-    for i, layer in enumerate(tracer.model.model.layers):
-        kind = (i == 0, *_block_kind(layer))  # the first block's input is the broadcast embedding
-        if kind not in kinds:
-            kinds[kind] = tracer.block(i)
-        blocks.append(kinds[kind])
+    blocks = tracer.block_traces()
     segments = [tracer.embed(), *blocks, tracer.top()]
-    names = ["embedding", *(f"block {i} ({seg.kind})" for i, seg in enumerate(blocks)), "top (head, MTP, loss)"]
+    names = ["embedding", *(f"block {i} ({seg.kind})" for i, seg in enumerate(blocks)), tracer.top_name]
     metadata = tracer.metadata_bytes()
     held = segments[-1].held_gradients  # the root unit's lm_head gradient, kept until backward ends
     phases = []
@@ -280,4 +307,159 @@ def plan_activations(tracer: StepTracer) -> ActivationPlan:
         before -= seg.retained
         extra = 0 if i == len(segments) - 1 else held
         phases.append(Phase(f"backward of {names[i]}", metadata + before + seg.backward_peak + extra, i))
-    return ActivationPlan(metadata=metadata, segments=segments, phases=phases)
+    return ActivationPlan(metadata=metadata, segments=segments, phases=phases, top_name=tracer.top_name,
+                          per_forward=tracer.per_forward())
+
+
+# V4.1 (dsv4.model.v41): labels of its block parts; the Engram update counts as "engram".
+def _v41_labels() -> dict[type, str]:
+    from dsv4.model.v41.attention import CSA2Attention
+    from dsv4.model.v41.block import DSV41Block
+    from dsv4.model.v41.engram import Engram
+    from dsv4.model.v41.indexer import CSA2Indexer
+
+    return {DSV41Block: "hyper_connections", HyperConnection: "hyper_connections", CSA2Attention: "attention",
+            CSA2Indexer: "indexer", MoE: "moe", Engram: "engram"}
+
+
+def _grad_leaves(state):
+    """``state`` (a V4.1 SharedState or None) with its floating tensors as new ``meta`` leaves that take gradients
+    (what the consumers backpropagate into belongs to the owner's graph)."""
+    import dataclasses
+
+    if state is None:
+        return None
+    leaf = lambda t: t.detach().requires_grad_(True) if t.is_floating_point() and t.requires_grad else t.detach()  # noqa: E731
+    return dataclasses.replace(state, **{f.name: leaf(getattr(state, f.name)) for f in dataclasses.fields(state)
+                                         if isinstance(getattr(state, f.name), torch.Tensor)})
+
+
+class V41StepTracer(StepTracer):
+    """:class:`StepTracer` for a DeepSeek-V4.1 model (:class:`~dsv4.model.v41.model.DSV41ForCausalLM`, one CP rank).
+
+    The segments are V4's (embedding, blocks, top: final collapse, norm, lm_head and loss); what differs:
+
+    * a block reads and returns the single-pass carry (the previous FFN site's mix, fp32 ``[B, L, hc]``) and the
+      CSA2 :class:`~dsv4.model.v41.shared_state.SharedState`. What a Full or Reindex block publishes (compressed
+      KV, index keys, top-k, candidates) stays live after its forward: it is in that block's ``retained`` bytes,
+      held until its backward, as in the step. A consumer reads the state of the blocks before it, obtained by a
+      forward of those blocks without gradients (on ``meta``: shapes only), as leaves taking gradients (a
+      consumer's gradient flows back to the owner).
+    * the per-forward Engram inputs (the hashed n-gram ids of every Engram layer and the active mask, built once
+      per forward from the token ids) are counted with the attention metadata (kept all step); the ids are
+      stand-ins of the real shapes (hashing needs the tokenizer and real ids).
+    * block kinds: (first, attention role, ratio, Engram, candidate source, after the candidate source).
+    """
+
+    top_name = "top (head, loss)"
+
+    def __init__(self, model, rows: int, local_len: int, cp_size: int, expert_parallel: bool,
+                 return_logits: bool = False, root_parameters: set | frozenset = frozenset(),
+                 cp_balance: str = "none") -> None:
+        if cp_size > 1:
+            raise ValueError(f"memory plan: context parallelism is not supported for DeepSeek-V4.1 (cp={cp_size})")
+        super().__init__(model, rows, local_len, cp_size, expert_parallel, return_logits, root_parameters, cp_balance)
+        c = self.config
+        buckets = (c.engram_max_ngram_size - 1) * c.engram_n_heads
+        self.engram_inputs = None if not c.engram_layer_ids else (
+            {i: torch.zeros(self.rows, self.local_len, buckets, dtype=torch.long, device="meta")
+             for i in c.engram_layer_ids},
+            torch.ones(self.rows, self.local_len, dtype=torch.bool, device="meta"))
+        self.carry = _leaf((self.rows, self.local_len, c.hc_mult), torch.float32, lambda x: x)
+        self.shared_state_bytes = 0  # set by block_traces
+
+    def metadata_bytes(self) -> int:
+        return _storage_bytes(self.meta, self.engram_inputs)
+
+    def per_forward(self) -> dict[str, int]:
+        return {"attention metadata": _storage_bytes(self.meta), "Engram n-gram ids": _storage_bytes(self.engram_inputs),
+                "CSA2 shared state": self.shared_state_bytes}
+
+    def embed(self) -> SegmentTrace:
+        model = self.model.model
+        return trace_segment("embedding", "embedding", lambda _: model.embed_tokens(self.ids), None,
+                             model.embed_tokens, {}, "embedding")
+
+    def _kind(self, index: int) -> tuple:
+        c, layer = self.config, self.model.model.layers[index]
+        cand = c.candidate_source_layer_id
+        return (index == 0, layer.self_attn.role, c.ratio_for_layer(index), layer.engram is not None,
+                index == cand, cand is not None and index > cand)
+
+    def block_traces(self) -> list[SegmentTrace]:
+        from dsv4.model.v41.hyper_connections import first_carry
+
+        kinds: dict[tuple, SegmentTrace] = {}
+        blocks, published = [], []
+        with torch.no_grad():
+            x = self.embedded._plan_view(self.embedded.detach())
+            carry, state = first_carry(x), None
+        for i, layer in enumerate(self.model.model.layers):
+            kind = self._kind(i)
+            if kind not in kinds:
+                kinds[kind] = self._block(i, _grad_leaves(state))
+            blocks.append(kinds[kind])
+            with torch.no_grad():  # the next block's input state (shapes only)
+                x, carry, new = layer(x, carry, state, self.meta, self.engram_inputs)
+            if new is not state:
+                published.append(new)
+            state = new
+        self.shared_state_bytes = _storage_bytes(published)
+        return blocks
+
+    def _block(self, index: int, state) -> SegmentTrace:
+        from dsv4.model.v41.hyper_connections import first_carry
+
+        layer = self.model.model.layers[index]
+        c = self.config
+        kind = (f"{layer.self_attn.role}, ratio {c.ratio_for_layer(index)}"
+                f"{', engram' if layer.engram is not None else ''}{', first' if index == 0 else ''}")
+        held = []  # the carry and the state a block passes on stay live after its forward
+
+        def run(x):
+            carry = first_carry(x) if index == 0 else self.carry._plan_view(self.carry.clone())
+            y, carry, out_state = layer(x, carry, state, self.meta, self.engram_inputs)
+            held.append((carry, out_state))
+            return y
+
+        trace = trace_segment(f"block {index} ({kind})", kind, run, self.embedded if index == 0 else self.streams,
+                              layer, _v41_labels(), "block input", regions=BLOCK_REGIONS)
+        held.clear()
+        self.carry.grad = None
+        return trace
+
+    def top(self) -> SegmentTrace:
+        from dsv4.model.v41.hyper_connections import SinglePassHyperConnection
+
+        model, outputs = self.model, []
+
+        def run(x):  # DSV41Model's final collapse and norm, then the head and the loss
+            hidden = model.model.norm(SinglePassHyperConnection.collapse(x, self.carry))
+            out = model._head_and_loss(hidden, [], self.ids, [], 0, self.return_logits)
+            outputs.append(out)
+            return out.loss_sum
+
+        top_modules = nn.ModuleList([model.model.norm, model.lm_head])
+        trace = trace_segment(self.top_name, "top", run, self.streams, top_modules, {}, "head and loss",
+                              held=self.root_parameters)
+        outputs.clear()
+        self.carry.grad = None
+        return trace
+
+    def whole_step(self) -> int:
+        model = self.model
+        with AllocationTracer() as tracer:
+            backbone = model.model(self.ids, self.meta, self.engram_inputs)
+            out = model._head_and_loss(backbone.hidden, [], self.ids, [], 0, self.return_logits)
+            del backbone
+            out.loss_sum.backward(torch.empty_like(out.loss_sum))
+            peak = tracer.peak
+        for p in model.parameters():
+            p.grad = None
+        return peak
+
+
+def step_tracer(model, *args, **kwargs) -> StepTracer:
+    """The :class:`StepTracer` of ``model``'s family (:class:`V41StepTracer` for a DeepSeek-V4.1 model)."""
+    cls = V41StepTracer if getattr(model.config, "model_type", None) == "deepseek_v41" else StepTracer
+    return cls(model, *args, **kwargs)

@@ -31,17 +31,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from dsv4.config import DSV4Config
 from dsv4.parallel.cp.layout import cp_chunks
 from dsv4.model import build_causal_lm
 from dsv4.parallel.expert_shard import shard_experts
-from dsv4.parallel.wrap import OFFLOAD, fsdp_units, store_frozen_in_compute_dtype
+from dsv4.parallel.wrap import OFFLOAD, fsdp_units, model_blocks, store_frozen_in_compute_dtype
 from dsv4.peft.apply import apply_lora
 from dsv4.peft.config import LoRAConfig
-from dsv4.plan.activations import ActivationPlan, Phase, StepTracer, cast_for_compute, plan_activations
+from dsv4.plan.activations import ActivationPlan, Phase, cast_for_compute, plan_activations, step_tracer
 from dsv4.plan.offload import OffloadBytes, offload_bytes
-from dsv4.plan.states import OptimizerProfile, StateBytes, gradient_shard_bytes, parameter_owners, state_bytes
+from dsv4.plan.states import (OptimizerProfile, StateBytes, gradient_shard_bytes, parameter_owners, shard_elements,
+                              state_bytes)
 
 GIB = 2**30
 TERMS = ("parameters", "gradients", "optimizer", "activations", "communication")
@@ -102,6 +104,9 @@ class MemoryPlan:
     the update's temporary (see :class:`~dsv4.plan.states.OptimizerProfile`). ``total`` is the largest phase.
     ``segment_gradients``: the gradient shard bytes each segment's units reduce, in forward order.
 
+    ``engram_table_bytes`` (DeepSeek-V4.1): the rank's shards of the Engram tables, counted in ``parameters``;
+    they are frozen (no gradient, no optimizer state) unless ``engram_trainable``.
+
     ``offload`` (host offload, :mod:`dsv4.plan.offload`): the terms are the device's. ``parameters`` is the
     buffers, ``gradients`` and ``optimizer`` are 0, ``communication`` adds FSDP's staging copies; the optimizer step
     holds only the buffers on the device and no phase holds reduced gradients there."""
@@ -111,6 +116,7 @@ class MemoryPlan:
     activations: ActivationPlan
     segment_gradients: list[int]
     offload: OffloadBytes | None = None
+    engram_table_bytes: int = 0  # V4.1: this rank's shards of the frozen Engram tables (inside ``parameters``)
     per_rank_bytes: dict[str, int] = field(init=False)
     peak_phase: str = field(init=False)
     phase_bytes: dict[str, int] = field(init=False)  # device bytes of each phase; ``total`` is the largest
@@ -215,19 +221,33 @@ class MemoryPlan:
         ]
         if self.offload is not None:  # the device's parameters, gradients and optimizer rows
             lines[1:4] = self._offloaded_state_rows()
+        if self.engram_table_bytes:
+            trainable = getattr(c, "engram_trainable", False)
+            lines.insert(2, f"      of which Engram tables {_size(self.engram_table_bytes)} (layers "
+                            f"{list(c.engram_layer_ids)}, {sum(c.engram_num_embeddings):,} rows of "
+                            f"{c.engram_head_dim}; " + ("trainable" if trainable else
+                                                        "frozen: no gradients, no optimizer state") +
+                            "; FSDP gathers a table whole with its block)")
         for seg, count in acts.block_kinds():
             lines.append(f"    {count:>3} x block {seg.kind:<22} saved {_size(seg.retained)} each "
                          f"({_parts(seg.saved_by_component)})")
             lines.append(f"          {'':<28} backward peak {_size(seg.backward_peak)} "
                          f"({_parts(seg.backward_peak_by_component)})")
         top = acts.segments[-1]
-        lines.append(f"          top (head, MTP, loss)        saved {_size(top.retained)} ({_parts(top.saved_by_component)})")
+        lines.append(f"          {acts.top_name:<28} saved {_size(top.retained)} ({_parts(top.saved_by_component)})")
         lines.append(f"          {'':<28} backward peak {_size(top.backward_peak)} "
                      f"({_parts(top.backward_peak_by_component)})")
         rows = min(c.loss_chunk_size, setup.micro_batch_size * setup.seq_len // setup.cp)
         lines.append(f"          loss chunk: one [{rows}, {c.vocab_size}] fp32 logits block, "
                      f"{_size(rows * c.vocab_size * 4)}, and its gradient in place")
-        lines.append(f"          attention metadata: {_size(acts.metadata)}")
+        if acts.per_forward:  # V4.1: what one forward shares across its blocks
+            f = acts.per_forward
+            lines.append(f"          per-forward state: {_size(acts.metadata)} kept all step (attention metadata "
+                         f"{_size(f['attention metadata'])}, Engram n-gram ids {_size(f['Engram n-gram ids'])}); "
+                         f"CSA2 shared state {_size(f['CSA2 shared state'])} (in the saved bytes of the Full / "
+                         "Reindex blocks that publish it)")
+        else:
+            lines.append(f"          attention metadata: {_size(acts.metadata)}")
         staging = "" if self.offload is None else (
             f", offload staging {_size(self.offload.gather_staging)} (shards copied to the device for an "
             f"all-gather) + {_size(self.offload.reduce_staging)} (a reduce-scatter output before its copy to the host)")
@@ -267,6 +287,7 @@ class MemoryPlan:
             "per_rank_bytes": dict(self.per_rank_bytes),
             "fits": self.fits,
             "peak_phase": self.peak_phase,
+            "engram_table_bytes": self.engram_table_bytes,
             "device_memory_bytes": setup.device_memory_bytes,
             "biggest_term": self.biggest_term,
             "setup": {"seq_len": setup.seq_len, "micro_batch_size": setup.micro_batch_size, "cp": setup.cp,
@@ -292,6 +313,7 @@ class MemoryPlan:
             "activations": {
                 "peak_phase": self.activations.phase,
                 "metadata_bytes": self.activations.metadata,
+                "per_forward_bytes": dict(self.activations.per_forward),
                 "segments": [{"name": seg.name, "forward_peak": seg.forward_peak, "retained": seg.retained,
                               "backward_peak": seg.backward_peak, "saved_by_component": seg.saved_by_component,
                               "backward_peak_by_component": seg.backward_peak_by_component}
@@ -316,13 +338,17 @@ def memory_plan(setup: PlanSetup) -> MemoryPlan:
     mesh_size = {"dp_cp": setup.world, "edp": setup.world // setup.ep}
     offload = None if setup.offload == "none" else offload_bytes(units, owners, mesh_size, states)
     # the embedding is the root unit's (reduced when backward ends); blocks and MTP depths reduce after their backward
+    # (a V4.1 model's top segment reduces nothing of its own: its norm and head are the root's)
+    mtp = getattr(model, "mtp", None)
     segment_gradients = [0, *(gradient_shard_bytes([m], owners, mesh_size, skip=units[-1])
-                              for m in [*model.model.layers, model.mtp])]
+                              for m in [*model.model.layers, *([mtp] if mtp is not None else [nn.Identity()])])]
+    engram = sum(shard_elements(m.embed.weight, mesh_size[owners[m.embed.weight].mesh]) * m.embed.weight.element_size()
+                 for m in model.modules() if type(m).__name__ == "Engram")
     cast_for_compute(model, {p: unit.param_dtype for p, unit in owners.items()})
     root = {p for p, unit in owners.items() if unit is units[-1]}
-    tracer = StepTracer(model, setup.micro_batch_size, setup.seq_len // setup.cp, setup.cp, setup.ep > 1,
+    tracer = step_tracer(model, setup.micro_batch_size, setup.seq_len // setup.cp, setup.cp, setup.ep > 1,
                         return_logits=not setup.chunked_loss, root_parameters=root, cp_balance=setup.cp_balance)
-    return MemoryPlan(setup, states, plan_activations(tracer), segment_gradients, offload)
+    return MemoryPlan(setup, states, plan_activations(tracer), segment_gradients, offload, engram)
 
 
 def _parts(by_component: dict[str, int]) -> str:

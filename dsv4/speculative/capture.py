@@ -3,10 +3,12 @@
 :class:`FeatureCapture` is a context manager over a :class:`~dsv4.model.DSV4ForCausalLM` (or its backbone
 ``DSV4Model``). While it is open, every backbone forward records
 
-* ``layers[i]``: the residual stream entering backbone block ``i`` for each requested layer id (a forward
-  pre-hook on the block: its first input ``X [B, L, hc, d]``), with the ``hc`` hyper-connection streams
-  averaged -> ``[B, L, d]``. This is the input of the block's attention hyper-connection site (the V4.1
-  DSpark capture point; DSV4 has no Engram update in between);
+* ``layers[i]``: the residual streams entering block ``i``'s attention hyper-connection site for each requested
+  layer id (a forward pre-hook on the causal LM's ``feature_modules(layer_ids)`` when it has them, else on the
+  block: their first input ``X [B, L, hc, d]``), with the ``hc`` hyper-connection streams averaged -> ``[B, L,
+  d]``. In V4 that is the block's input; in V4.1 (:class:`~dsv4.model.v41.model.DSV41ForCausalLM`) the streams
+  after the layer's Engram update (the released DSpark capture point), on a backbone passed alone the block's
+  input;
 * ``final``: the final-norm output ``[B, L, d]`` (a forward hook on the backbone's ``norm``; the MTP blocks
   have their own norms and do not fire it).
 
@@ -51,6 +53,9 @@ class FeatureCapture:
     def __init__(self, model: nn.Module, layer_ids: Sequence[int]) -> None:
         self.backbone = backbone_of(model)
         self.layer_ids = validate_layer_ids(layer_ids, len(self.backbone.layers))
+        # the module whose first input is each feature: the block (V4), or its attention site after Engram (V4.1)
+        features = getattr(model, "feature_modules", None)
+        self.modules = features(self.layer_ids) if features else [self.backbone.layers[i] for i in self.layer_ids]
         self.layers: dict[int, torch.Tensor] = {}
         self.final: torch.Tensor | None = None
         self._handles: list = []
@@ -70,8 +75,8 @@ class FeatureCapture:
 
     def __enter__(self) -> "FeatureCapture":
         self.layers, self.final = {}, None
-        for i in self.layer_ids:
-            self._handles.append(self.backbone.layers[i].register_forward_pre_hook(self._pre_hook(i)))
+        for i, module in zip(self.layer_ids, self.modules):
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(i)))
         self._handles.append(self.backbone.norm.register_forward_hook(self._norm_hook))
         return self
 

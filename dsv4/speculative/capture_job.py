@@ -42,12 +42,16 @@ def shard_name(k: int) -> str:
 
 
 def _build_model(job: dict):
-    from dsv4.config import DSV4Config
+    from dsv4.config import DSV4Config, config_class
     from dsv4.model import build_causal_lm
 
-    config = DSV4Config.from_dict(job["model"])
+    config = config_class(job.get("model_type", DSV4Config.model_type)).from_dict(job["model"])
     torch.manual_seed(job["seed"])
     model = build_causal_lm(config)
+    if getattr(config, "engram_layer_ids", None):  # V4.1: Engram hashes through the job's tokenizer
+        from dsv4.data.tokenizers import build_tokenizer
+
+        model.set_engram_tokenizer(build_tokenizer(job["data"].get("tokenizer", "byte")))
     checkpoint = job.get("checkpoint")
     if checkpoint and Path(checkpoint).is_dir():  # a Hugging Face-format DSV4 checkpoint (FP8/FP4 or exported)
         from dsv4.checkpoint import load_hf_checkpoint
@@ -175,6 +179,7 @@ def write_index(out: Path, n_shards: int, job: dict) -> dict | None:
     index = {"layer_ids": job["layer_ids"], "dtype": job["dtype"], "hidden_size": job["model"]["hidden_size"],
              "num_documents": len(documents), "num_tokens": sum(d["length"] for d in documents),
              "shards": [s["shard"] for s in shards], "documents": documents, "model": job["model"],
+             "model_type": job["model_type"],
              "seed": job["seed"], "checkpoint": job.get("checkpoint")}
     tmp = out / "index.json.tmp"
     tmp.write_text(json.dumps(index, indent=1))
@@ -182,16 +187,32 @@ def write_index(out: Path, n_shards: int, job: dict) -> dict | None:
     return index
 
 
+def default_layer_ids(config: Any) -> list[int]:
+    """``layer_ids=null``: a V4.1 config's ``dspark_target_layer_ids`` (the layers its released DSpark drafter
+    reads); a V4 config has none: its last three backbone layers (as V4.1-Flash's 37-39 of 40), one INFO line."""
+    targets = getattr(config, "dspark_target_layer_ids", None)
+    if targets:
+        return [int(i) for i in targets]
+    n = config.num_hidden_layers
+    ids = list(range(max(0, n - 3), n))
+    log.info("capture: layer_ids=null and the %s config names no DSpark targets: its last three layers %s",
+             getattr(config, "model_type", "deepseek_v4"), ids)
+    return ids
+
+
 def run_capture(cfg: Any, output_dir: str | Path) -> dict:
     """Validate the config, capture every unfinished shard on ``dp`` ranks, write the index; returns a summary."""
     from omegaconf import OmegaConf
 
     from dsv4.speculative.capture import validate_layer_ids
+    from dsv4.training.options.family import check_engram_tokenizer, check_v41_parallel
     from dsv4.training.schema import model_config
 
     c = OmegaConf.to_container(cfg, resolve=True)
     config = model_config(c["model"])
-    layer_ids = validate_layer_ids(c["layer_ids"], config.num_hidden_layers)
+    layer_ids = validate_layer_ids(default_layer_ids(config) if c["layer_ids"] is None else c["layer_ids"],
+                                   config.num_hidden_layers)
+    check_v41_parallel(config, int(c["cp"]))
     if c["dispatcher"] != "local":
         raise ValueError(f"`dispatcher`={c['dispatcher']!r}: the capture job runs full replicas per rank; use "
                          "dispatcher=local (dspark_packed_forward itself supports uniform-token dispatchers)")
@@ -208,7 +229,10 @@ def run_capture(cfg: Any, output_dir: str | Path) -> dict:
 
     data = {k: v for k, v in c["data"].items() if v is not None and k not in ("overlong", "cache_dir", "num_proc")}
     data = resolve_data_source(data, c["model"].get("checkpoint"), config.vocab_size)
-    job = {"model": config.to_dict(), "data": data, "layer_ids": layer_ids, "seed": int(c["seed"]),
+    from dsv4.data.tokenizers import build_tokenizer
+
+    check_engram_tokenizer(config, build_tokenizer(data["tokenizer"]), str(data["tokenizer"]))
+    job = {"model": config.to_dict(), "model_type": config.model_type, "data": data, "layer_ids": layer_ids, "seed": int(c["seed"]),
            "checkpoint": c["model"].get("checkpoint"),
            "dtype": c["dtype"], "seq_len": int(c["seq_len"]),
            "micro_batch_size": int(c["micro_batch_size"]), "docs_per_shard": int(c["docs_per_shard"]),

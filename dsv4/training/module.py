@@ -111,6 +111,10 @@ class DSV4LightningModule(L.LightningModule):
         if self.model is not None:
             return
         self.model = build_causal_lm(self.config)
+        if getattr(self.config, "engram_layer_ids", None):  # V4.1: Engram hashes through the run's tokenizer
+            from dsv4.data.tokenizers import build_tokenizer
+
+            self.model.set_engram_tokenizer(build_tokenizer(self.spec.data.get("tokenizer", "byte")))
         parallel = self.parallel
         if self.lora is not None:  # before loading: a kept base receives the checkpoint's FP8 / FP4 bytes as they are
             from dsv4.peft.apply import apply_lora, lora_summary

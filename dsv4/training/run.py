@@ -21,6 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from dsv4.training.elastic import restart_store_warning
+from dsv4.training.options.family import refuse_image_tokens
 from dsv4.training.planning import check_memory
 from dsv4.training.spec import RunSpec, build_run_spec
 
@@ -135,6 +136,8 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     # any rank starts; Lightning's ranks re-run this and map the copy the launching process prepared
     log.info("%s", dataset.stats.summary())
     val_rows = data.build_val_dataset()
+    refuse_image_tokens(dataset, spec.model)
+    refuse_image_tokens(val_rows, spec.model, "held-out data")
     if val_rows is not None:
         log.info("validation %s", val_rows.stats.summary())
     if spec.dry_run:

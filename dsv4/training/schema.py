@@ -206,7 +206,7 @@ class FinetuneConfig:
 class CaptureConfig:
     """``recipes/capture_dspark.py`` (:func:`dsv4.speculative.capture_job.run_capture`)."""
 
-    layer_ids: List[int] = field(default_factory=lambda: [1, 2, 3])
+    layer_ids: Optional[List[int]] = None  # None: the model's DSpark targets (dsv4.speculative.capture_job)
     seq_len: int = 1024
     micro_batch_size: int = 2
     dp: int = 1

@@ -37,6 +37,7 @@ from dsv4.training.options.checkpoint import (
 )
 from dsv4.training.options.data import data_preparation, overlong_mode
 from dsv4.training.options.export import ExportSpec, export_spec
+from dsv4.training.options.family import check_engram_tokenizer, check_v41_parallel
 from dsv4.training.options.factories import (
     LoggerFactory,
     OptimizerFactory,
@@ -152,6 +153,7 @@ def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> N
         dp = ParallelDims(world_size=world, cp=cfg.cp, dp=cfg.dp, ep=cfg.ep).validate(config.n_routed_experts)
     elif cfg.cp < 1:
         raise ValueError(f"`cp` must be a positive integer, got {cfg.cp}")
+    check_v41_parallel(config, cfg.cp)
     check_balance(cfg.cp_balance)
     chunks = cp_chunks(cfg.cp, cfg.cp_balance)
     if chunks != cfg.cp and cfg.seq_len % (chunks * config.shard_multiple):
@@ -220,9 +222,13 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
     if validation.source is not None:  # the same tokenizer; its own chat template key, if data.val sets one
         validation = replace(
             validation, source=resolve_data_source(validation.source, checkpoint or None, config.vocab_size))
+    plan = plan_options(cfg.get("plan"))
+    if not plan.only:  # a plan hashes nothing (dsv4.training.options.family)
+        from dsv4.data.tokenizers import build_tokenizer
+
+        check_engram_tokenizer(config, build_tokenizer(data["tokenizer"]), str(data["tokenizer"]))
     optimizer, scheduler = build_optimization(cfg)
     callbacks = tuple(build_callbacks(cfg))
-    plan = plan_options(cfg.get("plan"))
     logger = build_logger(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved["model"].update(config.to_dict())

@@ -81,6 +81,16 @@ def test_memory_plan_agrees_with_the_measured_step():
 
 
 @pytest.mark.e2e
+def test_v41_memory_plan_agrees_with_the_measured_step():
+    """DeepSeek-V4.1 (v41_tiny: CSA2 shared state, Engram tables and n-gram ids, single-pass hyper-connections):
+    the plan's total within 20% of the tensors a measured step holds at its peak (one rank, 256 tokens)."""
+    rows = _run("memory_plan.py", "--models", "v41_tiny", "--cp", "1", "--seq-len", "256", "--variants", "none",
+                timeout=3600)
+    (ratio,) = [r for r in rows if r["name"] == "memory_plan.tensors_over_predicted"]
+    assert 0.8 <= ratio["value"] <= 1.2, ratio
+
+
+@pytest.mark.e2e
 def test_gpu_scripts_smoke_on_cpu():
     """The GPU benchmarks' CPU smoke modes: every measurement printed, positive, in the JSON form."""
     train = _run("gpu_train.py", "--smoke")

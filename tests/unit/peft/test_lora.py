@@ -92,6 +92,31 @@ def test_targets_and_freezing():
         apply_lora(model, LoRAConfig())
 
 
+def test_v41_targets_and_the_frozen_kept_base():
+    """DeepSeek-V4.1: every target linear of each block adapted (attention wq_a / wq_b / wkv / wo_a / wo_b, shared
+    experts, routed experts); with base_dtype=fp8 every linear V4.1's release stores in FP8 is kept, the Engram
+    projections and the indexer's wq_b without an adapter; the Engram tables, compressors, indexers, routers,
+    hyper-connections and norms are frozen."""
+    from dsv4.model import build_causal_lm
+
+    torch.manual_seed(0)
+    model = build_causal_lm(DSV4Config.preset("v41_tiny"))
+    counts = apply_lora(model, LoRAConfig(rank=4, base_dtype="fp8"))
+    cfg = model.config
+    n = cfg.num_hidden_layers
+    full_or_reindex = len(cfg.index_source_layer_ids)
+    assert counts["adapted"] == 8 * n and counts["experts"] == n
+    assert counts["kept"] == 8 * n + full_or_reindex + len(cfg.engram_layer_ids)  # + indexer wq_b, engram.wkv
+    for i in cfg.engram_layer_ids:
+        engram = model.model.layers[i].engram
+        assert isinstance(engram.wkv, LoRALinear) and engram.wkv.keep == "fp8" and engram.wkv.rank == 0
+        assert not engram.embed.weight.requires_grad
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(re.search(r"lora_[AB]$", n) for n in trainable)
+    assert not any(part in n for n in trainable for part in ("engram", "indexer", "compressor", "gate", "hc"))
+    assert counts["adapter_parameters"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 @pytest.mark.parametrize("base_dtype", ["bf16", "fp8"])
 def test_a_fresh_adapter_changes_nothing(base_dtype, quantized_dir):
     plain = _model()

@@ -51,3 +51,21 @@ def test_the_last_cp_rank_receives_more_than_an_even_share():
     assert (tracer.rows, tracer.local_len, tracer.cp.rank) == (2, 256, 0)
     balanced = plan_activations(tracer)
     assert attention(four) < attention(balanced) < 2 * attention(four)
+
+
+def test_v41_composed_peak_matches_the_whole_step():
+    """DeepSeek-V4.1 (v41_tiny, no recompute): blocks traced by kind, each with the carry and the CSA2 shared state of
+    the blocks before it, compose to the peak of a trace of the whole step."""
+    from dsv4.model import build_causal_lm
+    from dsv4.plan.activations import V41StepTracer, step_tracer
+
+    with torch.device("meta"):
+        model = build_causal_lm(DSV4Config.preset("v41_tiny"))
+    tracer = step_tracer(model, 1, 256, 1, expert_parallel=False)
+    assert isinstance(tracer, V41StepTracer)
+    plan = plan_activations(tracer)
+    assert {seg.kind: n for seg, n in plan.block_kinds()} == {
+        "window, ratio 0, first": 1, "window, ratio 0, engram": 1, "full, ratio 2": 1, "reuse, ratio 2": 2,
+        "full, ratio 2, engram": 1, "full, ratio 1": 1, "reuse, ratio 1": 3, "reindex, ratio 1": 2}
+    whole = tracer.whole_step() + plan.metadata
+    assert plan.peak == pytest.approx(whole, rel=0.02), (plan.peak, whole, plan.phase)

@@ -163,3 +163,29 @@ def _meta_model_buffers():
 
     with torch.device("meta"):
         return list(DSV4ForCausalLM(DSV4Config.preset("tiny")).buffers())
+
+
+def test_v41_plan_counts_the_frozen_engram_tables_and_the_shared_state():
+    """DeepSeek-V4.1 (v41_tiny, one rank): the Engram tables (layers 1 and 4: 384 and 552 rows of
+    32, fp32) are parameter shards with no gradient and no optimizer state (nor have the frozen indexers); the per-forward state (attention
+    metadata, Engram n-gram ids, the CSA2 state the Full / Reindex blocks publish) is reported."""
+    from dsv4.model import build_causal_lm
+
+    config = DSV4Config.preset("v41_tiny")
+    with torch.device("meta"):
+        named = dict(build_causal_lm(config).named_parameters())
+    total = sum(p.numel() for p in named.values())
+    indexers = sum(p.numel() for n, p in named.items() if ".indexer." in n)  # frozen, as in the released training
+    tables = (384 + 552) * 32
+    one = memory_plan(PlanSetup(config, seq_len=256))
+    assert one.engram_table_bytes == 4 * tables
+    assert one.states.gradients == 4 * (total - tables - indexers)  # the rest, fp32, one rank
+    assert one.states.optimizer == 2 * one.states.gradients  # AdamW: two fp32 moments per trainable element
+    assert one.states.parameters >= 4 * total
+    parts = one.activations.per_forward
+    assert parts["Engram n-gram ids"] == 2 * 256 * (3 * 2) * 8 + 256  # two layers' int64 ids + the active mask
+    assert parts["attention metadata"] + parts["Engram n-gram ids"] == one.activations.metadata
+    assert parts["CSA2 shared state"] > 0
+    report = one.report()
+    assert "of which Engram tables" in report and "frozen: no gradients, no optimizer state" in report
+    assert "CSA2 shared state" in report and "top (head, loss)" in report

@@ -123,3 +123,73 @@ def test_capture_validation_and_helpers():
     with FeatureCapture(model, [1]):
         pass
     assert not model.model.layers[1]._forward_pre_hooks  # hooks removed
+
+
+def test_v41_packed_capture_equals_per_document_after_engram():
+    """The seed API on a DeepSeek-V4.1 target (v41_tiny hashing through the byte tokenizer): packed alignment
+    lcm(ratios 2, 1) = 2; every document's features (its DSpark targets 9-11 and Engram layer 4) equal those of the
+    document run alone; a feature is the streams entering the layer's attention hyper-connection after its Engram
+    update (at layer 4: Engram's output, not the block's input)."""
+    from dsv4.data.tokenizers import ByteTokenizer
+    from dsv4.model import build_causal_lm
+
+    torch.manual_seed(0)
+    cfg = DSV4Config.preset("v41_tiny")
+    model = build_causal_lm(cfg, tokenizer=ByteTokenizer()).eval()
+    assert cfg.shard_multiple == 2
+    layer_ids = [4, *cfg.dspark_target_layer_ids]
+    lens = torch.tensor([[1, 2, 5, -1000], [3, 0, 6, 7]])  # odd lengths: each padded to the alignment of 2
+    width = int(lens.clamp_min(0).sum(1).max()) + 1
+    ids = torch.randint(1, 256, (2, width), generator=torch.Generator().manual_seed(1))
+    feats = capture_dspark_features(model, ids, lens, layer_ids)
+    assert feats.layout.aligned_length % 2 == 0 and feats.hidden_states.shape == (2, width, 4 * cfg.hidden_size)
+    docs = feats.documents(lens)
+    for doc, (b, start, n) in zip(docs, [(0, 0, 1), (0, 1, 2), (0, 3, 5), (1, 0, 3), (1, 3, 6), (1, 9, 7)], strict=True):
+        ref_hidden, ref_last = _alone(model, ids[b, start:start + n], layer_ids)
+        torch.testing.assert_close(doc["hidden_states"], ref_hidden, atol=1e-5, rtol=0)
+        torch.testing.assert_close(doc["last_hidden_state"], ref_last, atol=1e-5, rtol=0)
+    seen = {}
+    layer = model.model.layers[4]
+    hooks = [layer.engram.register_forward_hook(lambda m, a, out: seen.__setitem__("engram", out.mean(2))),
+             layer.register_forward_pre_hook(lambda m, a: seen.__setitem__("block", a[0].mean(2)))]
+    try:
+        hidden, _ = _alone(model, ids[1, 9:16], [4])
+    finally:
+        for h in hooks:
+            h.remove()
+    torch.testing.assert_close(hidden, seen["engram"][0], atol=0, rtol=0)
+    assert (hidden - seen["block"][0]).abs().max() > 1e-3  # the Engram update is in the feature
+
+
+def test_v41_capture_job_defaults_to_the_dspark_targets(tmp_path):
+    """``recipes/capture_dspark.py model=v41_tiny`` (its job in-process, one rank): ``layer_ids`` default to the
+    config's ``dspark_target_layer_ids``; the stored features equal a direct per-document capture of the same seeded
+    model on the byte tokenizer; cp=2 for V4.1 is refused before any rank starts."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from dsv4.config import config_class
+    from dsv4.data import build_documents
+    from dsv4.data.tokenizers import ByteTokenizer
+    from dsv4.model import build_causal_lm
+    from dsv4.speculative.capture_job import run_capture
+    from tests.unit.test_conf import _compose
+
+    args = ["model=v41_tiny", "max_documents=2", "docs_per_shard=2", "max_document_tokens=9", "seq_len=32",
+            "progress=false", f"output_dir={tmp_path / 'features'}"]
+    with pytest.raises(ValueError, match=r"`cp`=2: context parallelism is not supported yet for DeepSeek-V4.1"):
+        run_capture(_compose([*args, "cp=2"], name="capture_dspark"), tmp_path)
+    run_capture(_compose(args, name="capture_dspark"), tmp_path)
+    index = json.loads((tmp_path / "features" / "index.json").read_text())
+    assert index["layer_ids"] == [9, 10, 11] == DSV4Config.preset("v41_tiny").dspark_target_layer_ids
+    torch.manual_seed(index["seed"])
+    assert index["model_type"] == "deepseek_v41"
+    model = build_causal_lm(config_class(index["model_type"]).from_dict(index["model"]), tokenizer=ByteTokenizer()).eval()
+    docs = build_documents("stdlib", tokenizer="byte", max_bytes=400000, min_bytes=64)
+    for entry in index["documents"]:
+        d = entry["document_id"]
+        hidden, last = _alone(model, torch.tensor(list(docs[d].ids[: entry["length"]])), [9, 10, 11])
+        stored = load_file(str(tmp_path / "features" / entry["shard"]))
+        torch.testing.assert_close(stored[f"{d}.hidden_states"], hidden, atol=1e-5, rtol=0)
+        torch.testing.assert_close(stored[f"{d}.last_hidden_state"], last, atol=1e-5, rtol=0)
