@@ -1,7 +1,7 @@
 """Peak host memory per rank of a tiny-model training step at CP = 1, 2, 4 for the same global sequence.
 
-Each CP size runs on its own set of gloo ranks (processes started by dsv4.launch): the model is built, the batch (one document of
-``--seq-len`` tokens) is cut for the rank, then one forward+backward runs. Memory is the peak resident set size of
+Each CP size runs on its own set of gloo ranks (processes started by dsv4.launch): the model is built, the batch
+(one document of ``--seq-len`` tokens) is cut for the rank, then one forward+backward runs. Memory is the peak resident set size of
 the step minus the resident size just before it: the high-water mark is reset right before the step
 (``/proc/self/clear_refs``), so model construction and start-up do not count, only activations, received rows and
 gradients.
