@@ -1,8 +1,8 @@
 """Peak host memory per rank of a tiny-model training step at CP = 1, 2, 4 for the same global sequence.
 
-Each CP size runs on its own set of gloo ranks (processes started by dsv4.launch): the model is built, the batch
-(one document of ``--seq-len`` tokens) is cut for the rank, then one forward+backward runs. Memory is the peak resident set size of
-the step minus the resident size just before it: the high-water mark is reset right before the step
+Each CP size runs on its own set of gloo ranks (processes started by dsv4.launch): the model is built, the batch (one
+document of ``--seq-len`` tokens) is cut for the rank, then one forward+backward runs. Memory is the peak resident set
+size of the step minus the resident size just before it: the high-water mark is reset right before the step
 (``/proc/self/clear_refs``), so model construction and start-up do not count, only activations, received rows and
 gradients.
 Prints one JSON object per CP size and rank (``cp_memory.peak_rss_delta``, MiB) plus the max over ranks.

@@ -1,9 +1,10 @@
 """The memory plan (``dsv4.plan``) against measurement: predicted vs measured peak memory per rank of a training step.
 
-For each model, CP size and variant, the plan's per-rank total is compared with a real run on gloo ranks
-(processes started by ``dsv4.launch``, ``dp = 1``): the model is built and sharded with FSDP2 over the CP ranks
-(the recipe's ``apply_fsdp``), AdamW is created, one short step allocates the optimizer state (as every step after the first has it), then a full
-step (forward, backward, AdamW, ``zero_grad``) runs on one document of ``--seq-len`` tokens cut for the rank.
+For each model, CP size and variant, the plan's per-rank total is compared with a real run on gloo ranks (processes
+started by ``dsv4.launch``, ``dp = 1``): the model is built and sharded with FSDP2 over the CP ranks (the recipe's
+``apply_fsdp``), AdamW is created, one short step allocates the optimizer state (as every step after the first has it),
+then a full step (forward, backward, AdamW, ``zero_grad``) runs on one document of ``--seq-len`` tokens cut for the
+rank.
 Two measurements of that step, each the max over ranks:
 
 * ``measured_rss``: the peak resident set size during model construction and the steps, minus the resident size
