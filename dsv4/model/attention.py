@@ -98,7 +98,6 @@ class DSV4Attention(nn.Module):
         self.ratio = config.ratio_for_layer(layer_idx)
         self.n_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.window = config.sliding_window
         self.fake_quant = config.fake_quant
         self.rope_dim = config.qk_rope_head_dim
         self.n_groups = config.o_groups

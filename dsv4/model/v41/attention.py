@@ -56,7 +56,6 @@ class CSA2Attention(nn.Module):
         self.role = config.attention_role(layer_idx)
         self.n_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.window = config.sliding_window
         self.n_groups = config.o_groups
         self.fake_quant = config.fake_quant
         d_m, eps = config.hidden_size, config.rms_norm_eps
