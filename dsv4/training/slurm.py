@@ -16,9 +16,15 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 
+_TORCHRUN_WORKER = frozenset({"RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"})
+
+
 def slurm_tasks(environ: Mapping[str, str]) -> bool:
-    """True when SLURM created this process as one of its tasks (Lightning's own test: ``SLURM_NTASKS`` is set and
-    the job is not an interactive ``bash`` / ``interactive`` allocation)."""
+    """True when SLURM created this process as one of its ranks (Lightning's own test, in its order: not a torchrun
+    worker, which ``srun torchrun ...`` also is and whose ranks torchrun gives; ``SLURM_NTASKS`` set; not an
+    interactive ``bash`` / ``interactive`` allocation)."""
+    if _TORCHRUN_WORKER <= environ.keys():
+        return False
     return "SLURM_NTASKS" in environ and environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
 
 

@@ -68,6 +68,11 @@ def test_a_slurm_layout_that_disagrees_with_the_trainer_is_refused_before_anythi
     check_slurm_layout({"devices": "auto", "num_nodes": 2}, task)  # the GPUs a task sees: Lightning checks it
     check_slurm_layout({"devices": 4, "num_nodes": 1}, {**task, "SLURM_JOB_NAME": "bash"})  # an interactive shell
     check_slurm_layout({"devices": 4, "num_nodes": 1}, {})
+    # srun torchrun ...: one task per node, torchrun's workers are the ranks (as Lightning decides: TorchElastic first)
+    worker = {**_slurm_task(0, nodes=2, per_node=1), "RANK": "3", "GROUP_RANK": "0", "LOCAL_RANK": "3",
+              "LOCAL_WORLD_SIZE": "4"}
+    check_slurm_layout({"devices": 4, "num_nodes": 2}, worker)
+    assert cluster_plugins(worker) == []
     # through the recipe's entry point, before the plan, the data or any file: a cp=2 run in a one-task SLURM job
     # (Lightning itself compares them only when it starts the processes, never under SLURM)
     from tests.unit.training.test_run import FAST, _compose
