@@ -91,18 +91,6 @@ def test_v41_memory_plan_agrees_with_the_measured_step():
 
 
 @pytest.mark.e2e
-def test_gpu_scripts_smoke_on_cpu():
-    """The GPU benchmarks' CPU smoke modes: every measurement printed, positive, in the JSON form."""
-    train = _run("gpu_train.py", "--smoke")
-    assert {r["name"] for r in train} >= {"gpu_train.step_s", "gpu_train.tokens_per_s", "gpu_train.model_tflops"}
-    assert all(r["value"] > 0 for r in train) and train[0]["shape"]["steps_measured"] == 2
-    attention = _run("gpu_attention.py", "--smoke")
-    names = {(r["name"], r["shape"]["ratio"]) for r in attention}
-    assert {(n, ratio) for n in ("gpu_attention.forward_ms", "gpu_attention.backward_tflops") for ratio in (4, 128)} <= names
-    assert all(set(r) == {"name", "shape", "value", "unit"} and r["value"] > 0 for r in attention + train)
-
-
-@pytest.mark.e2e
 def test_attention_cpu_checks_the_dense_path_and_reports_the_speedup():
     rows = _run("attention_cpu.py", "--seq-lens", "256", "--ratios", "4", "0", "--repeats", "1")
     speedups = {r["shape"]["ratio"]: r["value"] for r in rows if r["name"] == "attention_cpu.speedup_over_dense"}
