@@ -9,8 +9,7 @@ Hydra and dsv4 once (:func:`_forked_recipe`), instead of a fresh ``python recipe
 again (about 8 CPU-s each). The child is the command a user types in every other respect: its own session, the
 given working directory, environment and ``sys.argv``, the script run as ``__main__``, stdout / stderr captured,
 ``atexit`` handlers run, the exit status of ``sys.exit``; the ranks Lightning starts are fresh interpreters, as
-for a user. ``fresh=True`` runs ``python <script>`` instead (the tests that signal a process use ``Popen`` on the
-real command line).
+for a user. The tests that signal a process, and torchrun's, start the real command line with ``Popen``.
 """
 
 from __future__ import annotations
@@ -136,10 +135,10 @@ def _forked_recipe(cmd: list[str], env: dict[str, str], timeout: float) -> subpr
 
 
 def run_recipe(args: list[str], run_dir: Path | None = None, timeout: float = 1800, check: bool = True,
-               script: str = "recipes/finetune.py", env: dict[str, str | None] | None = None, fresh: bool = False,
+               script: str = "recipes/finetune.py", env: dict[str, str | None] | None = None,
                ) -> subprocess.CompletedProcess:
     """Run ``script`` with ``args``; ``env`` entries override the test environment (None removes a variable).
-    The first process is forked from the recipe fork server, or with ``fresh`` a new interpreter (module docstring).
+    The first process is forked from the recipe fork server (module docstring).
 
     The run writes into ``run_dir`` (``hydra.run.dir``), or a sweep (``-m``) into the ``hydra.sweep.dir=`` of its
     ``args``: never into ``outputs/`` or ``multirun/`` of the repository, which two test runs at once would share
@@ -151,10 +150,7 @@ def run_recipe(args: list[str], run_dir: Path | None = None, timeout: float = 18
     with reserved_port() as port:
         full_env = {**recipe_env(port), **(env or {})}
         full_env = {k: v for k, v in full_env.items() if v is not None}
-        if fresh:
-            proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
-        else:
-            proc = _forked_recipe(cmd, full_env, timeout)
+        proc = _forked_recipe(cmd, full_env, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
