@@ -13,12 +13,14 @@ The model is v41_tiny cut to 6 blocks (window 0, 1; Full 2 (ratio 2) and 4 (rati
 * the HF export (``dtype=quantized``) of the trained sharded model writes whole tables: the parent loads them and
   gets the gathered rows, FP8-rounded;
 * frozen tables loaded from that export: kept in the stored FP8 form, each rank reads only its rows from the
-  safetensors, the logits equal a whole FP8-kept table's, and the optimizer holds nothing for them.
+  safetensors, the logits equal a whole FP8-kept table's, and the optimizer holds nothing for them; their bf16
+  export (each rank its rows, dequantised) holds the same values.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from functools import partial
 
 import pytest
@@ -153,6 +155,9 @@ def _body(rank, world, path):
     frozen_out.loss.backward()
     frozen_optimizer = _optimizer([p for p in frozen.parameters() if p.requires_grad])
     frozen_optimizer.step()
+    export_hf_checkpoint(frozen, os.path.join(path, "hf_frozen"), dtype="bfloat16")
+    dcp.save({"state_dict": {f"model.{k}": v for k, v in get_model_state_dict(frozen).items()}},
+             checkpoint_id=os.path.join(path, "dcp_frozen"))  # a run's checkpoint holds its kept tables
     table_tensors = {id(t) for n in TABLES for t in (_table(frozen, n).weight, _table(frozen, n).scale)}
     out["frozen"] = {
         "kept": kept, "logits": frozen_out.logits.detach(), "whole_logits": whole(ids, labels=labels).logits.detach(),
@@ -245,6 +250,33 @@ def test_export_writes_whole_tables(ranks):
         trained = torch.cat([r["tables"][name]["trained"] for r in results])
         expected = dequantize(*quantize(trained, "fp8_rows", V41_SCHEME), "fp8_rows", torch.float32, V41_SCHEME)
         assert torch.equal(model.get_parameter(name), expected), name
+
+
+def test_export_of_fp8_kept_tables_writes_their_values(ranks):
+    """The frozen FP8-kept tables exported in bf16 (each rank its rows, dequantised): the values of the quantized
+    export they were loaded from, exactly (FP8 values are bf16 values)."""
+    from dsv4.checkpoint import load_hf_checkpoint
+
+    path, _ = ranks
+    quantized, kept = _model(), _model()
+    load_hf_checkpoint(quantized, os.path.join(path, "hf"))
+    load_hf_checkpoint(kept, os.path.join(path, "hf_frozen"))
+    for name in TABLES:
+        assert torch.equal(kept.get_parameter(name), quantized.get_parameter(name)), name
+
+
+def test_converter_dequantises_tables_a_run_kept_in_fp8(ranks):
+    """``python -m dsv4.checkpoint export`` reads a run checkpoint's FP8-kept table (rows and row scales saved by
+    each rank) as the values it stands for."""
+    from dsv4.checkpoint import load_hf_checkpoint
+    from dsv4.checkpoint.convert import DCPTensors, _read_model_tensor
+
+    path, _ = ranks
+    quantized = _model()
+    load_hf_checkpoint(quantized, os.path.join(path, "hf"))
+    tensors = DCPTensors(Path(path) / "dcp_frozen")
+    for name in TABLES:
+        assert torch.equal(_read_model_tensor(tensors, name), quantized.get_parameter(name)), name
 
 
 def test_frozen_tables_kept_in_fp8_read_only_their_rows(ranks):
