@@ -581,6 +581,13 @@ def _load_kept(it: _Item, weight: torch.Tensor, scale: torch.Tensor | None, dest
     scale_dest.copy_(s.to(scale_dest.device))
 
 
+def engram_tables_stored_fp8(path: str) -> bool:
+    """True when the checkpoint directory ``path`` stores V4.1 Engram tables in FP8 (the release's form); from the
+    shard headers only."""
+    ckpt, _ = release_view(CheckpointDir.open(path))
+    return any(K.on_disk_format(k, K.V41) == "fp8_rows" and info.dtype == "F8_E4M3" for k, info in ckpt.tensors.items())
+
+
 def keep_engram_tables_as_stored(model: nn.Module, path: str) -> list[str]:
     """Switch every frozen Engram table of ``model`` whose key the checkpoint directory ``path`` stores in FP8 (the
     release's form) to the kept FP8 form (:meth:`~dsv4.model.v41.engram_table.LocalEngramTable.keep_fp8`), so that

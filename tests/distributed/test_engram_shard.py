@@ -166,6 +166,8 @@ def _body(rank, world, path):
         "whole_bytes_read": whole_report.bytes_read,
         "in_optimizer": sum(id(p) in table_tensors for p in frozen_optimizer.state),
         "table_grads": [getattr(_table(frozen, n).weight, "grad", None) is not None for n in TABLES],
+        "held_bytes": sum(t.to_local().numel() * t.element_size() for n in TABLES
+                          for t in (_table(frozen, n).weight, _table(frozen, n).scale)),
         "stored": {n: (_table(frozen, n).weight.to_local().view(torch.uint8).clone(),
                        _table(frozen, n).scale.to_local().view(torch.uint8).clone()) for n in TABLES},
     }
@@ -296,6 +298,14 @@ def test_frozen_tables_kept_in_fp8_read_only_their_rows(ranks):
             files[name] = f.get_tensor(hf).view(torch.uint8)
         with safe_open(os.path.join(path, "hf", weight_map[hf[: -len("weight")] + "scale"]), "pt") as f:
             files[name + ".scale"] = f.get_tensor(hf[: -len("weight")] + "scale").view(torch.uint8)
+    from dsv4.model import build_causal_lm
+    from dsv4.plan.states import engram_table_bytes
+
+    with torch.device("meta"):  # the plan's FP8 form (PlanSetup.engram_fp8): what rank 0 holds
+        meta = build_causal_lm(_config(engram_trainable=False))
+    for name in TABLES:
+        _table(meta, name).keep_fp8()
+    assert engram_table_bytes(meta, WORLD) == results[0]["frozen"]["held_bytes"]
     for rank, res in enumerate(results):
         fr = res["frozen"]
         assert fr["kept"] == list(TABLES) and fr["dtypes"] == ["torch.float8_e4m3fn"] * 2
