@@ -79,6 +79,7 @@ def _body(rank, world, path):
 
     from dsv4.checkpoint import export_hf_checkpoint, load_hf_checkpoint
     from dsv4.checkpoint.load import keep_engram_tables_as_stored
+    from dsv4.model.v41.engram_table import EngramTable
     from dsv4.parallel.engram_table import RowShardedEngramTable
     from dsv4.parallel.mesh import ParallelDims, build_meshes
     from dsv4.parallel.wrap import apply_fsdp
@@ -103,7 +104,7 @@ def _body(rank, world, path):
     out["tables"] = {}
     for name in TABLES:
         table = _table(model, name)
-        assert isinstance(table, RowShardedEngramTable)
+        assert isinstance(table, RowShardedEngramTable) and isinstance(table, EngramTable)
         local = table.weight.to_local()
         start = table.row_start
         out["tables"][name] = {
