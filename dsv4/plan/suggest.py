@@ -86,12 +86,12 @@ class Planned:
 
 class CandidatePlanner(Protocol):
     """What :func:`search` plans with. ``estimate``: a lower estimate of the candidate's per-rank total (cheap; it
-    decides only whether to plan); ``plan``: the candidate's planned total. Both raise :class:`Refused`; ``plan``
-    may raise :class:`NotPlanned`."""
+    decides only whether to plan), or its :class:`Planned` plan when planning it is as cheap; ``plan``: the
+    candidate's plan. Both raise :class:`Refused`; ``plan`` may raise :class:`NotPlanned`."""
 
     device_memory_bytes: int
 
-    def estimate(self, changes: tuple[Change, ...]) -> int: ...
+    def estimate(self, changes: tuple[Change, ...]) -> int | Planned: ...
 
     def plan(self, changes: tuple[Change, ...]) -> Planned: ...
 
@@ -220,9 +220,13 @@ def search(changes: Sequence[Change], planner: CandidatePlanner, *, count: int =
 
 def _evaluate(cand: tuple[Change, ...], planner: CandidatePlanner, device: int, result: SearchResult) -> str:
     try:
-        if planner.estimate(cand) > device:
+        estimate = planner.estimate(cand)
+        if isinstance(estimate, Planned):  # planned already (cheaply): the estimate is the plan
+            planned = estimate
+        elif estimate > device:
             return OVER_ESTIMATE
-        planned = planner.plan(cand)
+        else:
+            planned = planner.plan(cand)
     except Refused as err:
         reason = str(err).splitlines()[0]
         if not any(r.endswith(f": {reason}") for r in result.refusals):
@@ -266,8 +270,9 @@ def optimistic_activations(base: MemoryPlan, setup: PlanSetup) -> ActivationPlan
     freed = 0
     if c.moe_chunk_tokens != bc.moe_chunk_tokens or setup.ep != b.ep:
         freed += max((seg.backward_peak_by_component.get("moe", 0) for seg in blocks), default=0)
+    tokens = b.micro_batch_size * b.seq_len // b.cp
     if c.loss_chunk_size < bc.loss_chunk_size:
-        freed += 2 * (bc.loss_chunk_size - c.loss_chunk_size) * c.vocab_size * 4
+        freed += 2 * (min(bc.loss_chunk_size, tokens) - min(c.loss_chunk_size, tokens)) * c.vocab_size * 4
     if c.activation_checkpointing != bc.activation_checkpointing:
         freed += sum(max(seg.retained - seg.saved_by_component.get("block input", 0), 0) for seg in blocks)
     return replace(acts, phases=[replace(p, activations=max(int(p.activations * ratio - freed * ratio), 0))
@@ -302,10 +307,10 @@ class SetupPlanner:
             self._setups[changes] = setup
         return self._setups[changes]
 
-    def estimate(self, changes: tuple[Change, ...]) -> int:
+    def estimate(self, changes: tuple[Change, ...]) -> int | Planned:
         setup = self.setup(changes)
-        if activation_key(setup) in self.traces:
-            return self.plan(changes).total
+        if activation_key(setup) in self.traces:  # no new trace: plan it
+            return self.plan(changes)
         return memory_plan(setup, optimistic_activations(self.base, setup)).total
 
     def plan(self, changes: tuple[Change, ...]) -> Planned:
