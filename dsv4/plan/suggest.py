@@ -177,7 +177,8 @@ def search(changes: Sequence[Change], planner: CandidatePlanner, *, count: int =
     """The cheapest (module docstring) ``count`` candidates whose plan fits ``planner.device_memory_bytes``.
 
     Invariants: every suggestion's ``total`` is what ``planner.plan`` returned for exactly its changes, and is at
-    most the device memory; every candidate with one change fewer than a suggestion is known not to fit."""
+    most the device memory; every candidate one step less than a suggestion (a change left out, or replaced by the
+    lighter alternative of its group) is known not to fit."""
     if count < 1 or max_changes < 1 or max_candidates < 1:
         raise ValueError(f"search: count, max_changes and max_candidates must be >= 1, got {count}, {max_changes}, "
                          f"{max_candidates}")

@@ -105,7 +105,8 @@ def check_memory(spec: RunSpec, output_dir: Path, cfg: DictConfig | None = None)
         print(plan.report(), flush=True)
     fits = None
     if not plan.fits and cfg is not None and options.suggest and (options.only or options.enforce):
-        log.info("%s; planning what would fit (plan.suggest=0 skips this)", plan.summary())
+        log.info("memory plan: %.2f GiB per rank does not fit %.2f GiB; planning what would (plan.suggest=0 skips "
+                 "this)", plan.total / GIB, plan.setup.device_memory_bytes / GIB)
         fits = suggest_fits(cfg, spec, plan, options.suggest)
         record["suggestions"] = fits.as_dict()
         (output_dir / PLAN_FILE).write_text(json.dumps(record, indent=2))
