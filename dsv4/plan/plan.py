@@ -328,8 +328,10 @@ class MemoryPlan:
         }
 
 
-def memory_plan(setup: PlanSetup) -> MemoryPlan:
-    """Build the model on ``meta``, shard it like rank 0 of ``setup`` and plan one training step."""
+def memory_plan(setup: PlanSetup, activations: ActivationPlan | None = None) -> MemoryPlan:
+    """Build the model on ``meta``, shard it like rank 0 of ``setup`` and plan one training step. ``activations``:
+    the step's activations already traced for a setup of the same :func:`dsv4.plan.suggest.activation_key` (reused,
+    not traced again)."""
     setup.check()
     with torch.device("meta"):
         model = build_causal_lm(setup.config)
@@ -356,7 +358,8 @@ def memory_plan(setup: PlanSetup) -> MemoryPlan:
     root = {p for p, unit in owners.items() if unit is units[-1]}
     tracer = step_tracer(model, setup.micro_batch_size, setup.seq_len // setup.cp, setup.cp, setup.ep > 1,
                         return_logits=not setup.chunked_loss, root_parameters=root, cp_balance=setup.cp_balance)
-    return MemoryPlan(setup, states, plan_activations(tracer), segment_gradients, offload, engram)
+    activations = plan_activations(tracer) if activations is None else activations
+    return MemoryPlan(setup, states, activations, segment_gradients, offload, engram)
 
 
 def _parts(by_component: dict[str, int]) -> str:

@@ -111,7 +111,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     spec = build_run_spec(cfg)
     if is_multirun_job() and not os.environ.get("DSV4_SWEEP_CHILD"):
         return run_sweep_job(output_dir)
-    if check_memory(spec, output_dir):  # plan only
+    if check_memory(spec, output_dir, cfg):  # plan only
         return None
     restart_warning = restart_store_warning(os.environ)
     if restart_warning and os.environ.get("RANK", "0") == "0":
