@@ -25,8 +25,8 @@ is *inactive*: all its ``c_j`` are the pad class, and the Engram gate there is e
 Context parallelism: a rank that holds a slice of a row passes :class:`EngramHistory`, the ``N - 1`` token ids
 before its first position with their document ids, instead of the whole row; its ids equal the whole row's. The
 history travels as a halo of token ids: the chunk before writes :func:`engram_history_tail` (its last ``N - 1`` ids,
-each shifted by one and 0 where that token cannot be history of the next chunk's first token: padding, another
-document than its last token, or padding after it), the CP halo exchange moves it to the chunk that continues the
+each shifted by one and 0 where that token cannot be history of the next chunk's first token: padding or another
+document than its last token), the CP halo exchange moves it to the chunk that continues the
 document (zeros to every other chunk), and :func:`engram_history_from_tail` reads it back with the receiving chunk's
 own first document id. No document ids travel: a chunk receives only when its first token continues the document
 its predecessor ends with.
@@ -160,9 +160,9 @@ class EngramHistory:
 def engram_history_tail(input_ids: torch.Tensor, packed_seq_ids: torch.Tensor | None, padding_mask: torch.Tensor | None,
                         reach: int) -> torch.Tensor:
     """``[B, reach]`` int32: what a chunk ``[B, L]`` (``L >= reach``) sends as the Engram history of the chunk after
-    it (see the module docstring): its last ``reach`` token ids plus one, 0 where the token is padding, belongs to
-    another document than the chunk's last token, or is followed by padding before the chunk ends (blocked
-    history). Ids must fit in int32 (any tokenizer's vocabulary does)."""
+    it (see the module docstring): its last ``reach`` token ids plus one, 0 where the token is padding or belongs
+    to another document than the chunk's last token (blocked history; the hash blocks every token before a blocked
+    one too). Ids must fit in int32 (any tokenizer's vocabulary does)."""
     rows, length = input_ids.shape
     if not 0 <= reach <= length:
         raise ValueError(f"Engram: a history of {reach} tokens from a chunk of {length}")
@@ -170,8 +170,7 @@ def engram_history_tail(input_ids: torch.Tensor, packed_seq_ids: torch.Tensor | 
     docs = (torch.ones_like(ids) if packed_seq_ids is None else packed_seq_ids[:, length - reach:].long())
     if padding_mask is not None:
         docs = docs.masked_fill(padding_mask[:, length - reach:].bool(), 0)
-    usable = (docs > 0) & (docs == docs[:, -1:])
-    usable = usable.flip(1).long().cumprod(1).flip(1).bool()  # blocked from the first unusable token backwards
+    usable = (docs > 0) & (docs == docs[:, -1:])  # the hash blocks every token before a blocked one
     return torch.where(usable, ids + 1, torch.zeros_like(ids)).to(torch.int32)
 
 
