@@ -161,3 +161,19 @@ def test_each_full_layer_gathers_once_and_engram_receives_its_history(ranks, ref
         assert results[0][balance]["traffic"]["compressed_gather"]["bytes_received"] == 0
     assert all(r[balance]["traffic"]["compressed_gather"]["bytes_received"] > 0 for r in results[1:])
     assert sum(r[balance]["traffic"]["engram_ids"]["bytes_received"] for r in results) > 0
+
+
+def test_a_chunk_shorter_than_engram_history_is_refused():
+    """Engram's history comes from one preceding chunk: a chunk shorter than ``engram_max_ngram_size - 1`` tokens
+    is refused before any exchange (here the window's halo alone would fit)."""
+    from dsv4.config import DSV4Config
+    from dsv4.data.tokenizers import ByteTokenizer
+    from dsv4.model import build_causal_lm
+    from dsv4.plan.stand_ins import PlanCP
+
+    model = build_causal_lm(DSV4Config.preset("v41_tiny", sliding_window=2), tokenizer=ByteTokenizer())
+    ids = torch.randint(1, 256, (1, 2))
+    with pytest.raises(ValueError, match=r"each local chunk has 2 tokens but Engram's history needs the previous "
+                                         r"engram_max_ngram_size - 1 = 3 token ids from one chunk; use fewer CP "
+                                         r"ranks \(2\)"):
+        model(ids, position_ids=torch.arange(2)[None], cp=PlanCP(0, 2))
