@@ -9,6 +9,8 @@ size serves every test of the module: each rank runs the training-path cut of bo
 model. Traffic: only the designed kinds; each Full layer gathers its compressed rows and index keys once (the
 Reindex and Reuse layers read the shared state without exchanging); Engram receives exactly
 ``engram_max_ngram_size - 1`` int32 token ids per chunk that continues a document held by another rank.
+The CP=2 ranks also run the DSpark capture job of ``recipes/capture_dspark.py model=v41_tiny cp=2`` (three aligned
+documents of 12 per row, the middle one across the rank boundary): it writes the same features as ``cp=1``.
 """
 
 from __future__ import annotations
@@ -53,8 +55,19 @@ def _batch():
     return TokenBatch.stack([rows[i] for i in range(len(rows))] + [long_doc])
 
 
-def _body(rank, world_size):
+def _capture_job(tmp_path, cp):
+    """The capture recipe's job for ``model=v41_tiny`` at ``cp`` (validated in this process, as the recipe does)."""
+    from dsv4.speculative.capture_job import capture_job
+    from tests.unit.test_conf import _compose
+
+    args = ["model=v41_tiny", "max_documents=3", "docs_per_shard=3", "max_document_tokens=11", "seq_len=48",
+            "progress=false", f"cp={cp}", f"output_dir={tmp_path / f'cp{cp}'}"]
+    return capture_job(_compose(args, name="capture_dspark"), tmp_path)
+
+
+def _body(rank, world_size, capture=None):
     from dsv4.cp import CPContext
+    from dsv4.speculative.capture_job import capture_rank
     from dsv4.training.loss import reduce_token_loss
 
     group = dist.new_group(list(range(world_size)))
@@ -74,6 +87,8 @@ def _body(rank, world_size):
             "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
             "traffic": cp.traffic.as_dict(),
         }
+    if capture is not None:
+        capture_rank(rank, world_size, capture)
     return results
 
 
@@ -90,9 +105,28 @@ def reference():
             "grads": grads, "config": model.config}
 
 
+@pytest.fixture(scope="module")
+def captures(tmp_path_factory):
+    """The capture jobs of cp=1 and cp=2 (same documents, same seeded model); the cp=2 job runs in the CP=2 ranks."""
+    tmp = tmp_path_factory.mktemp("capture")
+    return {cp: _capture_job(tmp, cp) for cp in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def run(captures):
+    """``run(cp)``: the forked ranks' results at ``cp`` ranks, run once per size for the whole module."""
+    done = {}
+
+    def get(cp):
+        if cp not in done:
+            done[cp] = run_on_ranks(_body, cp, args=(captures.get(cp),))
+        return done[cp]
+    return get
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
-def ranks(request):
-    return request.param, run_on_ranks(_body, request.param)
+def ranks(request, run):
+    return request.param, run(request.param)
 
 
 @pytest.mark.parametrize("balance", LAYOUTS)
@@ -177,3 +211,26 @@ def test_a_chunk_shorter_than_engram_history_is_refused():
                                          r"engram_max_ngram_size - 1 = 3 token ids from one chunk; use fewer CP "
                                          r"ranks \(2\)"):
         model(ids, position_ids=torch.arange(2)[None], cp=PlanCP(0, 2))
+
+
+def test_capture_recipe_at_cp2_writes_the_features_of_cp1(run, captures):
+    """``recipes/capture_dspark.py model=v41_tiny cp=2`` (its job, on the CP=2 ranks) against ``cp=1`` (its job in
+    this process): the same documents, the same stored features (the config's DSpark targets and the final norm's
+    output) within 1e-5."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from dsv4.speculative.capture_job import capture_rank, write_index
+
+    run(2)
+    capture_rank(0, 1, captures[1])
+    one, two = (write_index(Path(captures[cp]["output_dir"]), captures[cp]["shards_total"], captures[cp])
+                for cp in (1, 2))
+    assert one is not None and two is not None and one["documents"] == two["documents"]
+    assert one["layer_ids"] == [9, 10, 11] and [d["length"] for d in one["documents"]] == [11, 11, 11]
+    for shard in one["shards"]:
+        a, b = (load_file(str(Path(captures[cp]["output_dir"]) / shard)) for cp in (1, 2))
+        assert a.keys() == b.keys() and len(a) == 6
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0, msg=key)
