@@ -48,6 +48,16 @@ def _device_memory(spec: RunSpec) -> int:
     return device_memory_bytes(accelerator, devices if isinstance(devices, int) else 1)
 
 
+def _engram_kept_fp8(spec: RunSpec) -> bool:
+    """The run keeps V4.1's Engram tables in FP8: frozen, and ``model.checkpoint`` stores them so."""
+    if not getattr(spec.model, "engram_layer_ids", None) or getattr(spec.model, "engram_trainable", False) \
+            or not spec.model_checkpoint:
+        return False
+    from dsv4.checkpoint.load import engram_tables_stored_fp8
+
+    return engram_tables_stored_fp8(spec.model_checkpoint)
+
+
 def plan_setup(spec: RunSpec, device_memory: int) -> PlanSetup:
     """The :class:`~dsv4.plan.plan.PlanSetup` of a run (dp from the world size; without one, from ``dp``, else 1;
     the attention kernel the run will use, e.g. Triton on GPUs where it imports)."""
@@ -72,6 +82,7 @@ def plan_setup(spec: RunSpec, device_memory: int) -> PlanSetup:
         micro_batch_size=spec.micro_batch_size, cp=cp, dp=dp, ep=spec.parallel.ep, compute_dtype=spec.compute_dtype,
         optimizer=optimizer_profile(spec.optimizer), device_memory_bytes=device_memory, lora=spec.lora,
         cp_balance=spec.parallel.cp_balance, async_checkpoint=spec.checkpoint.async_save, offload=spec.offload,
+        engram_fp8=_engram_kept_fp8(spec),
     )
 
 

@@ -7,6 +7,9 @@
 * Sampling is by the dp mesh only (``distributed_sampler_kwargs``): the ranks of a CP group read the same rows.
 * Batches (:class:`~dsv4.batch.TokenBatch`) move to the device through their ``to``; the module cuts this CP
   rank's slice with :attr:`ParallelState.cp_rank` / ``cp_size``.
+* ``shard_engram_tables(model)`` (called by the module's ``configure_model`` before a checkpoint is loaded, so each
+  rank reads only its rows): DeepSeek-V4.1's Engram tables row-sharded over the ``dp_cp`` mesh
+  (:mod:`dsv4.parallel.engram_table`).
 * ``parallelize(model)`` (called by the module's ``configure_model``): expert parallelism and the MoE dispatcher
   (:func:`dsv4.parallel.expert_shard.apply_expert_parallel`), then FSDP2 with summed gradients
   (:func:`dsv4.parallel.wrap.apply_fsdp`) in ``compute_dtype`` (FSDP2 mixed precision: fp32 master weights,
@@ -35,6 +38,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 
 from dsv4.parallel.cp import CPContext
 from dsv4.distributed import ProcessGroup
+from dsv4.parallel.engram_table import shard_engram_tables
 from dsv4.parallel.expert_shard import apply_expert_parallel
 from dsv4.parallel.expert_state import ExpertStateLayout
 from dsv4.parallel.mesh import Meshes, ParallelDims, build_meshes
@@ -119,6 +123,10 @@ class DSV4Strategy(ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         dp = self.meshes.dp
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    def shard_engram_tables(self, model: torch.nn.Module) -> int:
+        """Row-shard ``model``'s Engram tables over every rank (the ``dp_cp`` mesh); returns how many."""
+        return shard_engram_tables(model, self.meshes.dp_cp)
 
     def parallelize(self, model: torch.nn.Module) -> None:
         """Expert parallelism (when ``ep > 1`` or an EP dispatcher is chosen), then FSDP2."""

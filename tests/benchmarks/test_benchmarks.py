@@ -73,7 +73,10 @@ def test_train_throughput_measures_only_the_steps_after_warmup():
 @pytest.mark.e2e
 @pytest.mark.timeout(3600)  # the script's own safety net below, longer than the suite's
 def test_memory_plan_agrees_with_the_measured_step():
-    rows = _run("memory_plan.py", "--models", "tiny", "--cp", "1", "2", "--seq-len", "1024", "--variants", "block",
+    """The tiny model's plan within 10% of the tensors a measured step holds at its peak, at CP 1 and 2, for block
+    recompute, the logits-chunk variant and a LoRA run on a kept FP8 base (512 tokens: docs/memory.md gives the
+    numbers at longer sequences)."""
+    rows = _run("memory_plan.py", "--models", "tiny", "--cp", "1", "2", "--seq-len", "512", "--variants", "block",
                 "logits", "lora_fp8", timeout=3600)
     ratios = [r for r in rows if r["name"] == "memory_plan.tensors_over_predicted"]
     assert len(ratios) == 6 and all(0.9 <= r["value"] <= 1.1 for r in ratios), ratios
@@ -88,18 +91,6 @@ def test_v41_memory_plan_agrees_with_the_measured_step():
                 timeout=3600)
     (ratio,) = [r for r in rows if r["name"] == "memory_plan.tensors_over_predicted"]
     assert 0.8 <= ratio["value"] <= 1.2, ratio
-
-
-@pytest.mark.e2e
-def test_gpu_scripts_smoke_on_cpu():
-    """The GPU benchmarks' CPU smoke modes: every measurement printed, positive, in the JSON form."""
-    train = _run("gpu_train.py", "--smoke")
-    assert {r["name"] for r in train} >= {"gpu_train.step_s", "gpu_train.tokens_per_s", "gpu_train.model_tflops"}
-    assert all(r["value"] > 0 for r in train) and train[0]["shape"]["steps_measured"] == 2
-    attention = _run("gpu_attention.py", "--smoke")
-    names = {(r["name"], r["shape"]["ratio"]) for r in attention}
-    assert {(n, ratio) for n in ("gpu_attention.forward_ms", "gpu_attention.backward_tflops") for ratio in (4, 128)} <= names
-    assert all(set(r) == {"name", "shape", "value", "unit"} and r["value"] > 0 for r in attention + train)
 
 
 @pytest.mark.e2e

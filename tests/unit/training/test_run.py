@@ -285,15 +285,24 @@ def test_resume_never_picks_an_incomplete_checkpoint(tmp_path, caplog):
 
 def test_v41_tiny_trains_on_the_default_data_and_with_lora(tmp_path, one_rank_group):
     """``model=v41_tiny`` on the byte tokenizer (Engram hashing through its 227 classes; the start-up memory plan of
-    the V4.1 model included, which counts its Engram tables): the loss falls over 4 steps; ``peft=lora
+    the V4.1 model included, which counts its Engram tables), the tables trainable (row-sharded by the strategy, left
+    out of FSDP, in the optimizer, clipped and saved with the rest): the loss falls over 4 steps; ``peft=lora
     peft.base_dtype=fp8`` (adapters on a frozen kept base, Engram tables frozen) trains too."""
     run = tmp_path / "full"
     run.mkdir()
-    run_finetune(_compose([*FAST, "model=v41_tiny", "trainer.max_steps=4", "checkpoint.every_n_steps=0"]), run)
+    run_finetune(_compose([*FAST, "model=v41_tiny", "model.engram_trainable=true", "trainer.max_steps=4",
+                           "checkpoint.every_n_steps=0"]), run)
     losses = _losses(run)
     assert sorted(losses) == [0, 1, 2, 3] and losses[3] < losses[0] - 0.3, losses
     plan = json.loads((run / "memory_plan.json").read_text())
     assert plan["engram_table_bytes"] == 4 * (384 + 552) * 32  # v41_tiny's two fp32 tables on one rank
+    from dsv4.checkpoint.convert import DCPTensors
+
+    saved = DCPTensors(run / "checkpoints" / "last.ckpt")  # the trained tables and their AdamW moments, whole
+    for layer, rows in ((1, 384), (4, 552)):
+        for key in ("state_dict.model", "optimizer_0.state.model"):
+            suffix = "" if key == "state_dict.model" else ".exp_avg"
+            assert saved.shape(f"{key}.model.layers.{layer}.engram.embed.weight{suffix}") == (rows, 32)
     lora = tmp_path / "lora"
     lora.mkdir()
     run_finetune(_compose([*FAST, "model=v41_tiny", "peft=lora", "peft.base_dtype=fp8", "trainer.max_steps=3",
