@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -127,11 +128,14 @@ class DSV4Strategy(ModelParallelStrategy):
         own steps, whose init finds the group formed and leaves it."""
         self.set_world_ranks()
         if not torch.distributed.is_initialized():
-            env = self.cluster_environment
-            form_process_group(self._get_process_group_backend(), env.main_address, env.main_port,
-                               self.global_rank, self.world_size, startup_timeout=self.startup_timeout,
-                               timeout=self._timeout,
+            env, backend = self.cluster_environment, self._get_process_group_backend()
+            form_process_group(backend, env.main_address, env.main_port, self.global_rank, self.world_size,
+                               startup_timeout=self.startup_timeout, timeout=self._timeout,
                                device=self.root_device if self.root_device.type != "cpu" else None)
+            if backend == "nccl":  # as Lightning's own init does: torch warns about an NCCL group left at exit
+                from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+                atexit.register(_destroy_dist_connection)
         super()._setup_distributed()
 
     @property
