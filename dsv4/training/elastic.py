@@ -42,7 +42,6 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-SHARE_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 ROUNDS_PREFIX = "dsv4/rounds"
 _MAX_POLL_S = 1.0
 WATCHDOG_GRACE_S = 5.0  # past the start-up timeout, a rank still blocked inside torch.distributed exits
