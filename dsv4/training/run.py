@@ -20,7 +20,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from dsv4.training.elastic import restart_store_warning
 from dsv4.training.options.family import refuse_image_tokens
 from dsv4.training.planning import check_memory
 from dsv4.training.spec import RunSpec, build_run_spec
@@ -113,9 +112,6 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
         return run_sweep_job(output_dir)
     if check_memory(spec, output_dir, cfg):  # plan only
         return None
-    restart_warning = restart_store_warning(os.environ)
-    if restart_warning and os.environ.get("RANK", "0") == "0":
-        log.warning("%s", restart_warning)
 
     import lightning as L
     import torch

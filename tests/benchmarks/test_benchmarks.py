@@ -288,3 +288,24 @@ def test_optimizer_state_moving_average_and_model_overrides():
     assert "model.compress_ratios=[0,4,128,4,128,4,128,4]" in model_overrides("mid")
     with pytest.raises(ValueError, match="unknown model 'huge'"):
         model_overrides("huge")
+
+
+def test_restart_loop_counts_a_trial_only_with_one_restart_a_complete_resume_and_the_oracles_losses():
+    """The restart loop's judgement (its trials run torchrun for minutes: not in the suite), on hand-made trials."""
+    from restart_loop import newest_checkpoint_by, resumed_steps, verdict
+
+    ref = {0: 1.0, 1: 0.9, 2: 0.8}
+    assert verdict(ref, dict(ref), 0, 1, [2, 2], 2) == "recovered"
+    assert verdict(ref, dict(ref), 0, 1, [4, 4], 2) == "recovered"  # the kill landed after a later save
+    assert verdict(ref, {**ref, 2: 0.8000001}, 0, 1, [2, 2], 2) == "step 2: loss 0.8000001 != 0.8"
+    assert verdict(ref, {0: 1.0, 1: 0.9}, 0, 1, [2, 2], 2) == "logged steps [0, 1] != [0, 1, 2]"
+    assert verdict(ref, ref, None, 1, [2, 2], 2).startswith("hung")
+    assert verdict(ref, ref, 1, 1, [2, 2], 2) == "torchrun exited 1"
+    assert verdict(ref, ref, 0, 2, [2, 2, 2, 2], 2) == "2 restarts, not 1"
+    for resumed in ([0, 0], [2], [2, 4]):  # older than the committed checkpoint, one rank, two checkpoints
+        assert verdict(ref, ref, 0, 1, resumed, 2).startswith(f"resumed from steps {resumed}")
+    assert [newest_checkpoint_by(row, 2) for row in range(5)] == [0, 2, 2, 4, 4]
+    log = ("[2026-12-03 15:18:19,994][dsv4][INFO] - resuming from /r/checkpoints/last.ckpt (step 2)\n"
+           "[2026-12-03 15:18:20,001][dsv4][WARNING] - not resuming from /r/checkpoints/step4.ckpt.partial: incomplete\n"
+           "[2026-12-03 15:18:22,776][dsv4][INFO] - resuming from /r/checkpoints/last.ckpt (step 2)\n")
+    assert resumed_steps(log) == [2, 2]

@@ -57,6 +57,7 @@ def _compose(overrides):
                                                  "`global_batch_size`"),
         (["trainer.precision=bf16-true"], "`trainer.precision`='bf16-true' must be auto or one of"),
         (["trainer.offload=params"], "`trainer.offload`='params' must be one of none, optimizer"),
+        (["trainer.startup_timeout_s=0"], "`trainer.startup_timeout_s`=0 must be a number of seconds > 0"),
         (["checkpoint.every_n_steps=-1"], "`checkpoint.every_n_steps` must be >= 0, got -1"),
         (["preemption.signals=[SIGTERM,SIGNOPE]"], "`preemption.signals`: 'SIGNOPE' is not a catchable signal name"),
         (["preemption.signals=[SIGKILL]"], "`preemption.signals`: 'SIGKILL' is not a catchable signal name"),
@@ -86,6 +87,17 @@ def test_run_spec_names_the_bad_key(overrides, message):
     with pytest.raises((ValueError, RuntimeError)) as err:  # RuntimeError: a dispatcher this machine cannot run
         build_run_spec(_compose([*FAST, *overrides]))
     assert message in str(err.value)
+
+
+def test_the_startup_timeout_goes_to_the_strategy_not_to_lightning():
+    from datetime import timedelta
+
+    from dsv4.training.strategy import DSV4Strategy
+
+    spec = build_run_spec(_compose([*FAST, "trainer.startup_timeout_s=45"]))
+    assert spec.startup_timeout_s == 45.0 and "startup_timeout_s" not in spec.trainer
+    assert DSV4Strategy.from_spec(spec).startup_timeout == timedelta(seconds=45)
+    assert build_run_spec(_compose(FAST)).startup_timeout_s == 300.0  # conf/trainer/cpu.yaml
 
 
 def test_unknown_dispatcher_group_lists_the_options():
