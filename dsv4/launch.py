@@ -50,7 +50,8 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
         try:
             out = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # (fn may have ended it, or replaced it with a group of its own)
+                dist.destroy_process_group()
         buffer = io.BytesIO()  # serialise: shared-memory tensors would vanish when this process exits
         torch.save(out, buffer)
         queue.put((rank, "ok", buffer.getvalue()))

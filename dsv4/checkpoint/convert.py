@@ -21,6 +21,9 @@ model (``export.merge`` with ``export.hf_dir``), byte for byte, with the base st
 ``model.checkpoint`` one block at a time (:class:`_BlockLoader`): peak memory is one transformer block of the base in
 the format the run keeps it in, plus one merged tensor.
 
+A V4.1 run's Engram tables are in the checkpoint at their global shapes (each rank saved its rows); a table the run
+kept in FP8 (frozen, from a release) is dequantised on the way out.
+
 Checkpoints of expert-parallel runs hold every routed expert at its global shape (:mod:`dsv4.parallel.expert_state`)
 and convert like any other; a routed-expert tensor holding fewer experts than the model is refused, naming the key
 and the numbers.
@@ -161,8 +164,20 @@ def export_run(run_dir: str | os.PathLike, out: str, *, step: int | None = None,
         _check_shape(ckpt, tensors, MODEL_PREFIX + name, tuple(state[name].shape), K.is_stacked_expert(name))
     tensors.check_files([MODEL_PREFIX + n for n in names])
     sources = [ExportSource(n, tensors.shape(MODEL_PREFIX + n), tensors.dtype(MODEL_PREFIX + n).is_floating_point,
-                            lambda k=MODEL_PREFIX + n: tensors.read(k)) for n in names]
+                            lambda n=n: _read_model_tensor(tensors, n)) for n in names]
     return _export_sources(model, out, config, sources, dtype, ckpt, progress, max_shard_bytes, overwrite)
+
+
+def _read_model_tensor(tensors: DCPTensors, name: str) -> torch.Tensor:
+    """The model tensor ``name`` of the checkpoint; an Engram table the run kept in FP8 (its ``scale`` saved beside
+    it, :mod:`dsv4.model.v41.engram_table`) dequantised."""
+    from dsv4.checkpoint.quant import V41_SCHEME, dequantize
+
+    key = MODEL_PREFIX + name
+    scale = key[: -len("weight")] + "scale"
+    if name.endswith(".engram.embed.weight") and scale in tensors.entries:
+        return dequantize(tensors.read(key), tensors.read(scale), "fp8_rows", torch.float32, V41_SCHEME)
+    return tensors.read(key)
 
 
 def _export_sources(model, out: str, config, sources: list[ExportSource], dtype: str, ckpt: Path, progress: bool,

@@ -24,7 +24,10 @@ Any parallel layout (FSDP2 shards, EP expert slices, cp / dp): every rank of the
 :func:`export_hf_checkpoint`. Every rank plans the same files from the metadata alone (:func:`converted_meta`, one
 shard per ``max_shard_bytes`` in export order, each file's header and offsets from
 :mod:`~dsv4.checkpoint.safetensors_write`) and gives each on-disk tensor a writer: a routed expert one of the ranks
-holding it, every other tensor the ranks in turn. Rank 0 creates the files; then every rank walks the tensors in
+holding it, a row-sharded Engram table (:mod:`dsv4.parallel.engram_table`) every rank its own rows (in chunks of
+:data:`TABLE_ROW_CHUNK_BYTES`, quantised per row, never gathered), every other tensor the ranks in turn. An Engram
+table kept in FP8 is written dequantised (``bfloat16`` / ``float32``) or re-quantised to the same values
+(``quantized``: power-of-two row scales make the round trip exact). Rank 0 creates the files; then every rank walks the tensors in
 the same order, gathers each (``full_tensor()``: a collective; a stacked expert tensor gives this rank's slice),
 converts the ones it writes and writes them at their offsets; rank 0 renames the files and writes the index and
 ``config.json``. Peak extra memory: one gathered tensor (at most one FSDP unit) and its conversions, nothing per
@@ -43,6 +46,7 @@ afterwards; :mod:`dsv4.checkpoint.export_dir`).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from functools import partial
@@ -56,12 +60,15 @@ from dsv4.checkpoint import keys as K
 from dsv4.checkpoint.export_dir import export_dir_problem, remove_stale_files
 from dsv4.checkpoint.hf_config import CONFIG_FILE, INDEX_FILE, SCHEMES, config_family, write_hf_config
 from dsv4.checkpoint.quant import quantize, scale_shape
-from dsv4.checkpoint.safetensors_write import TensorMeta, create_file, file_layout, write_tensor
+from dsv4.checkpoint.safetensors_write import TensorMeta, create_file, file_layout, write_rows, write_tensor
 from dsv4.distributed import full_tensor, group_rank, group_size, is_initialized, resolve_group
 from dsv4.model.moe import GroupedExperts
+from dsv4.model.v41.engram_table import LocalEngramTable
 
 EXPORT_DTYPES = ("bfloat16", "float32", "quantized")
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
+TABLE_ROW_CHUNK_BYTES = 256 * 1024**2
+"""A row-sharded Engram table is converted and written by chunks of about this many fp32 bytes of rows."""
 
 
 @dataclass
@@ -136,12 +143,41 @@ class ExportSource:
     shape: tuple[int, ...]
     is_float: bool
     fetch: Callable[[], torch.Tensor]
+    rows: tuple[int, int] | None = None  # a row-sharded tensor: this rank holds (and writes) rows [start, stop)
+    fetch_rows: Callable[[int, int], torch.Tensor] | None = None  # rows [a, b) of those (global row numbers)
+
+
+def _table_rows(table: LocalEngramTable, first: int, last: int) -> torch.Tensor:
+    """Rows ``[first, last)`` (global, held by ``table``) as fp32, the FP8 form dequantised."""
+    local = torch.arange(first - table.row_start, last - table.row_start, device=table.weight.device)
+    return table.read(local, torch.float32).detach().cpu()
+
+
+def table_sources(model: nn.Module) -> tuple[dict[str, ExportSource], set[str]]:
+    """The export sources of ``model``'s Engram tables (``{weight name: source}``, each the logical fp32 table) and
+    the state-dict names they cover (the FP8 form's ``scale`` too). A row-sharded table is a ``rows`` source: every
+    rank writes its own rows; a whole one is fetched whole."""
+    from dsv4.parallel.engram_table import RowShardedEngramTable
+
+    sources, covered = {}, set()
+    for name, table in model.named_modules():
+        if not isinstance(table, LocalEngramTable):
+            continue
+        weight = f"{name}.weight"
+        held = (table.row_start, table.row_start + table.local_rows)
+        sharded = isinstance(table, RowShardedEngramTable)
+        sources[weight] = ExportSource(weight, (table.rows, table.head_dim), True,
+                                       partial(_table_rows, table, *held), held if sharded else None,
+                                       partial(_table_rows, table))
+        covered |= {weight, f"{name}.scale"}
+    return sources, covered
 
 
 def model_sources(model: nn.Module) -> list[ExportSource]:
-    """Every persistent tensor of ``model`` as it is."""
-    return [ExportSource(name, tuple(t.shape), t.is_floating_point(), partial(_full, t))
-            for name, t in model.state_dict().items()]
+    """Every persistent tensor of ``model`` as it is (an Engram table as :func:`table_sources` gives it)."""
+    tables, covered = table_sources(model)
+    return [tables[name] if name in tables else ExportSource(name, tuple(t.shape), t.is_floating_point(), partial(_full, t))
+            for name, t in model.state_dict().items() if name in tables or name not in covered]
 
 
 def converted_meta(hf_key: str, shape: tuple[int, ...], is_float: bool, dtype: str, family: str = K.V4
@@ -173,8 +209,11 @@ class _Planned:
     source: int
     hf_key: str
     expert: int | None
-    writer: int
+    writer: int  # ROWS: every rank writes the rows it holds
     parts: list[TensorMeta]
+
+
+ROWS = -1
 
 
 def expert_holders(model: nn.Module, group=None) -> dict[str, list[tuple[int, int]]]:
@@ -223,6 +262,9 @@ def _plan(model: nn.Module, sources: list[ExportSource], dtype: str, world: int,
         hf = K.ours_to_hf(src.name, family=family)
         if hf is None:
             raise KeyError(f"export: no on-disk name for state-dict key {src.name!r} ({family} layout)")
+        if src.rows is not None:
+            planned.append(_Planned(i, hf, None, ROWS, converted_meta(hf, src.shape, src.is_float, dtype, family)))
+            continue
         planned.append(_Planned(i, hf, None, plain % world, converted_meta(hf, src.shape, src.is_float, dtype, family)))
         plain += 1
     return planned
@@ -308,9 +350,31 @@ def export_hf_checkpoint(
         by_source: dict[int, list[_Planned]] = {}
         for p in planned:
             by_source.setdefault(p.source, []).append(p)
+        def write_held_rows(src: ExportSource, p: _Planned) -> None:
+            """A row-sharded source: this rank's rows, converted and written by chunks at their place."""
+            start, stop = src.rows
+            step = max(1, TABLE_ROW_CHUNK_BYTES // max(1, 4 * math.prod(src.shape[1:])))
+            for first in range(start, stop, step):
+                last = min(stop, first + step)
+                value = src.fetch_rows(first, last)
+                for meta, (key, t) in zip(p.parts, convert_for_export(p.hf_key, value, dtype, family), strict=True):
+                    if key != meta.key or t.dtype != meta.dtype or tuple(t.shape[1:]) != meta.shape[1:]:
+                        raise ValueError(f"export: {key} rows converted to {t.dtype} {list(t.shape)}, planned "
+                                         f"{meta.dtype} {list(meta.shape)} under {meta.key}")
+                    f = file_of[key]
+                    if f not in fds:
+                        fds[f] = os.open(os.path.join(path, temps[f]), os.O_WRONLY)
+                    write_rows(fds[f], layouts[f], key, t, first, meta.shape[0], os.path.join(path, temps[f]))
+            if stop > start:
+                report.keys_written.extend(meta.key for meta in p.parts)
+
         def write_source(i: int, src: ExportSource) -> None:
             """Fetch one source (every rank: a collective under FSDP) and write this rank's part of it; nothing
             outlives the call, so the next fetch starts with no tensor of this one alive."""
+            if src.rows is not None:  # no collective: each rank writes the rows it holds
+                for p in by_source.get(i, []):
+                    write_held_rows(src, p)
+                return
             full = src.fetch().detach().cpu()
             offset = model.get_submodule(src.name.rsplit(".", 1)[0]).expert_offset if K.is_stacked_expert(src.name) else 0
             for p in by_source.get(i, []):

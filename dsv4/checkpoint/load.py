@@ -42,6 +42,13 @@ dequantised. A checkpoint that stores such a tensor unquantised (bf16 / fp32) is
 stored in the other format is an error. Adapter parameters (``*lora_A`` / ``*lora_B``) are not checkpoint keys
 and keep their values.
 
+Engram tables (V4.1, :class:`~dsv4.model.v41.engram_table.LocalEngramTable`): a table holding rows ``[start,
+stop)`` (one rank's slice of a row-sharded table, :mod:`dsv4.parallel.engram_table`; all rows for a whole table)
+reads only those rows, in row chunks of about :data:`LOAD_CHUNK_BYTES`, each with its scale rows; the key's shape is
+checked against the whole table. A table kept in the release's FP8 form (frozen, :func:`keep_engram_tables_as_stored`
+switches it before the load) receives the stored e4m3 bytes and row scales as they are; a float table receives
+them dequantised.
+
 Routed experts: a ``GroupedExperts`` holding experts ``[offset, offset + local)`` (after ``shard_experts``) reads
 only those experts' keys. With ``ep_rank``/``ep_size`` on a model that still holds all experts, only the rank's
 range ``[r*E/n, (r+1)*E/n)`` is read (the other rows are left as they are; ``shard_experts`` drops them next).
@@ -77,11 +84,13 @@ from dsv4.checkpoint.quant import (
     dequantize,
     kept_format,
     logical_shape,
+    quantize,
     quantize_kept,
     scale_shape,
 )
 from dsv4.checkpoint.layouts import release_view
 from dsv4.checkpoint.safetensors_io import DTYPES, CheckpointDir, TensorInfo, TensorReader
+from dsv4.model.v41.engram_table import LocalEngramTable
 
 log = logging.getLogger("dsv4")
 
@@ -159,8 +168,9 @@ class _Item:
     expert_row: int | None  # row of a stacked expert tensor
     fmt: str  # "fp8" | "fp8_rows" | "fp4" | "plain"
     scale_key: str | None
-    keep: str | None = None  # the target's kept format ("fp8" | "fp4"), None for a float target
+    keep: str | None = None  # the target's kept format ("fp8" | "fp8_rows" | "fp4"), None for a float target
     scheme: QuantScheme = V4_SCHEME  # the checkpoint family's formats
+    rows: tuple[int, int] | None = None  # an Engram table's rows [start, stop) this model holds
 
 
 def _expert_ranges(
@@ -186,13 +196,25 @@ def _expert_ranges(
     return out
 
 
+def _table_rows(model: nn.Module, targets: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    """``name -> (start, stop)``: the rows of each Engram table target that ``model`` holds."""
+    out = {}
+    for name in targets:
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        if isinstance(module, LocalEngramTable) and leaf == "weight":
+            out[name] = (module.row_start, module.row_start + module.local_rows)
+    return out
+
+
 def _check_and_plan(
     ckpt: CheckpointDir, targets: dict[str, torch.Tensor], ranges: dict[str, tuple[int, int, int, int]], mtp_depths: int,
     left_out: set[str] = frozenset(), family: str = K.V4, scheme: QuantScheme = V4_SCHEME,
-    not_built: dict[str, int] | None = None,
+    not_built: dict[str, int] | None = None, tables: dict[str, tuple[int, int]] | None = None,
 ) -> tuple[list[_Item], list[str]]:
     """The load plan (see the module docstring); ``not_built`` collects the counts of the keys
-    :func:`~dsv4.checkpoint.keys.skip_reason` names, by group."""
+    :func:`~dsv4.checkpoint.keys.skip_reason` names, by group; ``tables``: :func:`_table_rows`."""
+    tables = tables or {}
     items: list[_Item] = []
     skipped: list[str] = []
     not_built = {} if not_built is None else not_built
@@ -247,12 +269,15 @@ def _check_and_plan(
         scale_key = K.scale_key_of_weight(key)
         has_scale = scale_key in scales
         keep = kept_format(target)
+        if keep == "fp8" and mapped.name in tables:  # an Engram table keeps the release's row scales
+            keep = "fp8_rows"
         fmt = _validate(info, ckpt.tensors.get(scale_key) if has_scale else None, expected_shape,
                         torch.float32 if keep else target.dtype, scheme, K.on_disk_format(key, family))
         if keep and fmt not in ("plain", keep):
             raise ValueError(f"{key}: stored as {fmt} but the model keeps this tensor as {keep} "
                              f"(peft.base_dtype=fp8 keeps the release's formats)")
-        items.append(_Item(key, mapped.name, row, fmt, scale_key if has_scale else None, keep, scheme))
+        items.append(_Item(key, mapped.name, row, fmt, scale_key if has_scale else None, keep, scheme,
+                           tables.get(mapped.name)))
         seen_targets[(mapped.name, mapped.expert)] = key
     for s in sorted(scales):
         w = K.weight_key_of_scale(s)
@@ -372,7 +397,8 @@ def load_hf_checkpoint(
                      "model.init_missing_mtp=true)", path, layout, missing, len(fresh))
     ranges = _expert_ranges(model, targets, ep_rank, ep_size)
     not_built: dict[str, int] = {}
-    items, skipped = _check_and_plan(ckpt, targets, ranges, mtp_depths, left_out, family, scheme, not_built)
+    items, skipped = _check_and_plan(ckpt, targets, ranges, mtp_depths, left_out, family, scheme, not_built,
+                                     _table_rows(model, targets))
     check_model_config(getattr(model, "config", None), path)
     if not_built:
         log.info("%s: skipped %d tensors outside the text backbone dsv4 builds (text-only training; they are not "
@@ -488,7 +514,42 @@ def _load_chunked(reader: TensorReader, it: _Item, dest: torch.Tensor, info: Ten
         dest[start:stop].copy_(value.to(device=dest.device, dtype=dest.dtype))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (a ``DTensor`` 's local tensor, a row-sharded Engram table's rows)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _load_table_rows(reader: TensorReader, it: _Item, state: dict[str, torch.Tensor]) -> None:
+    """An Engram table's held rows ``it.rows`` read by chunks of about :data:`LOAD_CHUNK_BYTES` (with their scale
+    rows), each dequantised into a float table or copied as stored into the kept FP8 form."""
+    start, stop = it.rows
+    dest = _local(state[it.target])
+    scale_dest = _local(state[kept_scale_name(it.target)]) if it.keep else None
+    info = reader.ckpt.tensors[it.hf_key]
+    step = max(1, LOAD_CHUNK_BYTES // max(1, info.nbytes // max(info.shape[0], 1)))
+    for first in range(start, stop, step):
+        last = min(stop, first + step)
+        weight = reader.read(it.hf_key, (first, last))
+        scale = reader.read(it.scale_key, (first, last)) if it.scale_key else None  # one scale row per row
+        rows = slice(first - start, last - start)
+        if it.keep:
+            if it.fmt == "fp8_rows" and scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+                q, s = weight, scale.view(torch.float8_e8m0fnu)
+            else:
+                value = weight.float() if it.fmt == "plain" else dequantize(weight, scale, it.fmt, torch.float32,
+                                                                            it.scheme)
+                q, s = quantize(value, "fp8_rows", it.scheme)
+            dest[rows].copy_(q.view(dest.dtype).to(dest.device))
+            scale_dest[rows].copy_(s.to(scale_dest.device))
+            continue
+        value = weight if it.fmt == "plain" else dequantize(weight, scale, it.fmt, torch.float32, it.scheme)
+        dest[rows].copy_(value.to(device=dest.device, dtype=dest.dtype))
+
+
 def _load_item(reader: TensorReader, it: _Item, state: dict[str, torch.Tensor]) -> None:
+    if it.rows is not None:
+        _load_table_rows(reader, it, state)
+        return
     target = state[it.target]
     dest = target if it.expert_row is None else target[it.expert_row]
     info = reader.ckpt.tensors[it.hf_key]
@@ -518,6 +579,37 @@ def _load_kept(it: _Item, weight: torch.Tensor, scale: torch.Tensor | None, dest
         q, s = quantize_kept(value, it.keep)
     dest.copy_(q.view(dest.dtype).to(dest.device))
     scale_dest.copy_(s.to(scale_dest.device))
+
+
+def engram_tables_stored_fp8(path: str) -> bool:
+    """True when the checkpoint directory ``path`` stores V4.1 Engram tables in FP8 (the release's form); from the
+    shard headers only."""
+    ckpt, _ = release_view(CheckpointDir.open(path))
+    return any(K.on_disk_format(k, K.V41) == "fp8_rows" and info.dtype == "F8_E4M3" for k, info in ckpt.tensors.items())
+
+
+def keep_engram_tables_as_stored(model: nn.Module, path: str) -> list[str]:
+    """Switch every frozen Engram table of ``model`` whose key the checkpoint directory ``path`` stores in FP8 (the
+    release's form) to the kept FP8 form (:meth:`~dsv4.model.v41.engram_table.LocalEngramTable.keep_fp8`), so that
+    :func:`load_hf_checkpoint` then copies the stored bytes and row scales as they are; from the shard headers only.
+    Returns the tables' state-dict names (one INFO line names them); trainable tables stay in float."""
+    family = config_family(model.config) if hasattr(model, "config") else K.V4
+    if family != K.V41:
+        return []
+    ckpt, _ = release_view(CheckpointDir.open(path))
+    kept = []
+    for name, module in model.named_modules():
+        if not isinstance(module, LocalEngramTable) or module.kept_fp8 or module.weight.requires_grad:
+            continue
+        hf = K.ours_to_hf(f"{name}.weight", family=family)
+        info = ckpt.tensors.get(hf)
+        if info is not None and info.dtype == "F8_E4M3":
+            module.keep_fp8()
+            kept.append(f"{name}.weight")
+    if kept:
+        log.info("%s: the frozen Engram tables %s are kept in their stored FP8 form (e4m3 rows, one e8m0 scale per row "
+                 "and 32 columns), dequantised after each lookup", path, kept)
+    return kept
 
 
 def load_model_from_hf(path: str, *, device: str | torch.device = "cpu", init_missing_mtp: bool = False,

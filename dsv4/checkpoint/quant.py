@@ -37,8 +37,8 @@ FP4_MAX = 6.0
 E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32
 )
-_E2M1_MAGNITUDES = E2M1_VALUES[:8]
-_E2M1_MIDPOINTS = (_E2M1_MAGNITUDES[1:] + _E2M1_MAGNITUDES[:-1]) / 2  # 7 decision boundaries
+_E2M1_PAIRS = torch.stack((E2M1_VALUES.repeat(16), E2M1_VALUES.repeat_interleave(16)), dim=-1)
+"""``[256, 2]``: the values of a packed byte's low nibble (its first column) and high nibble."""
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -174,19 +174,24 @@ def dequantize_fp4_packed(packed: torch.Tensor, scale: torch.Tensor, dtype: torc
             f"{tuple(packed.shape)} (logical [{out}, {inp}], expected {fp4_scale_shape((out, inp))}: one scale "
             f"per {FP4_GROUP} columns)"
         )
-    values = E2M1_VALUES[unpack_fp4_codes(packed).long()]
+    pairs = _E2M1_PAIRS[packed.contiguous().view(torch.uint8).long()]  # [out, in/2, 2]: both nibbles of a byte
+    groups = scale.shape[1]
+    if inp == groups * FP4_GROUP:
+        return (pairs.view(out, groups, FP4_GROUP) * decode_e8m0(scale, zero).unsqueeze(-1)).view(out, inp).to(dtype)
     s = decode_e8m0(scale, zero).repeat_interleave(FP4_GROUP, dim=1)[:, :inp]
-    return (values * s).to(dtype)
+    return (pairs.view(out, inp) * s).to(dtype)
 
 
 def _round_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """fp32 (already clamped to [-6, 6]) -> e2m1 codes, nearest value with ties to the even code."""
+    """fp32 (already clamped to [-6, 6]) -> e2m1 codes, nearest value with ties to the even code.
+
+    The magnitudes are three evenly spaced grids: codes 0-4 are ``0, 0.5, ..., 2`` (step 1/2), codes 4-6 are
+    ``2, 3, 4`` (step 1), codes 6-7 are ``4, 6`` (step 2); on each, the code is an even offset plus the magnitude
+    rounded on that grid, and ``torch.round`` rounds half to even, so a tie lands on the even code."""
     mag = x.abs()
-    idx = torch.bucketize(mag, _E2M1_MIDPOINTS, right=False)  # a tie goes to the lower code
-    tie = (idx < 7) & (mag == _E2M1_MIDPOINTS[idx.clamp(max=6)]) & (idx % 2 == 1)
-    idx = idx + tie.long()
-    sign = (x < 0) & (idx > 0)
-    return (idx + 8 * sign.long()).to(torch.uint8)
+    idx = torch.where(mag < 2, (mag * 2).round(), torch.where(mag < 4, mag.round() + 2, (mag * 0.5).round() + 4))
+    code = idx.to(torch.uint8)
+    return torch.where((x < 0) & (code > 0), code + 8, code)
 
 
 def quantize_fp4_packed(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,12 +201,15 @@ def quantize_fp4_packed(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     w = weight.detach().float()
     out, inp = w.shape
     groups = _ceil_div(inp, FP4_GROUP)
-    padded = w.new_zeros(out, groups * FP4_GROUP)
-    padded[:, :inp] = w
-    amax = padded.abs().reshape(out, groups, FP4_GROUP).amax(dim=2)
-    k = _pow2_exponent_at_least(amax / FP4_MAX).clamp(-127, 127)
-    s = torch.ldexp(torch.ones_like(amax), k).repeat_interleave(FP4_GROUP, dim=1)[:, :inp]
-    codes = _round_to_e2m1_codes((w / s).clamp(-FP4_MAX, FP4_MAX))
+    if inp != groups * FP4_GROUP:
+        padded = w.new_zeros(out, groups * FP4_GROUP)
+        padded[:, :inp] = w
+    else:
+        padded = w
+    grouped = padded.view(out, groups, FP4_GROUP)
+    k = _pow2_exponent_at_least(grouped.abs().amax(dim=2) / FP4_MAX).clamp(-127, 127)
+    s = torch.ldexp(torch.ones(k.shape, device=k.device), k).unsqueeze(-1)  # [out, groups, 1]: one power of two per group
+    codes = _round_to_e2m1_codes((grouped / s).clamp(-FP4_MAX, FP4_MAX)).view(out, groups * FP4_GROUP)[:, :inp]
     return pack_fp4_codes(codes), encode_e8m0(k)
 
 

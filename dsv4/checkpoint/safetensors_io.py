@@ -248,6 +248,7 @@ class TensorReader:
         self.ckpt = ckpt
         self.keys_read: list[str] = []
         self.bytes_read = 0
+        self._counted: set[str] = set()
         self._name: str | None = None
         self._handle = None
 
@@ -260,7 +261,7 @@ class TensorReader:
 
     def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor ``key``, or only its rows ``[start, stop)`` along the first dimension (one contiguous byte
-        range). A key counts in ``keys_read`` once, when its first row (or all of it) is read."""
+        range). A key counts in ``keys_read`` once, at its first read (whole or any rows)."""
         info = self.ckpt.tensors[key]
         dtype = info.torch_dtype()
         numel = 1
@@ -291,7 +292,8 @@ class TensorReader:
                     f"{info.nbytes} bytes"
                 )
             got += n
-        if rows is None or rows[0] == 0:
+        if key not in self._counted:
+            self._counted.add(key)
             self.keys_read.append(key)
         self.bytes_read += nbytes
         return buf.view(dtype).reshape(shape)

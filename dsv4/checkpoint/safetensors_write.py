@@ -8,7 +8,7 @@ safetensors' own dtype order, then by name), so a file filled here is byte-ident
 dict (``tests/unit/checkpoint/test_distributed_export.py``).
 
 :func:`create_file` writes the header and sets the file's length; :func:`write_tensor` writes one tensor's bytes
-at its offset (``pwrite``: processes writing disjoint tensors of one file need no coordination beyond "created
+at its offset, :func:`write_rows` a range of a tensor's rows (``pwrite``: processes writing disjoint tensors of one file need no coordination beyond "created
 before written", on a local disk or a shared POSIX filesystem).
 """
 
@@ -88,7 +88,25 @@ def write_tensor(fd: int, layout: FileLayout, key: str, tensor: torch.Tensor, pa
     t = tensor.detach().contiguous().cpu()
     if t.numel() * t.element_size() != end - begin:
         raise ValueError(f"{path}: tensor {key!r} has {t.numel() * t.element_size()} bytes, its place {end - begin}")
+    _pwrite(fd, t, begin)
+
+
+def write_rows(fd: int, layout: FileLayout, key: str, rows: torch.Tensor, first: int, total: int,
+               path: str = "") -> None:
+    """Write ``rows`` as rows ``[first, first + len(rows))`` of the ``total``-row tensor ``key`` (dim 0), at their
+    place in the file open as ``fd``: ranks holding disjoint rows of one tensor write it together."""
+    begin, end = layout.offsets[key]
+    t = rows.detach().contiguous().cpu()
+    row_bytes = (end - begin) // total if total else 0
+    if row_bytes * total != end - begin or t.numel() * t.element_size() != row_bytes * t.shape[0] or \
+            not 0 <= first <= first + t.shape[0] <= total:
+        raise ValueError(f"{path}: rows [{first}, {first + t.shape[0]}) of {key!r} ({t.numel() * t.element_size()} "
+                         f"bytes) do not fit its {total} rows of {row_bytes} bytes")
+    _pwrite(fd, t, begin + first * row_bytes)
+
+
+def _pwrite(fd: int, t: torch.Tensor, offset: int) -> None:
     data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
     done = 0
     while done < len(data):
-        done += os.pwrite(fd, data[done:], begin + done)
+        done += os.pwrite(fd, data[done:], offset + done)

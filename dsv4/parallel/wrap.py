@@ -1,8 +1,10 @@
 """Apply FSDP2 to a DSV4 model and clip gradients across its meshes.
 
 * Routed experts (``GroupedExperts``) are sharded over the ``edp`` mesh (the replicas of one EP slice); every
-  block and the root over the flattened ``dp_cp`` mesh. Each element of every parameter is then owned by exactly
-  one rank of the world, which :func:`clip_grad_norm_` relies on.
+  block and the root over the flattened ``dp_cp`` mesh. DeepSeek-V4.1's Engram tables are not FSDP's: they are
+  row-sharded over the ``dp_cp`` mesh first (:func:`dsv4.parallel.engram_table.shard_engram_tables`) and passed to
+  every ``fully_shard`` as ignored parameters, so no unit gathers or reduces them. Each element of every parameter
+  is then owned by exactly one rank of the world, which :func:`clip_grad_norm_` relies on.
 * Gradients are SUMMED, not averaged, across ranks (``set_gradient_divide_factor(1.0)``): each rank
   backpropagates its share ``loss_sum / global_label_count`` (:mod:`dsv4.training.loss`), so the sum over ranks
   is the gradient of the global token mean.
@@ -35,6 +37,8 @@ from dsv4.model.compressor import Compressor
 from dsv4.model.hyper_connections import HyperConnection, HyperHead
 from dsv4.model.moe import GroupedExperts
 from dsv4.model.v41.compressor import CSA2Compressor
+from dsv4.model.v41.engram_table import LocalEngramTable
+from dsv4.parallel.engram_table import shard_engram_tables, sharded_table_parameters
 from dsv4.parallel.mesh import Meshes
 from dsv4.peft.apply import is_lora_model
 
@@ -57,7 +61,8 @@ class FsdpUnit:
 def fsdp_units(model: nn.Module, compute_dtype: torch.dtype = torch.float32,
                reshard_after_forward: bool = True) -> list[FsdpUnit]:
     """The FSDP units of ``model`` in the order :func:`apply_fsdp` shards them (innermost first; a unit owns the
-    parameters of its module that no earlier unit owns). The memory plan (:mod:`dsv4.plan`) reads the same list."""
+    parameters of its module that no earlier unit owns, except the Engram tables' (:func:`table_parameters`), which
+    no unit owns). The memory plan (:mod:`dsv4.plan`) reads the same list."""
     units = []
     if compute_dtype != torch.float32:
         units += [FsdpUnit(m, "dp_cp", torch.float32, reshard_after_forward)
@@ -69,6 +74,12 @@ def fsdp_units(model: nn.Module, compute_dtype: torch.dtype = torch.float32,
     return units + [FsdpUnit(model, "dp_cp", compute_dtype, False)]
 
 
+def table_parameters(module: nn.Module) -> set[nn.Parameter]:
+    """The parameters of the Engram tables inside ``module`` (row-sharded, never an FSDP unit's), whether or not
+    they are sharded yet."""
+    return {p for m in module.modules() if isinstance(m, LocalEngramTable) for p in m.parameters(recurse=False)}
+
+
 def model_blocks(model: nn.Module) -> list[nn.Module]:
     """The decoder blocks of a causal LM: the backbone's layers, then V4's MTP depths (a V4.1 model has none)."""
     mtp = getattr(model, "mtp", None)
@@ -78,7 +89,7 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
 def store_frozen_in_compute_dtype(units: list[FsdpUnit]) -> int:
     """Cast every frozen floating-point parameter to the ``param_dtype`` of the unit that owns it (the first unit
     in ``units`` containing it); returns how many were cast. Trainable parameters keep their fp32 master form."""
-    seen: set[int] = set()
+    seen: set[int] = {id(p) for unit in units for p in table_parameters(unit.module)}
     cast = 0
     for unit in units:
         for p in unit.module.parameters():
@@ -95,11 +106,14 @@ def apply_fsdp(
     model: nn.Module, meshes: Meshes, *, compute_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True, offload: bool = False,
 ) -> nn.Module:
-    """Shard ``model`` (a ``DSV4ForCausalLM``) in place: experts over ``edp``, blocks and root over ``dp_cp``,
-    computing in ``compute_dtype``; ``offload``: shards, gradients and optimizer state in host memory (see the
-    module docstring and :func:`fsdp_units`)."""
+    """Shard ``model`` (a ``DSV4ForCausalLM``) in place: Engram tables by rows over ``dp_cp`` (when not yet), experts
+    over ``edp``, blocks and root over ``dp_cp``, computing in ``compute_dtype``; ``offload``: shards, gradients and
+    optimizer state in host memory (see the module docstring and :func:`fsdp_units`). The Engram tables stay where
+    they are (not offloaded; the caller places them with the model)."""
     # No unit casts its inputs: the embedding output is already in compute_dtype, the fp32 units upcast inside (so
     # the residual streams stay in compute_dtype), and a cast would rebuild the CPContext argument (a dataclass).
+    shard_engram_tables(model, meshes.dp_cp)
+    ignored = sharded_table_parameters(model)
     units = fsdp_units(model, compute_dtype, reshard_after_forward)
     if is_lora_model(model):
         store_frozen_in_compute_dtype(units)
@@ -108,7 +122,8 @@ def apply_fsdp(
         policy = MixedPrecisionPolicy(param_dtype=None if unit.param_dtype == torch.float32 else unit.param_dtype,
                                       reduce_dtype=torch.float32, cast_forward_inputs=False)
         fully_shard(unit.module, mesh=getattr(meshes, unit.mesh), mp_policy=policy,
-                    reshard_after_forward=unit.reshard_after_forward, offload_policy=host)
+                    reshard_after_forward=unit.reshard_after_forward, offload_policy=host,
+                    ignored_params=ignored or None)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

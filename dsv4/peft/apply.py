@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from dsv4.checkpoint import keys as K
-from dsv4.checkpoint.export import ExportSource, _full
+from dsv4.checkpoint.export import ExportSource, _full, table_sources
 from dsv4.checkpoint.quant import dequantize, kept_format, logical_shape, quantize_kept
 from dsv4.model.moe import GroupedExperts
 from dsv4.peft.config import TARGET_MODULE_PATTERNS, LoRAConfig
@@ -126,8 +126,13 @@ def merged_sources(model: nn.Module) -> list[ExportSource]:
     merged weight is computed only when the export fetches it, one at a time, from the tensors ``model`` holds at
     that moment (:func:`merged_weight_of`)."""
     owners = {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAGroupedExperts))}
+    tables, covered = table_sources(model)  # Engram tables (never adapted): their rows, FP8 dequantised
     out: list[ExportSource] = []
     for name, tensor in model.state_dict(keep_vars=True).items():
+        if name in covered:
+            if name in tables:
+                out.append(tables[name])
+            continue
         module_name, _, leaf = name.rpartition(".")
         module = owners.get(module_name)
         if module is None:

@@ -73,8 +73,8 @@ def offload_bytes(units: list[FsdpUnit], owners: dict[nn.Parameter, FsdpUnit], m
     gathers = {id(u): 1 if u is units[-1] or not u.reshard_after_forward else 2 for u in units}
     return OffloadBytes(
         parameters=sum(shard.values()),
-        gradients=states.gradients,
-        optimizer=states.optimizer,
+        gradients=states.gradients - states.table_gradients,  # a trainable Engram table's stay on the device
+        optimizer=states.optimizer - states.table_optimizer,
         step_temporary=states.step_temporary,
         gather_staging=max((staged[k] + cast[k] for k in staged), default=0),
         gather_cast=max(cast.values(), default=0),

@@ -36,14 +36,15 @@ from torch import nn
 from dsv4.config import DSV4Config
 from dsv4.parallel.cp.layout import cp_chunks
 from dsv4.model import build_causal_lm
+from dsv4.model.v41.engram_table import LocalEngramTable
 from dsv4.parallel.expert_shard import shard_experts
 from dsv4.parallel.wrap import OFFLOAD, fsdp_units, model_blocks, store_frozen_in_compute_dtype
 from dsv4.peft.apply import apply_lora
 from dsv4.peft.config import LoRAConfig
 from dsv4.plan.activations import ActivationPlan, Phase, cast_for_compute, plan_activations, step_tracer
 from dsv4.plan.offload import OffloadBytes, offload_bytes
-from dsv4.plan.states import (OptimizerProfile, StateBytes, gradient_shard_bytes, parameter_owners, shard_elements,
-                              state_bytes)
+from dsv4.plan.states import (OptimizerProfile, StateBytes, engram_table_bytes, gradient_shard_bytes,
+                              parameter_owners, state_bytes)
 
 GIB = 2**30
 TERMS = ("parameters", "gradients", "optimizer", "activations", "communication")
@@ -68,6 +69,7 @@ class PlanSetup:
     cp_balance: str = "none"  # the CP layout (dsv4.parallel.cp.layout): "full" = head-tail chunks
     async_checkpoint: bool = True  # checkpoint.async_save: a host staging copy of the rank's checkpoint share
     offload: str = "none"  # trainer.offload: "optimizer" = shards, gradients, optimizer state in host memory
+    engram_fp8: bool = False  # V4.1: frozen Engram tables kept in the release's FP8 form (a checkpoint storing them so)
 
     @property
     def world(self) -> int:
@@ -104,8 +106,10 @@ class MemoryPlan:
     the update's temporary (see :class:`~dsv4.plan.states.OptimizerProfile`). ``total`` is the largest phase.
     ``segment_gradients``: the gradient shard bytes each segment's units reduce, in forward order.
 
-    ``engram_table_bytes`` (DeepSeek-V4.1): the rank's shards of the Engram tables, counted in ``parameters``;
-    they are frozen (no gradient, no optimizer state) unless ``engram_trainable``.
+    ``engram_table_bytes`` (DeepSeek-V4.1): the rank's rows of the Engram tables (row-sharded over the ``dp x cp``
+    ranks, never gathered), counted in ``parameters``; frozen (no gradient, no optimizer state) unless
+    ``engram_trainable``, then with a dense fp32 gradient and optimizer state over the rank's rows. They stay on the
+    device under host offload.
 
     ``offload`` (host offload, :mod:`dsv4.plan.offload`): the terms are the device's. ``parameters`` is the
     buffers, ``gradients`` and ``optimizer`` are 0, ``communication`` adds FSDP's staging copies; the optimizer step
@@ -116,7 +120,7 @@ class MemoryPlan:
     activations: ActivationPlan
     segment_gradients: list[int]
     offload: OffloadBytes | None = None
-    engram_table_bytes: int = 0  # V4.1: this rank's shards of the frozen Engram tables (inside ``parameters``)
+    engram_table_bytes: int = 0  # V4.1: this rank's rows of the Engram tables (inside ``parameters``)
     per_rank_bytes: dict[str, int] = field(init=False)
     peak_phase: str = field(init=False)
     phase_bytes: dict[str, int] = field(init=False)  # device bytes of each phase; ``total`` is the largest
@@ -128,7 +132,8 @@ class MemoryPlan:
                       "communication": s.communication}
             step_temporary = s.step_temporary
         else:  # the shards, gradients and optimizer state (and the step) are on the host
-            device = {"parameters": s.parameters - o.parameters, "gradients": 0, "optimizer": 0,
+            device = {"parameters": s.parameters - o.parameters, "gradients": s.table_gradients,
+                      "optimizer": s.table_optimizer,
                       "communication": s.communication + o.device_staging}
             step_temporary = 0
         self.per_rank_bytes = {t: device.get(t, self.activations.peak) for t in TERMS}
@@ -225,9 +230,10 @@ class MemoryPlan:
             trainable = getattr(c, "engram_trainable", False)
             lines.insert(2, f"      of which Engram tables {_size(self.engram_table_bytes)} (layers "
                             f"{list(c.engram_layer_ids)}, {sum(c.engram_num_embeddings):,} rows of "
-                            f"{c.engram_head_dim}; " + ("trainable" if trainable else
-                                                        "frozen: no gradients, no optimizer state") +
-                            "; FSDP gathers a table whole with its block)")
+                            f"{c.engram_head_dim}{' in FP8' if setup.engram_fp8 and not trainable else ''}, "
+                            f"row-sharded over the {setup.world} ranks, never gathered; " +
+                            ("trainable: a dense fp32 gradient and optimizer state on the rank's rows" if trainable
+                             else "frozen: no gradients, no optimizer state") + ")")
         for seg, count in acts.block_kinds():
             lines.append(f"    {count:>3} x block {seg.kind:<22} saved {_size(seg.retained)} each "
                          f"({_parts(seg.saved_by_component)})")
@@ -322,14 +328,19 @@ class MemoryPlan:
         }
 
 
-def memory_plan(setup: PlanSetup) -> MemoryPlan:
-    """Build the model on ``meta``, shard it like rank 0 of ``setup`` and plan one training step."""
+def memory_plan(setup: PlanSetup, activations: ActivationPlan | None = None) -> MemoryPlan:
+    """Build the model on ``meta``, shard it like rank 0 of ``setup`` and plan one training step. ``activations``:
+    the step's activations already traced for a setup of the same :func:`dsv4.plan.suggest.activation_key` (reused,
+    not traced again)."""
     setup.check()
     with torch.device("meta"):
         model = build_causal_lm(setup.config)
     if setup.lora is not None:  # frozen parameters are stored in their unit's compute dtype (apply_fsdp does it)
         apply_lora(model, setup.lora)
         store_frozen_in_compute_dtype(fsdp_units(model, setup.compute_dtype))
+    if setup.engram_fp8:
+        for table in (m for m in model.modules() if isinstance(m, LocalEngramTable) and not m.weight.requires_grad):
+            table.keep_fp8()
     shard_experts(model, ep_rank=0, ep_size=setup.ep)
     states = state_bytes(model, world=setup.world, ep=setup.ep, compute_dtype=setup.compute_dtype,
                          optimizer=setup.optimizer)
@@ -342,13 +353,13 @@ def memory_plan(setup: PlanSetup) -> MemoryPlan:
     mtp = getattr(model, "mtp", None)
     segment_gradients = [0, *(gradient_shard_bytes([m], owners, mesh_size, skip=units[-1])
                               for m in [*model.model.layers, *([mtp] if mtp is not None else [nn.Identity()])])]
-    engram = sum(shard_elements(m.embed.weight, mesh_size[owners[m.embed.weight].mesh]) * m.embed.weight.element_size()
-                 for m in model.modules() if type(m).__name__ == "Engram")
+    engram = engram_table_bytes(model, setup.world)
     cast_for_compute(model, {p: unit.param_dtype for p, unit in owners.items()})
     root = {p for p, unit in owners.items() if unit is units[-1]}
     tracer = step_tracer(model, setup.micro_batch_size, setup.seq_len // setup.cp, setup.cp, setup.ep > 1,
                         return_logits=not setup.chunked_loss, root_parameters=root, cp_balance=setup.cp_balance)
-    return MemoryPlan(setup, states, plan_activations(tracer), segment_gradients, offload, engram)
+    activations = plan_activations(tracer) if activations is None else activations
+    return MemoryPlan(setup, states, activations, segment_gradients, offload, engram)
 
 
 def _parts(by_component: dict[str, int]) -> str:

@@ -8,7 +8,11 @@ ep`` for routed experts.
 
 * parameters: the fp32 shards (master weights) of trainable parameters, frozen ones (a LoRA base) in the dtype they
   are stored in (their unit's compute dtype), and the buffers (unsharded; a kept FP8 / FP4 LoRA base is buffers);
-* gradients: fp32 shards of the trainable parameters (frozen ones, ``requires_grad=False``, have none);
+  DeepSeek-V4.1's Engram tables are no FSDP unit's: row-sharded over the ``dp x cp`` ranks
+  (:mod:`dsv4.parallel.engram_table`), a rank holds ``ceil(rows / world)`` rows of each, in its stored form (fp32,
+  or the release's FP8 with one e8m0 scale per row and 32 columns), and nothing of them is ever gathered;
+* gradients: fp32 shards of the trainable parameters (frozen ones, ``requires_grad=False``, have none; a trainable
+  Engram table's gradient is dense over the rank's rows, zero where nothing was looked up);
 * optimizer: the real state bytes of each trainable shard, measured on the configured optimizer at that shard's
   element count (:func:`optimizer_profile`: AdamW's two moments are 8 bytes per element in fp32, 4 in bf16, ~2.03 in
   8 bits, small tensors staying fp32; plus a step counter per tensor), and the step's temporary: what one step
@@ -28,7 +32,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dsv4.parallel.wrap import FsdpUnit, fsdp_units
+from dsv4.model.v41.engram_table import LocalEngramTable
+from dsv4.parallel.wrap import FsdpUnit, fsdp_units, table_parameters
 
 
 @dataclass
@@ -36,7 +41,8 @@ class StateBytes:
     """Per-rank bytes: ``parameters``, ``gradients``, ``optimizer``, ``gathered`` (largest units' gathered
     parameters, two at a time), ``root_gathered`` (kept all step), ``reduce_buffer`` (fp32 gradient
     reduce-scatter input), ``step_temporary`` (what the optimizer step allocates); ``largest_unit``: the class of
-    the largest FSDP unit (for the report)."""
+    the largest FSDP unit (for the report). ``tables``, ``table_gradients``, ``table_optimizer``: the Engram tables'
+    part of ``parameters``, ``gradients`` and ``optimizer`` (row-sharded, never offloaded)."""
 
     parameters: int
     gradients: int
@@ -46,6 +52,9 @@ class StateBytes:
     reduce_buffer: int
     largest_unit: str
     step_temporary: int = 0
+    tables: int = 0
+    table_gradients: int = 0
+    table_optimizer: int = 0
 
     @property
     def communication(self) -> int:
@@ -61,12 +70,28 @@ def shard_elements(p: torch.Tensor, mesh_size: int) -> int:
 
 
 def parameter_owners(model: nn.Module, units: list[FsdpUnit]) -> dict[nn.Parameter, FsdpUnit]:
-    """The FSDP unit that owns each parameter (the first unit in ``units`` whose module contains it)."""
+    """The FSDP unit that owns each parameter (the first unit in ``units`` whose module contains it); the Engram
+    tables' parameters have none (:func:`dsv4.parallel.wrap.table_parameters`)."""
+    tables = table_parameters(model)
     owners: dict[nn.Parameter, FsdpUnit] = {}
     for unit in units:
         for p in unit.module.parameters():
-            owners.setdefault(p, unit)
+            if p not in tables:
+                owners.setdefault(p, unit)
     return owners
+
+
+def table_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor of ``model``'s Engram tables: the float ``weight`` parameter, or the FP8 ``weight`` and ``scale``
+    buffers."""
+    return [t for m in model.modules() if isinstance(m, LocalEngramTable)
+            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
+
+
+def engram_table_bytes(model: nn.Module, world: int) -> int:
+    """The bytes of ``model``'s Engram tables one rank holds when they are row-sharded over ``world`` ranks (the
+    first rank's ``ceil(rows / world)`` rows of each, the most any rank holds)."""
+    return sum(shard_elements(t, world) * t.element_size() for t in table_tensors(model))
 
 
 @dataclass(frozen=True)
@@ -215,10 +240,10 @@ def gradient_shard_bytes(modules: list[nn.Module], owners: dict[nn.Parameter, Fs
     seen, total = set(), 0
     for module in modules:
         for p in module.parameters():
-            unit = owners[p]
-            if p.requires_grad and unit is not skip and p not in seen:
+            unit = owners.get(p)  # None: an Engram table, row-sharded over dp x cp (its gradient stays on its owner)
+            if p.requires_grad and (unit is None or unit is not skip) and p not in seen:
                 seen.add(p)
-                total += shard_elements(p, mesh_size[unit.mesh]) * 4
+                total += shard_elements(p, mesh_size[unit.mesh if unit is not None else "dp_cp"]) * 4
     return total
 
 
@@ -244,19 +269,33 @@ def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.d
                 carried.append(optimizer.carried_bytes_for(local))
             reduced[id(unit)] = reduced.get(id(unit), 0) + local * mesh_size[unit.mesh]
         gathered[id(unit)] = gathered.get(id(unit), 0) + local * mesh_size[unit.mesh] * unit.param_dtype.itemsize
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    tables, table_trainable, table_optimizer = 0, 0, 0
+    for t in table_tensors(model):  # row-sharded over dp x cp, never gathered
+        local = shard_elements(t, world)
+        tables += local * t.element_size()
+        if t.requires_grad:
+            table_trainable += local
+            table_optimizer += optimizer.bytes_for(local)
+            step_bytes.append(optimizer.step_bytes_for(local))
+            if optimizer.step_temporary == "per_tensor":
+                carried.append(optimizer.carried_bytes_for(local))
+    held = {id(t) for t in table_tensors(model)}
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers() if id(b) not in held)
     root = units[-1]
     by_unit = sorted(((gathered.get(id(u), 0), u) for u in units[:-1]), key=lambda t: t[0], reverse=True)
     two_largest = sum(b for b, _ in by_unit[:2])
     _, largest = by_unit[0] if by_unit else (0, root)
     return StateBytes(
-        parameters=master + buffers,
-        gradients=trainable * 4,
-        optimizer=optimizer_bytes,
+        parameters=master + buffers + tables,
+        gradients=(trainable + table_trainable) * 4,
+        optimizer=optimizer_bytes + table_optimizer,
         step_temporary=(max(step_bytes, default=0) + max(carried, default=0) if optimizer.step_temporary == "per_tensor"
                         else sum(step_bytes)),
         gathered=two_largest,
         root_gathered=gathered.get(id(root), 0),
         reduce_buffer=max((n for key, n in reduced.items() if key != id(root)), default=0) * 4,
         largest_unit=type(largest.module).__name__,
+        tables=tables,
+        table_gradients=table_trainable * 4,
+        table_optimizer=table_optimizer,
     )

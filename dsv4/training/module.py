@@ -104,9 +104,10 @@ class DSV4LightningModule(L.LightningModule):
     def configure_model(self) -> None:
         """Build the model once (idempotent); load weights; let a DSV4Strategy parallelize it (EP, FSDP2).
 
-        Order: full model -> LoRA (``peft=lora``: adapters, frozen or kept FP8 / FP4 base) -> load (non-expert keys +
-        only this EP rank's expert keys) -> a PEFT adapter (``peft.adapter``) -> EP shard -> FSDP2. Loading before
-        parallelizing keeps plain tensors; the expert rows of other EP ranks are never read.
+        Order: full model -> LoRA (``peft=lora``: adapters, frozen or kept FP8 / FP4 base) -> V4.1's Engram tables
+        row-sharded (frozen tables a checkpoint stores in FP8 kept so) -> load (non-expert keys + only this EP rank's
+        expert keys + only this rank's table rows) -> a PEFT adapter (``peft.adapter``) -> EP shard -> FSDP2. Loading
+        before parallelizing keeps plain tensors; the expert rows of other EP ranks are never read.
         """
         if self.model is not None:
             return
@@ -123,9 +124,14 @@ class DSV4LightningModule(L.LightningModule):
             summary = lora_summary(self.model, self.lora, counts)
             if self._trainer is None or self.global_rank == 0:
                 log.info("%s", summary)
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, DSV4Strategy):  # V4.1: before loading, so that each rank reads only its table rows
+            strategy.shard_engram_tables(self.model)
         if self.spec.model_checkpoint:
             from dsv4.checkpoint import load_hf_checkpoint
+            from dsv4.checkpoint.load import keep_engram_tables_as_stored
 
+            keep_engram_tables_as_stored(self.model, self.spec.model_checkpoint)
             ep = parallel.ep_size > 1
             load_hf_checkpoint(self.model, self.spec.model_checkpoint, ep_rank=parallel.ep_rank if ep else None,
                                ep_size=parallel.ep_size if ep else None, init_missing_mtp=self.spec.init_missing_mtp)
@@ -133,7 +139,6 @@ class DSV4LightningModule(L.LightningModule):
             from dsv4.peft.peft_format import load_peft_adapter
 
             load_peft_adapter(self.model, self.spec.lora_adapter)
-        strategy = self._trainer.strategy if self._trainer is not None else None
         if isinstance(strategy, DSV4Strategy):
             strategy.parallelize(self.model)
 

@@ -8,10 +8,15 @@
 * ``plan.device_memory_gib``: the memory judged against. Default: on a GPU run (``trainer.accelerator`` gpu) the
   GPU's memory, 80 GiB when this process sees no GPU (a login node); on a CPU run the host's memory shared by the
   node's ranks; a plan-only run with the CPU trainer is judged against 80 GiB (it plans for GPUs).
+* ``plan.suggest``: when the plan does not fit (plan only, or a start that ``plan.enforce`` refuses), plan changes
+  of the run's existing options (:func:`plan_changes`, each candidate checked by the recipe's own validation,
+  :func:`dsv4.training.spec.build_run_spec`) and print the cheapest that fit (:mod:`dsv4.plan.suggest`), at most
+  that many (0: no search); ``memory_plan.json`` gets them as ``suggestions``.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -21,12 +26,20 @@ from typing import TYPE_CHECKING
 from dsv4.training.spec import RunSpec
 
 if TYPE_CHECKING:
-    from dsv4.plan.plan import PlanSetup
+    from omegaconf import DictConfig
+
+    from dsv4.plan.plan import MemoryPlan, PlanSetup
+    from dsv4.plan.suggest import Change, SearchResult
 
 log = logging.getLogger("dsv4")
 
 PLAN_FILE = "memory_plan.json"
 GIB = 2**30
+# The search's bounds (dsv4.plan.suggest): changes per candidate, candidates evaluated, new activation traces.
+MAX_CHANGES, MAX_CANDIDATES, MAX_TRACES = 3, 64, 3
+# Throughput cost ranks of the changes plan_changes proposes (docs/memory.md#what-would-fit).
+COSTS = {"loss chunk": 1, "bfloat16": 1, "experts in chunks": 2, "ep x2": 2, "8bit": 3, "cp x2": 3,
+         "selective": 4, "block": 5, "micro batch": 5, "cp x4": 6, "offload": 8}
 
 
 def _is_launching_process() -> bool:
@@ -46,6 +59,16 @@ def _device_memory(spec: RunSpec) -> int:
         return 80 * GIB
     devices = spec.trainer.get("devices", 1)
     return device_memory_bytes(accelerator, devices if isinstance(devices, int) else 1)
+
+
+def _engram_kept_fp8(spec: RunSpec) -> bool:
+    """The run keeps V4.1's Engram tables in FP8: frozen, and ``model.checkpoint`` stores them so."""
+    if not getattr(spec.model, "engram_layer_ids", None) or getattr(spec.model, "engram_trainable", False) \
+            or not spec.model_checkpoint:
+        return False
+    from dsv4.checkpoint.load import engram_tables_stored_fp8
+
+    return engram_tables_stored_fp8(spec.model_checkpoint)
 
 
 def plan_setup(spec: RunSpec, device_memory: int) -> PlanSetup:
@@ -72,12 +95,14 @@ def plan_setup(spec: RunSpec, device_memory: int) -> PlanSetup:
         micro_batch_size=spec.micro_batch_size, cp=cp, dp=dp, ep=spec.parallel.ep, compute_dtype=spec.compute_dtype,
         optimizer=optimizer_profile(spec.optimizer), device_memory_bytes=device_memory, lora=spec.lora,
         cp_balance=spec.parallel.cp_balance, async_checkpoint=spec.checkpoint.async_save, offload=spec.offload,
+        engram_fp8=_engram_kept_fp8(spec),
     )
 
 
-def check_memory(spec: RunSpec, output_dir: Path) -> bool:
+def check_memory(spec: RunSpec, output_dir: Path, cfg: DictConfig | None = None) -> bool:
     """Run the recipe's memory plan; True when the run should stop here (plan only). Raises ValueError when the
-    plan does not fit the device and ``plan.enforce`` is on."""
+    plan does not fit the device and ``plan.enforce`` is on. ``cfg``: the composed config ``spec`` was built from;
+    with it a plan that does not fit is followed by what would fit (``plan.suggest``)."""
     options = spec.plan
     if not options.enabled or not (options.only or _is_launching_process()):
         return options.only
@@ -85,13 +110,132 @@ def check_memory(spec: RunSpec, output_dir: Path) -> bool:
 
     plan = memory_plan(plan_setup(spec, _device_memory(spec)))
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / PLAN_FILE).write_text(json.dumps(plan.as_dict(), indent=2))
+    record = {**plan.as_dict(), "suggestions": None}
+    (output_dir / PLAN_FILE).write_text(json.dumps(record, indent=2))
     if options.only:
         print(plan.report(), flush=True)
+    fits = None
+    if not plan.fits and cfg is not None and options.suggest and (options.only or options.enforce):
+        log.info("memory plan: %.2f GiB per rank does not fit %.2f GiB; planning what would (plan.suggest=0 skips "
+                 "this)", plan.total / GIB, plan.setup.device_memory_bytes / GIB)
+        fits = suggest_fits(cfg, spec, plan, options.suggest)
+        record["suggestions"] = fits.as_dict()
+        (output_dir / PLAN_FILE).write_text(json.dumps(record, indent=2))
+    if options.only:
+        if fits is not None:
+            print(fits.report(), flush=True)
         log.info("%s; wrote %s", plan.summary(), output_dir / PLAN_FILE)
         return True
     log.info("%s", plan.summary())
     if not plan.fits and options.enforce:
         raise ValueError(f"{plan.summary()}. Not launching: reduce the {plan.biggest_term} (see `plan=true` for the "
-                         "per-rank table), or set plan.enforce=false to launch anyway")
+                         "per-rank table), or set plan.enforce=false to launch anyway"
+                         + ("" if fits is None else "\n" + fits.report()))
     return False
+
+
+def plan_changes(cfg: DictConfig, setup: PlanSetup, world: int | None) -> list[Change]:
+    """The changes of the run's existing options that can lower its plan (one group each; costs in :data:`COSTS`):
+
+    * ``optim.state_dtype``: the cheaper moments after the current one (float32 -> bfloat16 -> 8bit), when the
+      optimizer has the key;
+    * ``model.loss_chunk_size``: half the rows (down to 256), when a rank has more tokens than that;
+    * ``model.moe_chunk_tokens``: about an eighth of the routed rows a rank's experts receive (micro batch x tokens
+      per rank x experts per token, a multiple of 1024) when off; half the current one (down to 1024) when on;
+    * the layout within the same world size (when ``world`` is known): ``ep`` x 2; ``cp`` x 2 and ``dp`` / 2, or
+      ``cp`` x 4 and ``dp`` / 4 (``dp`` spelled out, so the world stays);
+    * ``model.activation_checkpointing``: each mode that recomputes more than the current (none < selective <
+      block);
+    * ``micro_batch_size``: half, when above 1;
+    * ``trainer.offload=optimizer``, when off.
+
+    Whether a candidate is a valid run (ep dividing the world and the experts, seq_len a multiple of the chunks, the
+    model family's limits on cp, torchao for 8-bit moments) is left to the recipe's validation of each candidate."""
+    from dsv4.plan.suggest import Change
+
+    c, changes = setup.config, []
+    ladder = ("float32", "bfloat16", "8bit")
+    if "state_dtype" in cfg.optim and setup.optimizer.state_dtype in ladder:
+        for dtype in ladder[ladder.index(setup.optimizer.state_dtype) + 1:]:
+            changes.append(Change("optimizer state", (("optim.state_dtype", dtype),), COSTS[dtype]))
+    tokens = setup.micro_batch_size * setup.seq_len // setup.cp  # per rank
+    if 256 <= c.loss_chunk_size // 2 < tokens:
+        changes.append(Change("loss chunk", (("model.loss_chunk_size", c.loss_chunk_size // 2),), COSTS["loss chunk"]))
+    rows = tokens * c.num_experts_per_tok
+    chunk = max(rows // 8 // 1024 * 1024, 1024) if c.moe_chunk_tokens == 0 else c.moe_chunk_tokens // 2
+    if chunk >= 1024 and chunk < rows:
+        changes.append(Change("experts in chunks", (("model.moe_chunk_tokens", chunk),), COSTS["experts in chunks"]))
+    if world is not None:
+        if world % (setup.ep * 2) == 0:
+            changes.append(Change("ep", (("ep", setup.ep * 2),), COSTS["ep x2"]))
+        for times in (2, 4):
+            if world % (setup.cp * times) == 0:
+                cp = setup.cp * times
+                changes.append(Change("cp", (("cp", cp), ("dp", world // cp)), COSTS[f"cp x{times}"]))
+    modes = ("none", "selective", "block")
+    if c.activation_checkpointing in modes:
+        for mode in modes[modes.index(c.activation_checkpointing) + 1:]:
+            changes.append(Change("recompute", (("model.activation_checkpointing", mode),), COSTS[mode]))
+    if setup.micro_batch_size > 1:
+        changes.append(Change("micro batch", (("micro_batch_size", setup.micro_batch_size // 2),),
+                              COSTS["micro batch"]))
+    if setup.offload == "none":
+        changes.append(Change("host offload", (("trainer.offload", "optimizer"),), COSTS["offload"]))
+    return changes
+
+
+def candidate_setup(cfg: DictConfig, changes: tuple[Change, ...], device_memory: int) -> PlanSetup:
+    """The :class:`PlanSetup` of the run ``cfg`` with ``changes`` applied, built as the recipe builds a run (the
+    settings written into a copy of the composed config, then :func:`~dsv4.training.spec.build_run_spec` and
+    :func:`plan_setup`), so a candidate the recipe would refuse raises :class:`~dsv4.plan.suggest.Refused` with the
+    recipe's message. Plan-only: the tokenizer is not loaded (no change touches the data)."""
+    from omegaconf import OmegaConf
+
+    from dsv4.plan.suggest import Refused
+    from dsv4.training.spec import build_run_spec
+
+    candidate = copy.deepcopy(cfg)
+    for change in changes:
+        for key, value in change.settings:
+            OmegaConf.update(candidate, key, value, merge=False)
+    candidate.plan = True
+    level = log.level
+    log.setLevel(logging.WARNING)  # the run logged the same resolution lines already
+    try:
+        return plan_setup(build_run_spec(candidate), device_memory)
+    except (ValueError, KeyError, ImportError) as err:
+        raise Refused(str(err)) from None
+    finally:
+        log.setLevel(level)
+
+
+def suggest_fits(cfg: DictConfig, spec: RunSpec, plan: MemoryPlan, count: int) -> SearchResult:
+    """The cheapest ``count`` candidates (:mod:`dsv4.plan.suggest`) of :func:`plan_changes` that the plan fits, for
+    the run ``spec`` built from ``cfg`` and planned as ``plan`` (which does not fit); each candidate's setup from
+    :func:`candidate_setup`. The note of a line says what a change does to the optimizer step's batch."""
+    from dsv4.plan.suggest import SetupPlanner, search
+
+    base = plan.setup
+    rows_per_step = _rows_per_step(spec, base)
+
+    def setup_of(changes: tuple[Change, ...]) -> PlanSetup:
+        return candidate_setup(cfg, changes, base.device_memory_bytes)
+
+    def note(setup: PlanSetup, _: MemoryPlan) -> str:
+        rows = setup.micro_batch_size * setup.dp
+        if spec.global_batch_size is None:
+            return "" if rows == rows_per_step else f"rows per optimizer step {rows_per_step} -> {rows}"
+        before = spec.global_batch_size // (base.micro_batch_size * base.dp)
+        after = spec.global_batch_size // rows
+        return "" if after == before else f"micro-batches accumulated per optimizer step {before} -> {after}"
+
+    known_world = spec.parallel.world_size is not None or os.environ.get("WORLD_SIZE", "").isdigit()
+    changes = plan_changes(cfg, base, base.world if known_world else None)
+    planner = SetupPlanner(plan, setup_of, max_traces=MAX_TRACES, note=note)
+    result = search(changes, planner, count=count, max_changes=MAX_CHANGES, max_candidates=MAX_CANDIDATES)
+    result.traced = planner.traced
+    return result
+
+
+def _rows_per_step(spec: RunSpec, setup: PlanSetup) -> int:
+    return spec.global_batch_size or setup.micro_batch_size * setup.dp

@@ -24,7 +24,6 @@ from typing import Iterable, Mapping
 
 from omegaconf import DictConfig
 
-from dsv4.training.elastic import restart_store_warning
 from dsv4.training.options.family import refuse_image_tokens
 from dsv4.training.planning import check_memory
 from dsv4.training.slurm import check_slurm_layout, cluster_plugins
@@ -151,11 +150,8 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, script: str | Path | N
             raise ValueError("a -m sweep job runs the recipe once per job: run_finetune(..., script=<the recipe "
                              "file>) is needed")
         return run_sweep_job(output_dir, script, spec.preemption.signals)
-    if check_memory(spec, output_dir):  # plan only
+    if check_memory(spec, output_dir, cfg):  # plan only
         return None
-    restart_warning = restart_store_warning(os.environ)
-    if restart_warning and os.environ.get("RANK", "0") == "0":
-        log.warning("%s", restart_warning)
 
     import lightning as L
     import torch

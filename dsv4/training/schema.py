@@ -199,7 +199,7 @@ class FinetuneConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     # true = plan only, false = no plan, or the options of dsv4.training.options.plan.PlanOptions
     plan: Any = field(default_factory=lambda: {"enabled": True, "only": False, "enforce": True,
-                                               "device_memory_gib": None})
+                                               "device_memory_gib": None, "suggest": 3})
 
 
 @dataclass

@@ -37,7 +37,7 @@ from dsv4.training.options.checkpoint import (
 )
 from dsv4.training.options.data import data_preparation, overlong_mode
 from dsv4.training.options.export import ExportSpec, export_spec
-from dsv4.training.options.family import check_engram_tokenizer, check_v41_parallel
+from dsv4.training.options.family import check_engram_tokenizer
 from dsv4.training.options.factories import (
     LoggerFactory,
     OptimizerFactory,
@@ -54,6 +54,7 @@ from dsv4.training.options.trainer import (
     device_type_of,
     offload_mode,
     skip_nonfinite_steps,
+    startup_timeout_s,
     world_size_of,
 )
 from dsv4.training.options.validation import ValidationSpec, objective_of, validation_spec
@@ -104,6 +105,7 @@ class RunSpec:
     max_steps: int = 100
     skip_nonfinite_steps: int = 0  # non-finite steps skipped over the run before one stops it (trainer.*)
     offload: str = "none"  # trainer.offload: "optimizer" = FSDP shards, gradients, optimizer state on the host
+    startup_timeout_s: float = 300.0  # trainer.startup_timeout_s: the process group forms within it or start-up fails
     dry_run: bool = False
     # the data source's keywords (dsv4.data.build_documents)
     data: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -153,7 +155,6 @@ def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> N
         dp = ParallelDims(world_size=world, cp=cfg.cp, dp=cfg.dp, ep=cfg.ep).validate(config.n_routed_experts)
     elif cfg.cp < 1:
         raise ValueError(f"`cp` must be a positive integer, got {cfg.cp}")
-    check_v41_parallel(config, cfg.cp)
     check_balance(cfg.cp_balance)
     chunks = cp_chunks(cfg.cp, cfg.cp_balance)
     if chunks != cfg.cp and cfg.seq_len % (chunks * config.shard_multiple):
@@ -183,6 +184,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
     check_not_derived(trainer)
     compute_dtype = compute_dtype_for(str(trainer.pop("precision", "auto")), config.torch_dtype)
     offload = offload_mode(trainer.pop("offload", "none"))
+    startup_timeout = startup_timeout_s(trainer.pop("startup_timeout_s", 300.0))
     device_type = device_type_of(trainer)
     dispatcher = resolve_dispatcher(cfg.dispatcher.name, cfg.ep)
     check_dispatcher_available(dispatcher, device_type)
@@ -240,7 +242,8 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
         seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.get("global_batch_size"),
         seed=cfg.seed,
         bias_update_rate=cfg.bias_update_rate, indexer_warmup_steps=cfg.indexer_warmup_steps,
-        max_steps=max_steps, skip_nonfinite_steps=skip_nonfinite, offload=offload, dry_run=bool(cfg.dry_run),
+        max_steps=max_steps, skip_nonfinite_steps=skip_nonfinite, offload=offload,
+        startup_timeout_s=startup_timeout, dry_run=bool(cfg.dry_run),
         data=MappingProxyType(data), overlong=overlong, data_cache_dir=data_cache_dir, data_num_proc=data_num_proc,
         trainer=MappingProxyType(trainer),
         callbacks=callbacks, logger=logger, plan=plan, export=export,

@@ -1,12 +1,16 @@
 """`DSV4Strategy`: Lightning's ``ModelParallelStrategy`` with (dp, cp) meshes, an EP view and CP batch cutting.
 
-* ``setup_environment``: initialise the process group (gloo on CPU, NCCL on GPU), validate ``dp x cp == world``
-  and ``ep | dp x cp``, build the meshes (:mod:`dsv4.parallel.mesh`) and publish :attr:`DSV4Strategy.parallel`, a
-  :class:`ParallelState` (this rank's ``CPContext``, groups, ranks and sizes): the one typed channel through which
-  the LightningModule learns about parallelism.
+* ``setup_environment``: form the process group (gloo on CPU, NCCL on GPU) within ``startup_timeout`` seconds, on
+  a store scoped to this start under torchrun's restarts (:func:`dsv4.training.elastic.form_process_group`),
+  validate ``dp x cp == world`` and ``ep | dp x cp``, build the meshes (:mod:`dsv4.parallel.mesh`) and publish
+  :attr:`DSV4Strategy.parallel`, a :class:`ParallelState` (this rank's ``CPContext``, groups, ranks and sizes):
+  the one typed channel through which the LightningModule learns about parallelism.
 * Sampling is by the dp mesh only (``distributed_sampler_kwargs``): the ranks of a CP group read the same rows.
 * Batches (:class:`~dsv4.batch.TokenBatch`) move to the device through their ``to``; the module cuts this CP
   rank's slice with :attr:`ParallelState.cp_rank` / ``cp_size``.
+* ``shard_engram_tables(model)`` (called by the module's ``configure_model`` before a checkpoint is loaded, so each
+  rank reads only its rows): DeepSeek-V4.1's Engram tables row-sharded over the ``dp_cp`` mesh
+  (:mod:`dsv4.parallel.engram_table`).
 * ``parallelize(model)`` (called by the module's ``configure_model``): expert parallelism and the MoE dispatcher
   (:func:`dsv4.parallel.expert_shard.apply_expert_parallel`), then FSDP2 with summed gradients
   (:func:`dsv4.parallel.wrap.apply_fsdp`) in ``compute_dtype`` (FSDP2 mixed precision: fp32 master weights,
@@ -24,8 +28,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +41,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 
 from dsv4.parallel.cp import CPContext
 from dsv4.distributed import ProcessGroup
+from dsv4.parallel.engram_table import shard_engram_tables
 from dsv4.parallel.expert_shard import apply_expert_parallel
 from dsv4.parallel.expert_state import ExpertStateLayout
 from dsv4.parallel.mesh import Meshes, ParallelDims, build_meshes
@@ -42,6 +49,7 @@ from dsv4.parallel.wrap import apply_fsdp
 from dsv4.peft.apply import is_lora_model
 from dsv4.peft.lora import is_adapter_name
 from dsv4.training.checkpoint_writer import CheckpointWriter
+from dsv4.training.elastic import form_process_group
 from dsv4.training.options.trainer import offload_mode
 from dsv4.training.resume import LAYOUT_KEY, RunLayout, adapt_to_layout
 from dsv4.training.spec import RunSpec
@@ -66,13 +74,16 @@ class ParallelState:
 class DSV4Strategy(ModelParallelStrategy):
     """Args: ``cp``, ``dp`` (-1 = world // cp), ``ep``, ``dispatcher`` name, ``compute_dtype``, ``cp_balance``
     (:class:`~dsv4.parallel.cp.layout.CPLayout`), ``async_save``, ``offload`` (``none`` | ``optimizer``),
-    ``micro_batch_size`` (rows per replica per forward: recorded in checkpoints with the layout); the rest goes to
-    ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``)."""
+    ``micro_batch_size`` (rows per replica per forward: recorded in checkpoints with the layout),
+    ``startup_timeout`` (seconds the process group may take to form); the rest goes to ``ModelParallelStrategy``
+    (``process_group_backend``, ``timeout``: the group's timeout once formed)."""
 
     def __init__(self, cp: int = 1, dp: int = -1, ep: int = 1, dispatcher: str = "local",
                  compute_dtype: torch.dtype = torch.float32, cp_balance: str = "none", async_save: bool = False,
-                 offload: str = "none", micro_batch_size: int = 1, **kwargs: Any) -> None:
+                 offload: str = "none", micro_batch_size: int = 1, startup_timeout: float = 300.0,
+                 **kwargs: Any) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
+        self.startup_timeout = timedelta(seconds=startup_timeout)
         self.cp_size, self._dp, self.ep_size = cp, dp, ep
         self.cp_balance = cp_balance
         self.dispatcher = dispatcher
@@ -91,7 +102,8 @@ class DSV4Strategy(ModelParallelStrategy):
         p = spec.parallel
         return cls(cp=p.cp, dp=p.dp, ep=p.ep, cp_balance=p.cp_balance, dispatcher=spec.dispatcher,
                    compute_dtype=spec.compute_dtype, async_save=spec.checkpoint.async_save,
-                   offload=spec.offload, micro_batch_size=spec.micro_batch_size, **kwargs)
+                   offload=spec.offload, micro_batch_size=spec.micro_batch_size,
+                   startup_timeout=spec.startup_timeout_s, **kwargs)
 
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)  # skip the parent's hard-coded ("data_parallel", "tensor_parallel") mesh
@@ -115,10 +127,29 @@ class DSV4Strategy(ModelParallelStrategy):
             dp_group=self.meshes.dp.get_group() if dims.dp > 1 else None,
         )
 
+    def _setup_distributed(self) -> None:
+        """Form the default process group (:func:`~dsv4.training.elastic.form_process_group`), then Lightning's
+        own steps, whose init finds the group formed and leaves it."""
+        self.set_world_ranks()
+        if not torch.distributed.is_initialized():
+            env, backend = self.cluster_environment, self._get_process_group_backend()
+            form_process_group(backend, env.main_address, env.main_port, self.global_rank, self.world_size,
+                               startup_timeout=self.startup_timeout, timeout=self._timeout,
+                               device=self.root_device if self.root_device.type != "cpu" else None)
+            if backend == "nccl":  # as Lightning's own init does: torch warns about an NCCL group left at exit
+                from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+                atexit.register(_destroy_dist_connection)
+        super()._setup_distributed()
+
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         dp = self.meshes.dp
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    def shard_engram_tables(self, model: torch.nn.Module) -> int:
+        """Row-shard ``model``'s Engram tables over every rank (the ``dp_cp`` mesh); returns how many."""
+        return shard_engram_tables(model, self.meshes.dp_cp)
 
     def parallelize(self, model: torch.nn.Module) -> None:
         """Expert parallelism (when ``ep > 1`` or an EP dispatcher is chosen), then FSDP2."""

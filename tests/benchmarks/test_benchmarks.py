@@ -73,7 +73,10 @@ def test_train_throughput_measures_only_the_steps_after_warmup():
 @pytest.mark.e2e
 @pytest.mark.timeout(3600)  # the script's own safety net below, longer than the suite's
 def test_memory_plan_agrees_with_the_measured_step():
-    rows = _run("memory_plan.py", "--models", "tiny", "--cp", "1", "2", "--seq-len", "1024", "--variants", "block",
+    """The tiny model's plan within 10% of the tensors a measured step holds at its peak, at CP 1 and 2, for block
+    recompute, the logits-chunk variant and a LoRA run on a kept FP8 base (512 tokens: docs/memory.md gives the
+    numbers at longer sequences)."""
+    rows = _run("memory_plan.py", "--models", "tiny", "--cp", "1", "2", "--seq-len", "512", "--variants", "block",
                 "logits", "lora_fp8", timeout=3600)
     ratios = [r for r in rows if r["name"] == "memory_plan.tensors_over_predicted"]
     assert len(ratios) == 6 and all(0.9 <= r["value"] <= 1.1 for r in ratios), ratios
@@ -88,18 +91,6 @@ def test_v41_memory_plan_agrees_with_the_measured_step():
                 timeout=3600)
     (ratio,) = [r for r in rows if r["name"] == "memory_plan.tensors_over_predicted"]
     assert 0.8 <= ratio["value"] <= 1.2, ratio
-
-
-@pytest.mark.e2e
-def test_gpu_scripts_smoke_on_cpu():
-    """The GPU benchmarks' CPU smoke modes: every measurement printed, positive, in the JSON form."""
-    train = _run("gpu_train.py", "--smoke")
-    assert {r["name"] for r in train} >= {"gpu_train.step_s", "gpu_train.tokens_per_s", "gpu_train.model_tflops"}
-    assert all(r["value"] > 0 for r in train) and train[0]["shape"]["steps_measured"] == 2
-    attention = _run("gpu_attention.py", "--smoke")
-    names = {(r["name"], r["shape"]["ratio"]) for r in attention}
-    assert {(n, ratio) for n in ("gpu_attention.forward_ms", "gpu_attention.backward_tflops") for ratio in (4, 128)} <= names
-    assert all(set(r) == {"name", "shape", "value", "unit"} and r["value"] > 0 for r in attention + train)
 
 
 @pytest.mark.e2e
@@ -156,18 +147,34 @@ def test_packed_attention_benchmark_compares_a_packed_row_with_its_documents():
 
 @pytest.mark.e2e
 def test_cp_traffic_counts_every_kind_against_the_layout_bound():
-    """Two small layouts on 2 ranks: every exchange kind is classified, and each rank receives within 1.25x of the
-    first-principles bound (payload, backward and metadata together); an unknown kind fails."""
+    """Two small layouts on 2 ranks, DeepSeek-V4 (tiny) and V4.1 (v41_tiny): every exchange kind is classified, the
+    bytes the wire tap sees at the torch.distributed calls equal the counters' on every rank, and each rank receives
+    within 1.25x of the first-principles bound (payload, backward and metadata together); the V4.1 bound worked out
+    by hand; an unknown kind fails."""
     from cp_traffic import category, lower_bound
 
-    rows = _run("cp_traffic.py", "--seq-len", "2048", "--cp", "2", "--layouts", "starts_and_padding", "two_rows")
+    rows = _run("cp_traffic.py", "--seq-len", "1024", "--cp", "2", "--layouts", "starts_and_padding", "two_rows",
+                "--models", "tiny", "v41_tiny")
     ratios = [r for r in rows if r["name"] == "cp_traffic.ratio"]
-    assert len(ratios) == 4 and all(r["value"] is not None and r["value"] <= 1.25 for r in ratios), ratios
-    bounds = lower_bound("two_rows", 2048, 2)  # row 0 continues into rank 1: payload only there, backward to rank 0
+    assert len(ratios) == 8 and all(r["value"] is not None and r["value"] <= 1.25 for r in ratios), ratios
+    assert {r["shape"]["preset"] for r in ratios} == {"tiny", "v41_tiny"}
+    counted = {json.dumps(r["shape"]): r["value"] for r in rows if r["name"] == "cp_traffic.counted"}
+    wire = {json.dumps(r["shape"]): r["value"] for r in rows if r["name"] == "cp_traffic.wire"}
+    assert len(wire) == 8 and wire == counted and all(v > 0 for v in wire.values())
+    bounds = lower_bound("two_rows", 1024, 2)  # row 0 continues into rank 1: payload only there, backward to rank 0
     assert bounds[0]["payload"] == 0 < bounds[1]["payload"] and 0 < bounds[0]["backward"] <= bounds[1]["payload"]
     # metadata: two int32 from the other chunk per row; rank 0 also reads row 0's next MTP id and label from rank 1
     assert bounds[1]["backward"] == 0 and (bounds[0]["metadata"], bounds[1]["metadata"]) == (2 * 8 + 8, 2 * 8)
+    # V4.1, v41_tiny (12 layers, window 4, head_dim 32, index_head_dim 32, Full layers 2 and 4 at ratio 2 and 6 at
+    # ratio 1, Engram 4-grams): row 0's chunk 1 continues a 512-token document. Each layer's 3 window keys, then per
+    # Full layer every earlier window's row and index key (256 + 256 + 512 windows), then 3 token ids; the rows'
+    # and keys' gradients (not the frozen keys', not the ids') go back to rank 0. No MTP.
+    v41 = lower_bound("two_rows", 1024, 2, "v41_tiny")
+    halo, rows_of = 12 * 3 * 32 * 4, (256 + 256 + 512) * 32 * 4
+    assert v41[1] == {"payload": halo + 2 * rows_of + 3 * 4, "backward": 0, "metadata": 2 * 8}
+    assert v41[0] == {"payload": 0, "backward": halo + rows_of, "metadata": 2 * 8}
     assert category("halo.backward") == "backward" and category("metadata") == "metadata"
+    assert category("engram_ids") == "payload"
     with pytest.raises(KeyError, match="unknown exchange kind 'all_gather'"):
         category("all_gather")
 
@@ -281,3 +288,24 @@ def test_optimizer_state_moving_average_and_model_overrides():
     assert "model.compress_ratios=[0,4,128,4,128,4,128,4]" in model_overrides("mid")
     with pytest.raises(ValueError, match="unknown model 'huge'"):
         model_overrides("huge")
+
+
+def test_restart_loop_counts_a_trial_only_with_one_restart_a_complete_resume_and_the_oracles_losses():
+    """The restart loop's judgement (its trials run torchrun for minutes: not in the suite), on hand-made trials."""
+    from restart_loop import newest_checkpoint_by, resumed_steps, verdict
+
+    ref = {0: 1.0, 1: 0.9, 2: 0.8}
+    assert verdict(ref, dict(ref), 0, 1, [2, 2], 2) == "recovered"
+    assert verdict(ref, dict(ref), 0, 1, [4, 4], 2) == "recovered"  # the kill landed after a later save
+    assert verdict(ref, {**ref, 2: 0.8000001}, 0, 1, [2, 2], 2) == "step 2: loss 0.8000001 != 0.8"
+    assert verdict(ref, {0: 1.0, 1: 0.9}, 0, 1, [2, 2], 2) == "logged steps [0, 1] != [0, 1, 2]"
+    assert verdict(ref, ref, None, 1, [2, 2], 2).startswith("hung")
+    assert verdict(ref, ref, 1, 1, [2, 2], 2) == "torchrun exited 1"
+    assert verdict(ref, ref, 0, 2, [2, 2, 2, 2], 2) == "2 restarts, not 1"
+    for resumed in ([0, 0], [2], [2, 4]):  # older than the committed checkpoint, one rank, two checkpoints
+        assert verdict(ref, ref, 0, 1, resumed, 2).startswith(f"resumed from steps {resumed}")
+    assert [newest_checkpoint_by(row, 2) for row in range(5)] == [0, 2, 2, 4, 4]
+    log = ("[2026-12-03 15:18:19,994][dsv4][INFO] - resuming from /r/checkpoints/last.ckpt (step 2)\n"
+           "[2026-12-03 15:18:20,001][dsv4][WARNING] - not resuming from /r/checkpoints/step4.ckpt.partial: incomplete\n"
+           "[2026-12-03 15:18:22,776][dsv4][INFO] - resuming from /r/checkpoints/last.ckpt (step 2)\n")
+    assert resumed_steps(log) == [2, 2]

@@ -1,5 +1,5 @@
 """``benchmarks/gpu_check.sh`` in its CPU mode (the GPU check's stages at smoke size, the kernels under Triton's
-interpreter), so the script that runs on a GPU machine does not rot: one output file with the environment, one line
+interpreter), so the script that runs on a GPU machine and the GPU benchmarks' ``--smoke`` modes it runs do not rot: one output file with the environment, one line
 per stage, and the benchmarks' measurements; a failing stage is reported and the next one still runs."""
 
 from __future__ import annotations
@@ -50,7 +50,12 @@ def test_cpu_mode_writes_every_stage_and_the_measurements_to_one_file(tmp_path):
     assert all(set(r) == {"name", "shape", "value", "unit"} and r["value"] > 0 for r in measurements)
     names = {r["name"] for r in measurements}
     assert {"gpu_attention.forward_ms", "gpu_attention.backward_ms", "gpu_train.step_s",
-            "gpu_train.tokens_per_s"} <= names
+            "gpu_train.tokens_per_s", "gpu_train.model_tflops"} <= names
+    attention = {(r["name"], r["shape"]["ratio"]) for r in measurements if r["name"].startswith("gpu_attention.")}
+    assert {(n, ratio) for n in ("gpu_attention.forward_ms", "gpu_attention.backward_tflops")
+            for ratio in (4, 128)} <= attention
+    train = [r for r in measurements if r["name"].startswith("gpu_train.")]
+    assert all(r["shape"]["steps_measured"] == 2 for r in train)  # the warm-up step is not measured
     for stage in ("gpu_attention", "gpu_train"):  # each stage's measurements, counted, just before its stage line
         at = records.index(stages[stage])
         own = [i for i, r in enumerate(records) if r.get("name", "").startswith(stage + ".")]

@@ -3,18 +3,29 @@
 Lightning's ranks meet on a TCP port (``MASTER_PORT``). Two test runs on one machine must not pick the same one:
 :func:`reserved_port` holds an exclusive lock file per port for as long as the recipe runs, so a concurrent suite
 that probes the same free port skips it.
+
+:func:`run_recipe` starts the recipe's first process forked from a fork server that imported torch, Lightning,
+Hydra and dsv4 once (:func:`_forked_recipe`), instead of a fresh ``python recipes/finetune.py`` that imports them
+again (about 8 CPU-s each). The child is the command a user types in every other respect: its own session, the
+given working directory, environment and ``sys.argv``, the script run as ``__main__``, stdout / stderr captured,
+``atexit`` handlers run, the exit status of ``sys.exit``; the ranks Lightning starts are fresh interpreters, as
+for a user. The tests that signal a process, and torchrun's, start the real command line with ``Popen``.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import csv
 import fcntl
 import os
+import runpy
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -68,10 +79,66 @@ def check_output_dir(args: list[str], run_dir: Path | None) -> None:
                      "test runs")
 
 
+# What the fork server of :func:`_forked_recipe` imports once (dsv4.launch's ranks use the same server).
+_RECIPE_PRELOAD = ["torch", "torch.distributed", "lightning", "dsv4.model", "dsv4.config", "hydra", "omegaconf",
+                   "lightning.pytorch", "dsv4.training.run", "dsv4.training.schema"]
+
+
+def _recipe_child(script: str, args: list[str], cwd: str, env: dict[str, str], out_path: str, err_path: str) -> None:
+    """In the forked child: become ``python <script> <args>`` run from ``cwd`` with ``env`` (see the module
+    docstring) and leave with the script's exit status."""
+    os.setsid()  # a session of its own: a timeout kills the child and the ranks it started
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[:0] = [os.path.dirname(script), *extra]
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:  # what the interpreter does at exit: wait for non-daemon threads, then the atexit handlers
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _forked_recipe(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)`` for ``cmd`` =
+    ``[python, script, *args]``, the process forked from the recipe fork server (see the module docstring)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_RECIPE_PRELOAD)
+    with tempfile.TemporaryDirectory(prefix="dsv4-recipe-") as tmp:
+        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        Path(out_path).touch()
+        Path(err_path).touch()
+        child = ctx.Process(target=_recipe_child, args=(cmd[1], cmd[2:], str(REPO), env, out_path, err_path))
+        child.start()
+        child.join(timeout)
+        if child.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.join()
+            raise subprocess.TimeoutExpired(cmd, timeout, Path(out_path).read_text(), Path(err_path).read_text())
+        with contextlib.suppress(ProcessLookupError):  # ranks the run left behind (it failed half-way)
+            os.killpg(child.pid, signal.SIGKILL)
+        return subprocess.CompletedProcess(cmd, child.exitcode, Path(out_path).read_text(errors="replace"),
+                                           Path(err_path).read_text(errors="replace"))
+
+
 def run_recipe(args: list[str], run_dir: Path | None = None, timeout: float = 1800, check: bool = True,
                script: str = "recipes/finetune.py", env: dict[str, str | None] | None = None,
                ) -> subprocess.CompletedProcess:
     """Run ``script`` with ``args``; ``env`` entries override the test environment (None removes a variable).
+    The first process is forked from the recipe fork server (module docstring).
 
     The run writes into ``run_dir`` (``hydra.run.dir``), or a sweep (``-m``) into the ``hydra.sweep.dir=`` of its
     ``args``: never into ``outputs/`` or ``multirun/`` of the repository, which two test runs at once would share
@@ -83,7 +150,7 @@ def run_recipe(args: list[str], run_dir: Path | None = None, timeout: float = 18
     with reserved_port() as port:
         full_env = {**recipe_env(port), **(env or {})}
         full_env = {k: v for k, v in full_env.items() if v is not None}
-        proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+        proc = _forked_recipe(cmd, full_env, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc

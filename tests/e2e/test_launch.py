@@ -99,14 +99,15 @@ MULTI_NODE = [*FAST, "cp=2", "dp=2", "trainer.max_steps=4", "checkpoint.every_n_
 
 
 def _torchrun(args: list[str], port: int, run_dir: Path, nnodes: int = 1, node_rank: int = 0,
-              extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> subprocess.Popen:
+              extra: tuple[str, ...] = (), env: dict[str, str | None] | None = None) -> subprocess.Popen:
     """One node of the documented torchrun command (2 processes per node, c10d rendezvous) on this machine;
-    ``env`` is added to torchrun's environment (its workers inherit it)."""
+    ``env`` is added to torchrun's environment (its workers inherit it; None removes a variable)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", "2",
            "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *extra,
            str(REPO / "recipes/finetune.py"), *args, "trainer.devices=2", f"trainer.num_nodes={nnodes}",
            f"hydra.run.dir={run_dir}"]
     env = {**{k: v for k, v in recipe_env(port).items() if k not in ("MASTER_ADDR", "MASTER_PORT")}, **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -177,17 +178,18 @@ RESTARTS = [*PREEMPTION, "checkpoint.async_save=false"]  # synchronous: step4.ck
 
 
 def test_torchrun_max_restarts_resumes_from_the_newest_complete_checkpoint_after_sigkills(uninterrupted, tmp_path):
-    """torchrun --max-restarts=2 (1 node x 2 processes, cp=2) with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    (docs/scale.md#a-lost-rank): rank 1 is SIGKILLed twice. First inside the step-4 save (held there by the test
-    callback :class:`tests.e2e.launch_probes.StallInsideSave` after step4.ckpt.partial was created): the restarted
-    group skips the partial and resumes from step 2.
+    """torchrun --max-restarts=2 (1 node x 2 processes, cp=2), the documented command as written (no
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE): the workers share torchrun's TCP store, which keeps every round's keys, and
+    each round forms its group under keys of its own (docs/scale.md#a-lost-rank). Rank 1 is SIGKILLed twice. First
+    inside the step-4 save (held there by the test callback :class:`tests.e2e.launch_probes.StallInsideSave` after
+    step4.ckpt.partial was created): the restarted group skips the partial and resumes from step 2.
     Then during step 5 (step 4 committed and its loss logged): the next restart resumes from step 4. The run
     finishes with exactly the uninterrupted run's losses."""
     with reserved_port() as port:
         stall = ["+callbacks.stall._target_=tests.e2e.launch_probes.StallInsideSave",
                  "+callbacks.stall.name=step4.ckpt", "+callbacks.stall.rank=1"]
         agent = _torchrun([*RESTARTS, *stall], port, tmp_path, extra=("--max-restarts", "2"),
-                          env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO", **PROBES_ENV})
+                          env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": None, "LOGLEVEL": "INFO", **PROBES_ENV})
         ckpts = tmp_path / "checkpoints"
         _wait_for(ckpts / "step4.ckpt.stalled", agent)  # rank 1 stopped inside the step-4 save
         killed = _rank_process(agent, 1)
@@ -205,6 +207,10 @@ def test_torchrun_max_restarts_resumes_from_the_newest_complete_checkpoint_after
     # every rank logs its choice: both ranks of the first restart took step 2, both of the second step 4; no partial
     assert resumed == [f"{ckpts / 'last.ckpt'} (step 2)"] * 2 + [f"{ckpts / 'last.ckpt'} (step 4)"] * 2, resumed
     assert f"not resuming from {ckpts / 'step4.ckpt.partial'}: incomplete" in log
+    # each of the 3 rounds formed its group under keys of its own on the shared store, both ranks under the same
+    scopes = [line.rpartition("process group keys under ")[2].split()[0] for line in log.splitlines()
+              if "process group keys under " in line]
+    assert len(scopes) == 6 and len(set(scopes)) == 3 and all(scopes.count(s) == 2 for s in scopes), scopes
     complete, incomplete = complete_checkpoints(ckpts)
     assert not incomplete and checkpoint_step(ckpts / "last.ckpt") == 6, (complete, incomplete)
     trajectory = losses(tmp_path)

@@ -1,7 +1,7 @@
 """`plan.only=true` for V4 Flash at 128K tokens on 64 ranks of 80 GiB (`experiment=flash_128k_80g`): the full per-rank
 plan on a CPU in under 2 GiB (no model is built), at most 76 GiB per rank, so that at least 4 GiB stay for what the
-plan does not count. Its time is not asserted (a shared machine is noisy); the subprocess timeout is only a safety
-net."""
+plan does not count; and for CP 8 x DP 8, which does not fit, what would (the printed overrides planned again).
+Times are not asserted (a shared machine is noisy); the subprocess timeout is only a safety net."""
 
 from __future__ import annotations
 
@@ -40,3 +40,40 @@ def test_flash_128k_on_64_gpus_of_80_gib_plans_at_most_76_gib(tmp_path):
     assert "fits" in proc.stdout and "DOES NOT FIT" not in proc.stdout
     for line in ("parameters", "optimizer", "activations", "communication", "total", "block ratio 128"):
         assert line in proc.stdout
+
+
+def test_flash_cp8_at_128k_prints_what_would_fit_and_the_plan_confirms_it(tmp_path):
+    """The acceptance command of the what-would-fit search: `model=flash cp=8 dp=8 ep=8 seq_len=131072 plan=true`
+    (104.68 GiB against 80) prints a line of overrides; the config Hydra composes from the command plus those
+    overrides, planned afresh through the planning API (one plan, its own trace), fits with the printed total. Asked
+    for one suggestion (`plan.suggest=1`: the first line of the default 3, found by the same walk, without the traces
+    the next two need)."""
+    import re
+
+    from hydra import compose, initialize_config_dir
+
+    from dsv4.plan.plan import memory_plan
+    from dsv4.training.planning import plan_setup
+    from dsv4.training.schema import register_schema
+    from dsv4.training.spec import build_run_spec
+
+    run = tmp_path / "run"
+    command = ["model=flash", "cp=8", "dp=8", "ep=8", "seq_len=131072", "plan.only=true"]
+    cmd = [sys.executable, "-c", _MEASURE, sys.executable, "recipes/finetune.py", *command, "plan.suggest=1",
+           f"hydra.run.dir={run}"]
+    with reserved_port() as port:
+        proc = subprocess.run(cmd, cwd=REPO, env=recipe_env(port), capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split("MAXRSS_KIB")[1].split()[0]) / 2**20 < 2
+    assert "total            104.68 GiB" in proc.stdout and "DOES NOT FIT" in proc.stdout
+    lines = re.findall(r"fits with: (.+?)  -> ([\d.]+) GiB", proc.stdout)
+    assert len(lines) == 1, proc.stdout[-2000:]
+    overrides, printed = lines[0][0].split(), float(lines[0][1])
+    record = json.loads((run / "memory_plan.json").read_text())["suggestions"]["fits_with"]
+    assert [s["overrides"] for s in record] == [overrides] and round(record[0]["per_rank_total_bytes"] / 2**30, 2) == printed
+
+    register_schema()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="finetune", overrides=[*command, *overrides])
+    plan = memory_plan(plan_setup(build_run_spec(cfg), 80 * 2**30))
+    assert plan.fits and plan.total == record[0]["per_rank_total_bytes"] < 80 * 2**30

@@ -3,7 +3,7 @@
 At each layer in ``engram_layer_ids``, before the attention hyper-connection, with ``x [B, L, hc, d]`` the streams
 and ``ids [B, L, n_buckets]`` the rows of :mod:`dsv4.model.v41.engram_hash`::
 
-    e        = embed.weight[ids].flatten(-2)                    [B, L, n_buckets * head_dim]
+    e        = embed.lookup(ids).flatten(-2)                    [B, L, n_buckets * head_dim]
     k_1..k_hc, v = split(wkv(e))                                 hc keys and one value, each [B, L, d]
     s_i      = <x_i * q_weight_i * k_weight_i, k_i> / (rms(x_i) * rms(k_i) * sqrt(d))      fp32
     gate_i   = sigmoid(sign(s_i) * sqrt(max(|s_i|, 1e-6)))      0 where the token is not active
@@ -12,6 +12,10 @@ and ``ids [B, L, n_buckets]`` the rows of :mod:`dsv4.model.v41.engram_hash`::
 ``rms(y) = sqrt(mean(y^2) + rms_norm_eps)``. The table, the projection and the dot product follow the released
 inference code (through NeMo Automodel 0.7.0, the reference the tests compare with); there is no short
 convolution. The table is frozen unless ``engram_trainable``; ``wkv``, ``q_weight`` and ``k_weight`` train.
+
+``embed`` is an :class:`~dsv4.model.v41.engram_table.EngramTable`: a ``LocalEngramTable`` as built (every row
+here), replaced by a row-sharded table under a process group (``dsv4.parallel.engram_table.shard_engram_tables``);
+Engram only calls its ``lookup``.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from dsv4.model.v41.engram_table import EngramTable, LocalEngramTable
 
 __all__ = ["Engram"]
 
@@ -51,8 +56,7 @@ class Engram(nn.Module):
         self.n_buckets = (int(config.engram_max_ngram_size) - 1) * int(config.engram_n_heads)
         self.eps = float(config.rms_norm_eps)
         self.init_std = float(config.initializer_range)
-        self.embed = nn.Embedding(self.rows, self.head_dim)
-        self.embed.weight.requires_grad_(bool(config.engram_trainable))
+        self.embed: EngramTable = LocalEngramTable(self.rows, self.head_dim, trainable=bool(config.engram_trainable))
         self.wkv = nn.Linear(self.n_buckets * self.head_dim, (self.hc_mult + 1) * self.hidden_size, bias=False)
         self.q_weight = nn.Parameter(torch.ones(self.hc_mult, self.hidden_size))
         self.k_weight = nn.Parameter(torch.ones(self.hc_mult, self.hidden_size))
@@ -61,14 +65,15 @@ class Engram(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Table and ``wkv`` ~ N(0, initializer_range); ``q_weight`` and ``k_weight`` ones."""
-        nn.init.normal_(self.embed.weight, std=self.init_std)
+        self.embed.reset_parameters(self.init_std)
         nn.init.normal_(self.wkv.weight, std=self.init_std)
         nn.init.ones_(self.q_weight)
         nn.init.ones_(self.k_weight)
 
     def lookup(self, ngram_ids: torch.Tensor) -> torch.Tensor:
-        """``rows [..., head_dim]`` of the table at ``ngram_ids [...]`` (every id in ``[0, rows)``)."""
-        return F.embedding(ngram_ids, self.embed.weight)
+        """``rows [..., head_dim]`` of the table at ``ngram_ids [...]`` (every id in ``[0, rows)``), in the table's
+        float dtype (bf16 for its FP8 form)."""
+        return self.embed.lookup(ngram_ids)
 
     def forward(self, streams: torch.Tensor, ngram_ids: torch.Tensor,
                 active: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,7 +93,7 @@ class Engram(nn.Module):
         if active is not None and (active.dtype != torch.bool or tuple(active.shape) != lead):
             raise ValueError(f"Engram layer {self.layer_id}: active must be bool [{lead[0]}, {lead[1]}], got "
                              f"{active.dtype} {list(active.shape)}")
-        memory = self.lookup(ngram_ids).flatten(-2).to(streams.dtype)
+        memory = self.embed.lookup(ngram_ids, streams.dtype).flatten(-2)
         keys, value = self.wkv(memory).split([self.hc_mult * self.hidden_size, self.hidden_size], dim=-1)
         keys = keys.float().unflatten(-1, (self.hc_mult, self.hidden_size))
         x = streams.float()

@@ -1,5 +1,5 @@
 """The ``trainer`` group: what dsv4 takes out of Lightning's keywords (``precision``, ``offload``,
-``skip_nonfinite_steps``) and what it derives from them (world size, device type)."""
+``skip_nonfinite_steps``, ``startup_timeout_s``) and what it derives from them (world size, device type)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,15 @@ def skip_nonfinite_steps(value: Any) -> int:
         raise ValueError(f"`trainer.skip_nonfinite_steps`={value!r} must be a whole number of steps >= 0 "
                          "(0: the first non-finite loss or gradient norm stops the run)")
     return value
+
+
+def startup_timeout_s(value: Any) -> float:
+    """``trainer.startup_timeout_s``: seconds > 0 the process group may take to form (and its first all-reduce)
+    before the start-up fails naming the cause (:func:`dsv4.training.elastic.form_process_group`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"`trainer.startup_timeout_s`={value!r} must be a number of seconds > 0 (how long the ranks "
+                         "may take to form their process group)")
+    return float(value)
 
 
 def check_not_derived(trainer_cfg: Mapping[str, Any]) -> None:

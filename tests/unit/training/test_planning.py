@@ -28,9 +28,16 @@ def _compose(overrides):
     (True, PlanOptions(enabled=True, only=True)),
     (False, PlanOptions(enabled=False, only=False)),
     ({"enforce": False, "device_memory_gib": 141}, PlanOptions(enforce=False, device_memory_gib=141)),
+    ({"only": True, "suggest": 0}, PlanOptions(only=True, suggest=0)),
 ])
 def test_plan_options(value, expected):
     assert plan_options(value) == expected
+
+
+@pytest.mark.parametrize("suggest", [-1, True, 2.5])
+def test_plan_suggest_must_be_a_count(suggest):
+    with pytest.raises(ValueError, match=r"`plan.suggest` must be an integer >= 0 \(0: no suggestions\), got"):
+        plan_options({"suggest": suggest})
 
 
 def test_unknown_plan_option_is_named():
@@ -61,10 +68,14 @@ def test_trainer_offload_reaches_the_plan_not_the_trainer():
 
 
 def test_a_start_that_does_not_fit_is_refused_naming_the_biggest_term(tmp_path):
+    """... and what would fit: here nothing (1 MiB), which the message and memory_plan.json say."""
     run = tmp_path / "run"
-    with pytest.raises(ValueError, match=r"DOES NOT FIT \(biggest term: activations\).*plan.enforce=false"):
+    with pytest.raises(ValueError, match=r"DOES NOT FIT \(biggest term: activations\).*plan.enforce=false") as info:
         run_finetune(_compose(["plan.device_memory_gib=0.001", "dry_run=true"]), run)
-    assert json.loads((run / PLAN_FILE).read_text())["fits"] is False
+    assert "what would fit 1.0 MiB per rank: no candidate of at most 3 changes was planned to fit" in str(info.value)
+    plan = json.loads((run / PLAN_FILE).read_text())
+    assert plan["fits"] is False and plan["suggestions"]["fits_with"] == []
+    assert sum(plan["suggestions"]["outcomes"].values()) > 0 and plan["suggestions"]["new_traces"] == 0
     assert not (run / "checkpoints").exists()
 
 
@@ -74,3 +85,46 @@ def test_enforce_false_and_plan_false_launch_anyway(tmp_path):
     assert (tmp_path / "a" / PLAN_FILE).exists()
     assert run_finetune(_compose(["plan=false", "dry_run=true"]), tmp_path / "b") is None
     assert not (tmp_path / "b" / PLAN_FILE).exists()
+
+
+def test_what_would_fit_v41_through_the_recipe_checks():
+    """V4.1 tiny on 2 ranks (dp 2): with the device memory between the plan and the plan with bf16 moments, the
+    cheapest candidate is `optim.state_dtype=bfloat16` (one planned candidate, no new trace), and the plan of the
+    config Hydra composes with that override (the oracle; on the base trace, which an optimizer change does not
+    alter: tests/unit/plan/test_suggest.py) has the same total and fits. A cp candidate gets exactly what the
+    recipe's own validation says of that config: refused with its message, or a setup with that cp."""
+    from dataclasses import replace
+
+    from dsv4.plan.plan import memory_plan
+    from dsv4.plan.suggest import Change, Refused
+    from dsv4.training.planning import candidate_setup, plan_setup, suggest_fits
+    from dsv4.training.spec import build_run_spec
+
+    base_overrides = ["model=v41_tiny", "dp=2", "plan=true"]
+    cfg = _compose(base_overrides)
+    spec = build_run_spec(cfg)
+    base = memory_plan(plan_setup(spec, 2**40))
+    gib = 2**30
+    bf16_saving = base.states.optimizer // 2  # fp32 -> bf16 moments: half the optimizer term
+    device = base.total - bf16_saving // 2
+    plan = memory_plan(replace(base.setup, device_memory_bytes=device), base.activations)
+    result = suggest_fits(cfg, spec, plan, count=1)
+    assert [s.overrides for s in result.suggestions] == [["optim.state_dtype=bfloat16"]]
+    assert result.traced == 0 and result.outcomes == {"fits": 1}
+    oracle_spec = build_run_spec(_compose([*base_overrides, *result.suggestions[0].overrides]))
+    oracle = memory_plan(plan_setup(oracle_spec, device), base.activations)
+    assert oracle.fits and oracle.total == result.suggestions[0].total < base.total
+    assert oracle.setup.optimizer.state_dtype == "bfloat16" and device / gib < 1
+
+    cp2 = (Change("cp", (("cp", 2), ("dp", 1)), 3),)
+    try:
+        build_run_spec(_compose([*base_overrides, "cp=2", "dp=1"]))
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    if refused is None:
+        assert candidate_setup(cfg, cp2, device).cp == 2
+    else:
+        with pytest.raises(Refused) as info:
+            candidate_setup(cfg, cp2, device)
+        assert str(info.value) == refused

@@ -57,6 +57,7 @@ def _compose(overrides):
                                                  "`global_batch_size`"),
         (["trainer.precision=bf16-true"], "`trainer.precision`='bf16-true' must be auto or one of"),
         (["trainer.offload=params"], "`trainer.offload`='params' must be one of none, optimizer"),
+        (["trainer.startup_timeout_s=0"], "`trainer.startup_timeout_s`=0 must be a number of seconds > 0"),
         (["checkpoint.every_n_steps=-1"], "`checkpoint.every_n_steps` must be >= 0, got -1"),
         (["preemption.signals=[SIGTERM,SIGNOPE]"], "`preemption.signals`: 'SIGNOPE' is not a catchable signal name"),
         (["preemption.signals=[SIGKILL]"], "`preemption.signals`: 'SIGKILL' is not a catchable signal name"),
@@ -78,7 +79,6 @@ def _compose(overrides):
         (["scheduler.min_lr_ratio=2"], "`scheduler` cannot be instantiated: ValueError: min_lr_ratio must be in"),
         (["callbacks=default", "callbacks.throughput.warmup_steps=-1"], "`callbacks.throughput` cannot be"),
         (["logger._target_=no.such.Logger"], "`logger._target_`='no.such.Logger' cannot be imported"),
-        (["model=v41_tiny", "cp=2"], "`cp`=2: context parallelism is not supported yet for DeepSeek-V4.1 models"),
         (["model=v41_tiny", "model.engram_compressed_vocab_size=300"],
          "`data.tokenizer`='byte' has 227 Engram classes but `model.engram_compressed_vocab_size` is 300"),
     ],
@@ -87,6 +87,17 @@ def test_run_spec_names_the_bad_key(overrides, message):
     with pytest.raises((ValueError, RuntimeError)) as err:  # RuntimeError: a dispatcher this machine cannot run
         build_run_spec(_compose([*FAST, *overrides]))
     assert message in str(err.value)
+
+
+def test_the_startup_timeout_goes_to_the_strategy_not_to_lightning():
+    from datetime import timedelta
+
+    from dsv4.training.strategy import DSV4Strategy
+
+    spec = build_run_spec(_compose([*FAST, "trainer.startup_timeout_s=45"]))
+    assert spec.startup_timeout_s == 45.0 and "startup_timeout_s" not in spec.trainer
+    assert DSV4Strategy.from_spec(spec).startup_timeout == timedelta(seconds=45)
+    assert build_run_spec(_compose(FAST)).startup_timeout_s == 300.0  # conf/trainer/cpu.yaml
 
 
 def test_unknown_dispatcher_group_lists_the_options():
@@ -286,15 +297,24 @@ def test_resume_never_picks_an_incomplete_checkpoint(tmp_path, caplog):
 
 def test_v41_tiny_trains_on_the_default_data_and_with_lora(tmp_path, one_rank_group):
     """``model=v41_tiny`` on the byte tokenizer (Engram hashing through its 227 classes; the start-up memory plan of
-    the V4.1 model included, which counts its Engram tables): the loss falls over 4 steps; ``peft=lora
+    the V4.1 model included, which counts its Engram tables), the tables trainable (row-sharded by the strategy, left
+    out of FSDP, in the optimizer, clipped and saved with the rest): the loss falls over 4 steps; ``peft=lora
     peft.base_dtype=fp8`` (adapters on a frozen kept base, Engram tables frozen) trains too."""
     run = tmp_path / "full"
     run.mkdir()
-    run_finetune(_compose([*FAST, "model=v41_tiny", "trainer.max_steps=4", "checkpoint.every_n_steps=0"]), run)
+    run_finetune(_compose([*FAST, "model=v41_tiny", "model.engram_trainable=true", "trainer.max_steps=4",
+                           "checkpoint.every_n_steps=0"]), run)
     losses = _losses(run)
     assert sorted(losses) == [0, 1, 2, 3] and losses[3] < losses[0] - 0.3, losses
     plan = json.loads((run / "memory_plan.json").read_text())
     assert plan["engram_table_bytes"] == 4 * (384 + 552) * 32  # v41_tiny's two fp32 tables on one rank
+    from dsv4.checkpoint.convert import DCPTensors
+
+    saved = DCPTensors(run / "checkpoints" / "last.ckpt")  # the trained tables and their AdamW moments, whole
+    for layer, rows in ((1, 384), (4, 552)):
+        for key in ("state_dict.model", "optimizer_0.state.model"):
+            suffix = "" if key == "state_dict.model" else ".exp_avg"
+            assert saved.shape(f"{key}.model.layers.{layer}.engram.embed.weight{suffix}") == (rows, 32)
     lora = tmp_path / "lora"
     lora.mkdir()
     run_finetune(_compose([*FAST, "model=v41_tiny", "peft=lora", "peft.base_dtype=fp8", "trainer.max_steps=3",
