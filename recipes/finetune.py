@@ -22,7 +22,7 @@ def main(cfg: DictConfig) -> float | None:
 
     from dsv4.training.run import run_finetune
 
-    return run_finetune(cfg, HydraConfig.get().runtime.output_dir)
+    return run_finetune(cfg, HydraConfig.get().runtime.output_dir, script=__file__)
 
 
 if __name__ == "__main__":

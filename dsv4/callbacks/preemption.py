@@ -40,7 +40,7 @@ class Preemption(Callback):
     """Args: ``signals`` (names), ``exit_code`` (the process status after a preemption stop). After ``fit``,
     :attr:`stopped_at` is the step the run stopped and checkpointed at (None: no preemption)."""
 
-    def __init__(self, signals: Iterable[str] = ("SIGTERM", "SIGUSR1"), exit_code: int = 143) -> None:
+    def __init__(self, signals: Iterable[str] = ("SIGTERM", "SIGUSR1", "SIGUSR2"), exit_code: int = 143) -> None:
         self.signals = tuple(signal_of(s) for s in signals)
         self.exit_code = int(exit_code)
         self.received: signal.Signals | None = None

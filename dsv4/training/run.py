@@ -4,9 +4,11 @@ Order matters for users: everything that can be wrong with the config (:func:`ds
 or the data is checked in the launching process before Lightning starts the other ranks, and nothing is written
 before the checks pass. Everything after reads the :class:`~dsv4.training.spec.RunSpec`.
 
-A ``-m`` sweep runs every job as its own single-run command (see :func:`run_sweep_job`); the job's objective (the
-last logged value of ``objective``: ``train/loss`` of the last step, or ``val/loss`` of the validation after it)
-comes back through ``objective.json`` in its run directory, so sweepers such as Optuna get a number for every trial.
+A ``-m`` sweep runs every job as its own single-run command (see :func:`run_sweep_job`), also where submitit runs
+the job (:mod:`dsv4.training.submitit_job`); the job's objective (the last logged value of ``objective``:
+``train/loss`` of the last step, or ``val/loss`` of the validation after it) comes back through ``objective.json``
+in its run directory, so sweepers such as Optuna get a number for every trial. Ranks that SLURM created are read by
+:mod:`dsv4.training.slurm`.
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterable, Mapping
 
 from omegaconf import DictConfig
 
 from dsv4.training.options.family import refuse_image_tokens
 from dsv4.training.planning import check_memory
+from dsv4.training.slurm import check_slurm_layout, cluster_plugins
 from dsv4.training.spec import RunSpec, build_run_spec
 
 log = logging.getLogger("dsv4")
@@ -40,22 +45,52 @@ def is_multirun_job() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def run_sweep_job(output_dir: Path) -> float | None:
-    """Run this ``-m`` job as its own single-run command; return its objective (None if it wrote none).
+def run_sweep_job(output_dir: Path, script: str | Path, preemption_signals: Iterable[str] = ()) -> float | None:
+    """Run this ``-m`` job as its own single-run command, ``python <script> <the job's overrides>``; return its
+    objective (None if it wrote none).
 
     Lightning's launcher re-executes ``sys.argv`` (in a sweep every child rank would re-run the whole sweep), and
-    each job gets a fresh process group. The child writes ``objective.json`` in its run dir.
+    each job gets a fresh process group. ``script`` is the recipe's file: this process's ``sys.argv`` is not the
+    recipe's under a launcher that runs jobs elsewhere (submitit's task is ``python -m submitit.core._submit``).
+    Under submitit (:mod:`dsv4.training.submitit_job`) the task's checks run first, and its preemption signal
+    reaches the training before submitit requeues the job. The child writes ``objective.json`` in its run dir.
     """
     from hydra.core.hydra_config import HydraConfig
 
+    from dsv4.training.submitit_job import (ForwardSignals, check_submitit_task, hand_over, should_requeue,
+                                            submitit_task)
+
     hc = HydraConfig.get()
-    cmd = [sys.executable, sys.argv[0], *hc.overrides.task, f"hydra.run.dir={output_dir}",
+    task = submitit_task()
+    if task is not None:
+        check_submitit_task(task, preemption_signals)
+    cmd = [sys.executable, str(script), *hc.overrides.task, f"hydra.run.dir={output_dir}",
            f"hydra.job.name={hc.job.name}"]
     log.info("sweep job %s: running %s", hc.job.num, " ".join(cmd))
-    # a previous job of this sweep may have left its process-group variables in this process's environment
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV and not k.startswith(("PL_", "TORCHELASTIC_"))}
-    subprocess.run(cmd, check=True, env={**env, "DSV4_SWEEP_CHILD": "1"})
+    with ForwardSignals((task.signal, signal.SIGTERM) if task is not None else ()) as forward:
+        child = subprocess.Popen(cmd, env=sweep_child_env(os.environ))
+        forward.attach(child)
+        try:
+            status = child.wait()
+        except BaseException:
+            child.kill()
+            child.wait()
+            raise
+    if task is not None and should_requeue(task, forward.received, status):
+        hand_over(task, forward.previous[task.signal], status)  # task 0 requeues the job and exits
+        return None
+    if status != 0:
+        raise subprocess.CalledProcessError(status, cmd)
     return read_objective(output_dir)
+
+
+def sweep_child_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a sweep job's training command: this process's, less the process-group variables a
+    previous job of the sweep may have left here (``MASTER_PORT``, ``RANK``, ``PL_*``, ``TORCHELASTIC_*``, ...).
+    The ``SLURM_*`` variables stay: under SLURM they make the command the rank SLURM created
+    (:mod:`dsv4.training.slurm`)."""
+    env = {k: v for k, v in environ.items() if k not in _LAUNCH_ENV and not k.startswith(("PL_", "TORCHELASTIC_"))}
+    return {**env, "DSV4_SWEEP_CHILD": "1"}
 
 
 def read_objective(output_dir: Path) -> float | None:
@@ -104,12 +139,17 @@ def _wait_for_local_ranks(trainer) -> None:
         child.wait()
 
 
-def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
-    """Resolve the run, then train; returns the objective (the last ``spec.objective``) for sweepers."""
+def run_finetune(cfg: DictConfig, output_dir: str | Path, script: str | Path | None = None) -> float | None:
+    """Resolve the run, then train; returns the objective (the last ``spec.objective``) for sweepers. ``script``:
+    the recipe file that runs each job of a ``-m`` sweep (:func:`run_sweep_job`)."""
     output_dir = Path(output_dir)
     spec = build_run_spec(cfg)
+    check_slurm_layout(spec.trainer, os.environ)
     if is_multirun_job() and not os.environ.get("DSV4_SWEEP_CHILD"):
-        return run_sweep_job(output_dir)
+        if script is None:
+            raise ValueError("a -m sweep job runs the recipe once per job: run_finetune(..., script=<the recipe "
+                             "file>) is needed")
+        return run_sweep_job(output_dir, script, spec.preemption.signals)
     if check_memory(spec, output_dir, cfg):  # plan only
         return None
 
@@ -151,8 +191,8 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path) -> float | None:
     preemption = Preemption(spec.preemption.signals, spec.preemption.exit_code) if spec.preemption.signals else None
     callbacks = [checkpointing, *spec.callbacks, *([preemption] if preemption else [])]
     trainer = L.Trainer(strategy=DSV4Strategy.from_spec(spec), logger=logger, callbacks=callbacks,
-                        use_distributed_sampler=False, default_root_dir=str(output_dir), precision="32-true",
-                        **spec.trainer)
+                        plugins=cluster_plugins(os.environ), use_distributed_sampler=False,
+                        default_root_dir=str(output_dir), precision="32-true", **spec.trainer)
     # gradient accumulation from global_batch_size (the world size is known here also when the config left it open)
     trainer.accumulate_grad_batches = spec.accumulation(trainer.world_size)
     if resume:  # another layout is refused here, in the launching process, not after every rank started

@@ -123,7 +123,7 @@ class PreemptionConfig:
     """``signals``: signal names that stop the run after the current optimizer step with a complete checkpoint
     (:class:`dsv4.callbacks.preemption.Preemption`; [] = off); ``exit_code``: the process status after such a stop."""
 
-    signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGUSR2"])
     exit_code: int = 143
 
 

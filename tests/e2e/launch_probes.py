@@ -15,10 +15,12 @@ class WaitForSignal(L.Callback):
     """At the end of optimizer step ``step`` on global rank ``rank`` (None: every rank), before the preemption
     check of that step: create ``<marker_dir>/rank<R>.waiting`` (the test's cue to send the signal), then wait until
     the run's :class:`~dsv4.callbacks.preemption.Preemption` handler has received a signal (at once when it already
-    has). That rank therefore stops after exactly ``step``, and so does every other (the flag is all-reduced)."""
+    has). That rank therefore stops after exactly ``step``, and so does every other (the flag is all-reduced).
+    ``world_size``: hold only in a run of that many ranks (one job of a sweep over ``cp``). A run that finds its
+    marker there already (the same command run again, e.g. a requeued job) is not held."""
 
-    def __init__(self, step: int, marker_dir: str, rank: int | None = None) -> None:
-        self.step, self.marker_dir, self.rank = int(step), Path(marker_dir), rank
+    def __init__(self, step: int, marker_dir: str, rank: int | None = None, world_size: int | None = None) -> None:
+        self.step, self.marker_dir, self.rank, self.world_size = int(step), Path(marker_dir), rank, world_size
         self._done = False
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -26,10 +28,15 @@ class WaitForSignal(L.Callback):
 
         if self._done or trainer.global_step != self.step or self.rank not in (None, trainer.global_rank):
             return
+        if self.world_size not in (None, trainer.world_size):
+            return
         self._done = True
         preemption = next(cb for cb in trainer.callbacks if isinstance(cb, Preemption))
+        marker = self.marker_dir / f"rank{trainer.global_rank}.waiting"
+        if marker.exists():  # a rerun of the same command (a requeued job): held once only
+            return
         self.marker_dir.mkdir(parents=True, exist_ok=True)
-        (self.marker_dir / f"rank{trainer.global_rank}.waiting").touch()
+        marker.touch()
         while preemption.received is None:  # the handler runs in this (main) thread between two sleeps
             time.sleep(0.05)
 

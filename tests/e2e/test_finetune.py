@@ -9,11 +9,20 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
+import psutil
 import pytest
 
+from dsv4.training.checkpointing import checkpoint_step, complete_checkpoints
+from dsv4.training.run import read_objective
 from tests.e2e.helpers import FAST, REPO, losses, recipe_env, reserved_port, run_recipe
 
 pytestmark = pytest.mark.e2e
+
+# the probe in tests/e2e/launch_probes.py is imported by the recipe processes (every process inherits this)
+PROBES_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+WAIT_PROBE = ["+callbacks.wait._target_=tests.e2e.launch_probes.WaitForSignal"]
 
 
 @pytest.fixture(scope="module")
@@ -100,17 +109,65 @@ def test_host_offload_follows_the_same_trajectory_and_resumes_from_its_checkpoin
         assert abs(resumed[step] - offload[step]) <= 1e-6 * abs(offload[step]), (step, resumed, offload)
 
 
-def test_two_job_sweep_writes_two_complete_runs(tmp_path):
-    run_recipe(["-m", *FAST, "cp=1,2", "trainer.max_steps=2", "checkpoint.every_n_steps=0",
-                f"hydra.sweep.dir={tmp_path}"])
-    for job in ("0", "1"):
-        run = tmp_path / job
-        assert sorted(losses(run)) == [0, 1], job
-        assert (run / "checkpoints" / "last.ckpt" / "meta.pt").exists(), job
-        assert (run / "resolved_config.yaml").exists(), job
-    assert "cp: 2" in (tmp_path / "1" / "resolved_config.yaml").read_text()
+def _submitit_task_of(root: psutil.Process, run_dir: Path) -> psutil.Process:
+    """The submitit task process (``python -m submitit.core._submit``) whose child trains into ``run_dir``."""
+    for proc in root.children(recursive=True):
+        try:
+            cmd, parent = proc.cmdline(), proc.parent()
+            if f"hydra.run.dir={run_dir}" in cmd and "submitit.core._submit" in " ".join(parent.cmdline()):
+                return parent
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no submitit task trains into {run_dir}")
+
+
+def test_submitit_sweep_trains_both_jobs_and_requeues_a_preempted_one_on_the_same_trajectory(runs, tmp_path):
+    """``-m hydra/launcher=local cp=1,2`` (submitit's local executor, the launcher path of SLURM without a
+    cluster): each job runs in a submitit task process, whose argv is submitit's, not the recipe's. Job 0 (cp=1) is
+    held by a test callback at the end of step 3 and its task gets submitit's preemption signal (SIGUSR2, what the
+    executor sends before the time limit): the training stops after step 3 with ``step3.ckpt`` (the periodic
+    schedule saves 2 and 4), submitit requeues the job, and the rerun resumes from step 3. Job 1 (cp=2: Lightning
+    starts its second rank) runs through. Both jobs' losses equal the uninterrupted single runs' (``runs``) exactly,
+    each in its own run dir with its metrics and objective, and no rank re-ran the sweep."""
+    sweep, marker = tmp_path / "sweep", tmp_path / "waiting"
+    cmd = [sys.executable, str(REPO / "recipes/finetune.py"), "-m", "hydra/launcher=local", *FAST, "cp=1,2",
+           "trainer.max_steps=4", "checkpoint.every_n_steps=2", *WAIT_PROBE, "+callbacks.wait.step=3",
+           "+callbacks.wait.rank=0", "+callbacks.wait.world_size=1", f"+callbacks.wait.marker_dir={marker}",
+           f"hydra.sweep.dir={sweep}"]
+    with reserved_port() as port:
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**recipe_env(port), **PROBES_ENV}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            deadline = time.time() + 1800  # a safety net against a hang, not a performance check
+            while not (marker / "rank0.waiting").exists() and proc.poll() is None and time.time() < deadline:
+                time.sleep(0.2)
+            assert (marker / "rank0.waiting").exists(), proc.communicate()[0][-6000:]
+            _submitit_task_of(psutil.Process(proc.pid), sweep / "0").send_signal(signal.SIGUSR2)
+            out, _ = proc.communicate(timeout=1800)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-6000:]
     # exactly the two jobs: no child rank re-ran the sweep into a directory of its own
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "multirun.yaml"]
+    assert sorted(p.name for p in sweep.iterdir()) == [".submitit", "0", "1", "multirun.yaml"]
+    for job, reference in (("0", runs["cp1"]), ("1", runs["cp2"])):
+        run, expected = sweep / job, losses(reference)
+        trajectory = losses(run)
+        assert trajectory.keys() == expected.keys() == {0, 1, 2, 3}, job
+        for step in expected:
+            assert trajectory[step] == expected[step], (job, step, trajectory[step], expected[step])
+        assert read_objective(run) == trajectory[3], job
+        assert f"cp: {int(job) + 1}" in (run / "resolved_config.yaml").read_text()
+    ckpts = sweep / "0" / "checkpoints"
+    complete, incomplete = complete_checkpoints(ckpts)
+    assert not incomplete and [p.name for p in complete] == ["last.ckpt", "step2.ckpt", "step3.ckpt", "step4.ckpt"]
+    assert [checkpoint_step(p) for p in complete] == [4, 2, 3, 4]
+    log = (sweep / "0" / "finetune.log").read_text()
+    assert "preempted: stopped after step 3 with a complete checkpoint" in log, log[-4000:]
+    assert f"resuming from {ckpts / 'last.ckpt'} (step 3)" in log, log[-4000:]
+    assert not (sweep / "1" / "checkpoints" / "step3.ckpt").exists()
+    task_log = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_log.*"))
+    assert "Caught signal SIGUSR2" in task_log and "Requeued job" in task_log, task_log[-4000:]
 
 
 def test_a_nan_gradient_on_one_rank_stops_both_naming_the_parameter_and_the_last_good_checkpoint(tmp_path):

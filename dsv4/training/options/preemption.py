@@ -14,7 +14,7 @@ class PreemptionSpec:
     """``signals``: the signal names that stop the run after the current optimizer step with a complete checkpoint
     (empty: none); ``exit_code``: the process status after such a stop (:mod:`dsv4.callbacks.preemption`)."""
 
-    signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGUSR2")
     exit_code: int = 143
 
 
