@@ -258,15 +258,20 @@ def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.d
     carried: list[int] = []  # and what a per-tensor step keeps into the next shard's
     gathered: dict[int, int] = {}
     reduced: dict[int, int] = {}  # per unit: the trainable elements its gradient reduce-scatter takes in
+
+    def trainable_shard(local: int) -> int:
+        """A trainable shard of ``local`` elements: records what its step allocates and carries; its state bytes."""
+        step_bytes.append(optimizer.step_bytes_for(local))
+        if optimizer.step_temporary == "per_tensor":
+            carried.append(optimizer.carried_bytes_for(local))
+        return optimizer.bytes_for(local)
+
     for p, unit in owners.items():
         local = shard_elements(p, mesh_size[unit.mesh])
         master += local * p.element_size()
         if p.requires_grad:
             trainable += local
-            optimizer_bytes += optimizer.bytes_for(local)
-            step_bytes.append(optimizer.step_bytes_for(local))
-            if optimizer.step_temporary == "per_tensor":
-                carried.append(optimizer.carried_bytes_for(local))
+            optimizer_bytes += trainable_shard(local)
             reduced[id(unit)] = reduced.get(id(unit), 0) + local * mesh_size[unit.mesh]
         gathered[id(unit)] = gathered.get(id(unit), 0) + local * mesh_size[unit.mesh] * unit.param_dtype.itemsize
     tables, table_trainable, table_optimizer = 0, 0, 0
@@ -275,10 +280,7 @@ def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.d
         tables += local * t.element_size()
         if t.requires_grad:
             table_trainable += local
-            table_optimizer += optimizer.bytes_for(local)
-            step_bytes.append(optimizer.step_bytes_for(local))
-            if optimizer.step_temporary == "per_tensor":
-                carried.append(optimizer.carried_bytes_for(local))
+            table_optimizer += trainable_shard(local)
     held = {id(t) for t in table_tensors(model)}
     buffers = sum(b.numel() * b.element_size() for b in model.buffers() if id(b) not in held)
     root = units[-1]

@@ -6,7 +6,6 @@ the store, as torchrun's agent does, for both rounds."""
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 import uuid
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from dsv4.launch import run_on_ranks
 from dsv4.training import elastic
 from dsv4.training.elastic import ROUNDS_PREFIX, ProcessGroupStartupError, form_process_group, uses_agent_store
+from tests.e2e.helpers import free_port
 
 HEAD_START_S = 2.0  # round 1's rank 1 reads the store this long before rank 0 starts: an ordering aid, not a bound
 
@@ -84,7 +84,7 @@ def test_a_group_that_cannot_form_fails_within_the_startup_timeout_naming_the_ca
     if not agent:
         monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
     assert uses_agent_store(dict(os.environ)) is agent
-    port = store.port if agent else _free_port()
+    port = store.port if agent else free_port()
     [out] = run_on_ranks(_form_alone, 1, args=(port, alone), timeout=120)
     assert out.startswith("ProcessGroupStartupError: "), out
     where = "torchrun's agent store" if agent else "the store rank 0 hosts"
@@ -124,9 +124,3 @@ def _form_alone(rank: int, world_size: int, port: int, alone: int) -> str:
     except RuntimeError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "formed"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
