@@ -1,6 +1,8 @@
 """Context-parallel traffic of a training step against a first-principles lower bound, in several layouts.
 
-The tiny model (window, CSA and HCA layers, MTP) runs one forward+backward on ``--cp`` gloo ranks for each layout:
+Each model of ``--models`` runs one forward+backward on ``--cp`` gloo ranks for each layout: ``tiny`` (DeepSeek-V4:
+window, CSA and HCA layers, MTP) and ``v41_tiny`` (DeepSeek-V4.1: window, Full, Reindex and Reuse layers of ratios
+1 and 2, Engram, ``fake_quant``). The layouts:
 
 * ``one_document``: one row, one document of ``S`` tokens;
 * ``short_documents``: one row of 512-token documents (every chunk starts a document);
@@ -10,7 +12,9 @@ The tiny model (window, CSA and HCA layers, MTP) runs one forward+backward on ``
 * ``one_document_balanced``: ``one_document`` with ``cp_balance=full`` (head-tail chunks).
 
 Every exchange counts its bytes in the ``CPContext`` traffic counter; every kind it reports must be one this script
-classifies (an unknown kind fails). The bound is computed from the token layout alone (documents, positions, the
+classifies (an unknown kind fails). Independently of the counters, a wire tap (:class:`WireTap`) counts the bytes
+each rank receives at the ``torch.distributed`` calls themselves (point-to-point receive buffers, the other ranks'
+share of all-gathers and reduce-scatters); the model's exchanges are all of them, so the two must agree. The bound is computed from the token layout alone (documents, positions, the
 chunk cut), not from the implementation's exchange plans. Per local row (chunk ``v`` of row ``b``, first column
 ``c``) whose first token continues a document from column ``c - 1`` (both real, one document) and per attention
 layer of ratio ``r``:
@@ -32,11 +36,28 @@ layer of ratio ``r``:
   sends it what): two int32 per chunk, so a rank receives at least ``8 (V - k)`` bytes per row (``V`` chunks, ``k``
   held).
 
-Per layout and rank one JSON object per measurement: received bytes by category (``payload``, ``backward``,
-``metadata``) and their bounds, and ``ratio`` = total received / total bound.
+DeepSeek-V4.1 differs in what its attention reads (the same continuing rows, per layer):
 
-    python benchmarks/cp_traffic.py                     # S = 16384, CP = 4
-    python benchmarks/cp_traffic.py --seq-len 4096 --cp 2 --layouts one_document
+* window keys: as above, in every layer (window, Full, Reindex and Reuse alike);
+* no compressor boundary: ratio-2 windows are disjoint pairs that never straddle a chunk (chunks start on the
+  shard multiple), ratio 1 has none;
+* compressed rows and index keys: a Full layer compresses its own input, and the Reindex and Reuse layers after it
+  read exactly those rows and keys (the CSA2 shared state), so every complete window of the continued document
+  before ``c`` must arrive once per Full layer: its compressed row (gradient back) and its index key (frozen, to
+  be scored), not once per consumer. This counts the rows and keys as the attention reads them; a design that
+  sends the compressor latent and recomputes both on the receiver would move ``D`` instead of ``D + D_I`` per
+  window at the price of recomputing them;
+* Engram: a position's n-grams read the ``engram_max_ngram_size - 1`` tokens before it within its document, so a
+  continuing chunk needs that many of the previous chunk's token ids (fewer when the document began later): int32
+  each, forward only;
+* no multi-token prediction depths (V4.1's DSpark drafter is not part of the backbone).
+
+Per model, layout and rank one JSON object per measurement: received bytes by category (``payload``,
+``backward``, ``metadata``) and their bounds, the wire tap's bytes (``wire``) beside the counters' total
+(``counted``), and ``ratio`` = total received / total bound.
+
+    python benchmarks/cp_traffic.py                     # S = 16384, CP = 4, both models
+    python benchmarks/cp_traffic.py --seq-len 4096 --cp 2 --layouts one_document --models v41_tiny
 """
 
 from __future__ import annotations
@@ -48,10 +69,53 @@ import torch
 from common import emit
 from dsv4.launch import run_on_ranks
 
-ELEM = 4  # the tiny preset trains in fp32
-PAYLOAD = ("halo", "compressor_halo", "index_compressor_halo", "compressed_gather", "index_key_gather")
+ELEM = 4  # the tiny presets train in fp32
+ID_BYTES = 4  # a token id (int32: any vocabulary fits)
+PAYLOAD = ("halo", "compressor_halo", "index_compressor_halo", "compressed_gather", "index_key_gather", "engram_ids")
 METADATA = ("metadata", "metadata_halo", "mtp_metadata")
 LAYOUTS = ("one_document", "short_documents", "starts_and_padding", "two_rows", "one_document_balanced")
+MODELS = ("tiny", "v41_tiny")
+
+
+class WireTap:
+    """Bytes this rank receives through ``torch.distributed`` while active, counted at the transport calls the CP
+    collectives make (not by them): the receive buffers of point-to-point batches, and the other ranks' share of
+    every all-gather output and reduce-scatter input."""
+
+    def __enter__(self) -> "WireTap":
+        import torch.distributed as dist
+
+        import dsv4.distributed as transport
+
+        self.received = 0
+        self._saved = (dist.batch_isend_irecv, transport._ALL_GATHER, transport._REDUCE_SCATTER)
+        p2p, gather, scatter = self._saved
+
+        def nbytes(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        def tapped_p2p(ops):
+            self.received += sum(nbytes(op.tensor) for op in ops if op.op is dist.irecv)
+            return p2p(ops)
+
+        def tapped_gather(out, tensor, **kwargs):
+            self.received += nbytes(out) - nbytes(tensor)
+            return gather(out, tensor, **kwargs)
+
+        def tapped_scatter(out, tensor, **kwargs):
+            self.received += nbytes(tensor) - nbytes(out)
+            return scatter(out, tensor, **kwargs)
+
+        dist.batch_isend_irecv, transport._ALL_GATHER, transport._REDUCE_SCATTER = (tapped_p2p, tapped_gather,
+                                                                                    tapped_scatter)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        import dsv4.distributed as transport
+
+        dist.batch_isend_irecv, transport._ALL_GATHER, transport._REDUCE_SCATTER = self._saved
 
 
 def category(kind: str) -> str:
@@ -89,47 +153,60 @@ def _rows(layout: str, seq_len: int, l: int):
     return torch.stack([s for s, _ in built]), torch.stack([p for _, p in built])
 
 
-def _config():
+def _config(model: str = "tiny"):
     from dsv4.config import DSV4Config
 
-    return DSV4Config.preset("tiny")
+    return DSV4Config.preset(model)
 
 
-def _rank_body(rank: int, world_size: int, layout: str, seq_len: int) -> dict:
+def _rank_body(rank: int, world_size: int, layout: str, seq_len: int, model_name: str = "tiny") -> dict:
     import torch.distributed as dist
 
     from dsv4.batch import TokenBatch
+    from dsv4.data.tokenizers import ByteTokenizer
+    from dsv4.model import build_causal_lm
     from dsv4.parallel.cp import CPContext
-    from dsv4.model import DSV4ForCausalLM
     from dsv4.training.loss import reduce_token_loss
     from dsv4.training.step import forward_outputs
 
     torch.manual_seed(0)
-    config = _config()
-    model = DSV4ForCausalLM(config)
+    config = _config(model_name)
+    v41 = config.model_type == "deepseek_v41"
+    model = build_causal_lm(config, tokenizer=ByteTokenizer()) if v41 else build_causal_lm(config)
     balance = "full" if layout.endswith("balanced") else "none"
     chunks = world_size * (2 if balance == "full" else 1)
     seq, pos = _rows(layout, seq_len, seq_len // chunks)
-    ids = torch.randint(1, config.vocab_size, seq.shape, generator=torch.Generator().manual_seed(1)) * (seq > 0)
+    vocab = min(config.vocab_size, ByteTokenizer.vocab_size) if v41 else config.vocab_size  # Engram's class map
+    ids = torch.randint(1, vocab, seq.shape, generator=torch.Generator().manual_seed(1)) * (seq > 0)
     labels = torch.where((seq > 0) & (torch.roll(seq, -1, 1) == seq), torch.roll(ids, -1, 1), -100)
     batch = TokenBatch(ids, labels, seq, pos).cut(rank, world_size, config.shard_multiple, balance)
     group = dist.new_group(list(range(world_size)))
     cp = CPContext(group, balance=balance)
-    out = forward_outputs(model, batch, cp)
-    loss_sum, count = out.loss_sum, out.label_count
-    reduce_token_loss(loss_sum, count, group).loss.backward()
-    return cp.traffic.as_dict()
+    with WireTap() as wire:
+        out = forward_outputs(model, batch, cp)
+        loss_sum, count = out.loss_sum, out.label_count
+        loss = reduce_token_loss(loss_sum, count, group).loss
+        loss.backward()
+    return {"traffic": cp.traffic.as_dict(), "wire": wire.received}
 
 
-def lower_bound(layout: str, seq_len: int, world_size: int) -> list[dict[str, int]]:
+def lower_bound(layout: str, seq_len: int, world_size: int, model: str = "tiny") -> list[dict[str, int]]:
     """Per rank, the minimum bytes received by category (see the module docstring)."""
     from dsv4.parallel.cp.layout import CPLayout
 
-    config = _config()
+    config = _config(model)
+    v41 = config.model_type == "deepseek_v41"
     cut = CPLayout(world_size, "full" if layout.endswith("balanced") else "none")
     l = seq_len // cut.num_chunks
     seq, pos = _rows(layout, seq_len, l)
-    ratios = [config.ratio_for_layer(i) for i in range(config.num_hidden_layers + config.num_nextn_predict_layers)]
+    depths = 0 if v41 else config.num_nextn_predict_layers  # V4.1's DSpark layers are not backbone depths
+    layers = range(config.num_hidden_layers + depths)
+    ratios = [config.ratio_for_layer(i) for i in layers]
+    # the layers whose compressed rows and index keys must arrive: V4's compressed layers (keys: ratio 4), V4.1's
+    # Full layers (their consumers read the same rows)
+    sources = [i for i in layers if (config.attention_role(i) == "full" if v41 else ratios[i] > 0)]
+    keyed = set(sources) if v41 else {i for i in sources if ratios[i] == 4}
+    reach = config.engram_max_ngram_size - 1 if v41 and config.engram_layer_ids else 0
     window, d, d_i = config.sliding_window, config.head_dim, config.index_head_dim
     bound = [{"payload": 0, "backward": 0, "metadata": 0} for _ in range(world_size)]
     for b in range(seq.shape[0]):
@@ -138,34 +215,37 @@ def lower_bound(layout: str, seq_len: int, world_size: int) -> list[dict[str, in
             bound[rank]["metadata"] += 8 * (cut.num_chunks - cut.chunks_per_rank) // cut.chunks_per_rank
             end = c + l
             after = v + 1 < cut.num_chunks and cut.owner(v + 1)[0] != rank  # the next chunk lives on another rank
-            if after and seq[b, end] > 0 and seq[b, end] == seq[b, end - 1]:  # MTP: the next chunk's head
-                bound[rank]["metadata"] += config.num_nextn_predict_layers * 2 * 4
+            if depths and after and seq[b, end] > 0 and seq[b, end] == seq[b, end - 1]:  # MTP: the next chunk's head
+                bound[rank]["metadata"] += depths * 2 * 4
             if not (c > 0 and seq[b, c] > 0 and seq[b, c] == seq[b, c - 1]):
                 continue
             start = c - int(pos[b, c])  # the continuing document's first column
-            for r in ratios:
-                grads, frozen = {}, {}  # source chunk -> bytes; the differentiable ones' gradients go back there
+            grads, frozen = {}, {}  # source chunk -> bytes; the differentiable ones' gradients go back there
 
-                def add(into: dict, source: int, nbytes: int) -> None:
-                    into[source] = into.get(source, 0) + nbytes
+            def add(into: dict, source: int, nbytes: int) -> None:
+                into[source] = into.get(source, 0) + nbytes
 
+            for col in range(c - min(reach, c - start), c):  # Engram's n-grams: token ids, no gradient
+                add(frozen, col // l, ID_BYTES)
+            for i in layers:
+                r = ratios[i]
                 for col in range(c - min(window - 1, c - start), c):
                     add(grads, col // l, d * ELEM)
                 if r == 4 and c - start >= 4:
                     add(grads, v - 1, 2 * d * 4)
                     add(frozen, v - 1, 2 * d_i * 4)
-                if r > 0:
+                if i in sources:
                     for w in range(start // r, c // r):
                         add(grads, w * r // l, d * ELEM)
-                        if r == 4:
+                        if i in keyed:
                             add(frozen, w * r // l, d_i * ELEM)
-                for pieces, backward in ((grads, True), (frozen, False)):
-                    for source, nbytes in pieces.items():
-                        if cut.owner(source)[0] == rank:  # held by this rank: nothing crosses
-                            continue
-                        bound[rank]["payload"] += nbytes
-                        if backward:
-                            bound[cut.owner(source)[0]]["backward"] += nbytes
+            for pieces, backward in ((grads, True), (frozen, False)):
+                for source, nbytes in pieces.items():
+                    if cut.owner(source)[0] == rank:  # held by this rank: nothing crosses
+                        continue
+                    bound[rank]["payload"] += nbytes
+                    if backward:
+                        bound[cut.owner(source)[0]]["backward"] += nbytes
     return bound
 
 
@@ -174,24 +254,28 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--cp", type=int, default=4)
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     args = parser.parse_args()
-    for layout in args.layouts:
-        traffic = run_on_ranks(_rank_body, args.cp, args=(layout, args.seq_len))
-        bounds = lower_bound(layout, args.seq_len, args.cp)
-        shape = {"layout": layout, "seq_len": args.seq_len, "cp": args.cp, "preset": "tiny", "dtype": "float32"}
-        totals = [0, 0]
-        for rank, (kinds, bound) in enumerate(zip(traffic, bounds)):
-            received = {"payload": 0, "backward": 0, "metadata": 0}
-            for kind, record in kinds.items():
-                received[category(kind)] += record["bytes_received"]
-            rank_shape = {**shape, "rank": rank}
-            for part in received:
-                emit(f"cp_traffic.{part}", rank_shape, received[part], "bytes")
-                emit(f"cp_traffic.{part}.bound", rank_shape, bound[part], "bytes")
-            got, least = sum(received.values()), sum(bound.values())
-            totals[0], totals[1] = totals[0] + got, totals[1] + least
-            emit("cp_traffic.ratio", rank_shape, round(got / least, 3) if least else None, "x")
-        emit("cp_traffic.ratio_all_ranks", shape, round(totals[0] / totals[1], 3) if totals[1] else None, "x")
+    for model in args.models:
+        for layout in args.layouts:
+            results = run_on_ranks(_rank_body, args.cp, args=(layout, args.seq_len, model))
+            bounds = lower_bound(layout, args.seq_len, args.cp, model)
+            shape = {"layout": layout, "seq_len": args.seq_len, "cp": args.cp, "preset": model, "dtype": "float32"}
+            totals = [0, 0]
+            for rank, (result, bound) in enumerate(zip(results, bounds)):
+                received = {"payload": 0, "backward": 0, "metadata": 0}
+                for kind, record in result["traffic"].items():
+                    received[category(kind)] += record["bytes_received"]
+                rank_shape = {**shape, "rank": rank}
+                for part in received:
+                    emit(f"cp_traffic.{part}", rank_shape, received[part], "bytes")
+                    emit(f"cp_traffic.{part}.bound", rank_shape, bound[part], "bytes")
+                got, least = sum(received.values()), sum(bound.values())
+                emit("cp_traffic.counted", rank_shape, got, "bytes")
+                emit("cp_traffic.wire", rank_shape, result["wire"], "bytes")
+                totals[0], totals[1] = totals[0] + got, totals[1] + least
+                emit("cp_traffic.ratio", rank_shape, round(got / least, 3) if least else None, "x")
+            emit("cp_traffic.ratio_all_ranks", shape, round(totals[0] / totals[1], 3) if totals[1] else None, "x")
 
 
 if __name__ == "__main__":

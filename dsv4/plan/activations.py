@@ -356,8 +356,6 @@ class V41StepTracer(StepTracer):
     def __init__(self, model, rows: int, local_len: int, cp_size: int, expert_parallel: bool,
                  return_logits: bool = False, root_parameters: set | frozenset = frozenset(),
                  cp_balance: str = "none") -> None:
-        if cp_size > 1:
-            raise ValueError(f"memory plan: context parallelism is not supported for DeepSeek-V4.1 (cp={cp_size})")
         super().__init__(model, rows, local_len, cp_size, expert_parallel, return_logits, root_parameters, cp_balance)
         c = self.config
         buckets = (c.engram_max_ngram_size - 1) * c.engram_n_heads
@@ -400,7 +398,7 @@ class V41StepTracer(StepTracer):
                 kinds[kind] = self._block(i, _grad_leaves(state))
             blocks.append(kinds[kind])
             with torch.no_grad():  # the next block's input state (shapes only)
-                x, carry, new = layer(x, carry, state, self.meta, self.engram_inputs)
+                x, carry, new = layer(x, carry, state, self.meta, self.engram_inputs, self.cp_arg)
             if new is not state:
                 published.append(new)
             state = new
@@ -418,7 +416,7 @@ class V41StepTracer(StepTracer):
 
         def run(x):
             carry = first_carry(x) if index == 0 else self.carry._plan_view(self.carry.clone())
-            y, carry, out_state = layer(x, carry, state, self.meta, self.engram_inputs)
+            y, carry, out_state = layer(x, carry, state, self.meta, self.engram_inputs, self.cp_arg)
             held.append((carry, out_state))
             return y
 
@@ -449,7 +447,7 @@ class V41StepTracer(StepTracer):
     def whole_step(self) -> int:
         model = self.model
         with AllocationTracer() as tracer:
-            backbone = model.model(self.ids, self.meta, self.engram_inputs)
+            backbone = model.model(self.ids, self.meta, self.engram_inputs, self.cp_arg)
             out = model._head_and_loss(backbone.hidden, [], self.ids, [], 0, self.return_logits)
             del backbone
             out.loss_sum.backward(torch.empty_like(out.loss_sum))

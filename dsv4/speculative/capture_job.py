@@ -200,19 +200,19 @@ def default_layer_ids(config: Any) -> list[int]:
     return ids
 
 
-def run_capture(cfg: Any, output_dir: str | Path) -> dict:
-    """Validate the config, capture every unfinished shard on ``dp`` ranks, write the index; returns a summary."""
+def capture_job(cfg: Any, output_dir: str | Path) -> dict:
+    """The job every rank of :func:`run_capture` runs (:func:`capture_rank`), from the recipe's config: validated,
+    its documents read once (bad data fails here, before any rank starts); creates the output folder."""
     from omegaconf import OmegaConf
 
     from dsv4.speculative.capture import validate_layer_ids
-    from dsv4.training.options.family import check_engram_tokenizer, check_v41_parallel
+    from dsv4.training.options.family import check_engram_tokenizer
     from dsv4.training.schema import model_config
 
     c = OmegaConf.to_container(cfg, resolve=True)
     config = model_config(c["model"])
     layer_ids = validate_layer_ids(default_layer_ids(config) if c["layer_ids"] is None else c["layer_ids"],
                                    config.num_hidden_layers)
-    check_v41_parallel(config, int(c["cp"]))
     if c["dispatcher"] != "local":
         raise ValueError(f"`dispatcher`={c['dispatcher']!r}: the capture job runs full replicas per rank; use "
                          "dispatcher=local (dspark_packed_forward itself supports uniform-token dispatchers)")
@@ -239,16 +239,24 @@ def run_capture(cfg: Any, output_dir: str | Path) -> dict:
            "max_documents": c.get("max_documents"),
            "max_document_tokens": c.get("max_document_tokens"), "max_shards_this_run": c.get("max_shards_this_run"),
            "output_dir": str(out), "progress": c.get("progress", True), "threads": c.get("threads", 1),
-           "cp": int(c["cp"])}
+           "cp": int(c["cp"]), "dp": int(c["dp"])}
     docs = _documents(job)  # bad data fails here, before any rank starts
     if not docs:
         raise ValueError("data: no documents")
     too_big = [i for i, d in enumerate(docs) if any(t >= config.vocab_size or t < 0 for t in d.ids)]
     if too_big:
         raise ValueError(f"data: document {too_big[0]} has token ids outside model.vocab_size={config.vocab_size}")
-    n_shards = -(-len(docs) // job["docs_per_shard"])
+    job["shards_total"] = -(-len(docs) // job["docs_per_shard"])
+    return job
+
+
+def run_capture(cfg: Any, output_dir: str | Path) -> dict:
+    """Validate the config, capture every unfinished shard on ``dp`` ranks, write the index; returns a summary."""
+    job = capture_job(cfg, output_dir)
+    out = Path(job["output_dir"])
+    n_shards = job["shards_total"]
     start = time.perf_counter()
-    world = int(c["dp"]) * int(c["cp"])
+    world = job["dp"] * job["cp"]
     if world == 1:
         results = [capture_rank(0, 1, job)]
     else:

@@ -37,7 +37,7 @@ from dsv4.training.options.checkpoint import (
 )
 from dsv4.training.options.data import data_preparation, overlong_mode
 from dsv4.training.options.export import ExportSpec, export_spec
-from dsv4.training.options.family import check_engram_tokenizer, check_v41_parallel
+from dsv4.training.options.family import check_engram_tokenizer
 from dsv4.training.options.factories import (
     LoggerFactory,
     OptimizerFactory,
@@ -153,7 +153,6 @@ def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> N
         dp = ParallelDims(world_size=world, cp=cfg.cp, dp=cfg.dp, ep=cfg.ep).validate(config.n_routed_experts)
     elif cfg.cp < 1:
         raise ValueError(f"`cp` must be a positive integer, got {cfg.cp}")
-    check_v41_parallel(config, cfg.cp)
     check_balance(cfg.cp_balance)
     chunks = cp_chunks(cfg.cp, cfg.cp_balance)
     if chunks != cfg.cp and cfg.seq_len % (chunks * config.shard_multiple):

@@ -147,18 +147,34 @@ def test_packed_attention_benchmark_compares_a_packed_row_with_its_documents():
 
 @pytest.mark.e2e
 def test_cp_traffic_counts_every_kind_against_the_layout_bound():
-    """Two small layouts on 2 ranks: every exchange kind is classified, and each rank receives within 1.25x of the
-    first-principles bound (payload, backward and metadata together); an unknown kind fails."""
+    """Two small layouts on 2 ranks, DeepSeek-V4 (tiny) and V4.1 (v41_tiny): every exchange kind is classified, the
+    bytes the wire tap sees at the torch.distributed calls equal the counters' on every rank, and each rank receives
+    within 1.25x of the first-principles bound (payload, backward and metadata together); the V4.1 bound worked out
+    by hand; an unknown kind fails."""
     from cp_traffic import category, lower_bound
 
-    rows = _run("cp_traffic.py", "--seq-len", "2048", "--cp", "2", "--layouts", "starts_and_padding", "two_rows")
+    rows = _run("cp_traffic.py", "--seq-len", "1024", "--cp", "2", "--layouts", "starts_and_padding", "two_rows",
+                "--models", "tiny", "v41_tiny")
     ratios = [r for r in rows if r["name"] == "cp_traffic.ratio"]
-    assert len(ratios) == 4 and all(r["value"] is not None and r["value"] <= 1.25 for r in ratios), ratios
-    bounds = lower_bound("two_rows", 2048, 2)  # row 0 continues into rank 1: payload only there, backward to rank 0
+    assert len(ratios) == 8 and all(r["value"] is not None and r["value"] <= 1.25 for r in ratios), ratios
+    assert {r["shape"]["preset"] for r in ratios} == {"tiny", "v41_tiny"}
+    counted = {json.dumps(r["shape"]): r["value"] for r in rows if r["name"] == "cp_traffic.counted"}
+    wire = {json.dumps(r["shape"]): r["value"] for r in rows if r["name"] == "cp_traffic.wire"}
+    assert len(wire) == 8 and wire == counted and all(v > 0 for v in wire.values())
+    bounds = lower_bound("two_rows", 1024, 2)  # row 0 continues into rank 1: payload only there, backward to rank 0
     assert bounds[0]["payload"] == 0 < bounds[1]["payload"] and 0 < bounds[0]["backward"] <= bounds[1]["payload"]
     # metadata: two int32 from the other chunk per row; rank 0 also reads row 0's next MTP id and label from rank 1
     assert bounds[1]["backward"] == 0 and (bounds[0]["metadata"], bounds[1]["metadata"]) == (2 * 8 + 8, 2 * 8)
+    # V4.1, v41_tiny (12 layers, window 4, head_dim 32, index_head_dim 32, Full layers 2 and 4 at ratio 2 and 6 at
+    # ratio 1, Engram 4-grams): row 0's chunk 1 continues a 512-token document. Each layer's 3 window keys, then per
+    # Full layer every earlier window's row and index key (256 + 256 + 512 windows), then 3 token ids; the rows'
+    # and keys' gradients (not the frozen keys', not the ids') go back to rank 0. No MTP.
+    v41 = lower_bound("two_rows", 1024, 2, "v41_tiny")
+    halo, rows_of = 12 * 3 * 32 * 4, (256 + 256 + 512) * 32 * 4
+    assert v41[1] == {"payload": halo + 2 * rows_of + 3 * 4, "backward": 0, "metadata": 2 * 8}
+    assert v41[0] == {"payload": 0, "backward": halo + rows_of, "metadata": 2 * 8}
     assert category("halo.backward") == "backward" and category("metadata") == "metadata"
+    assert category("engram_ids") == "payload"
     with pytest.raises(KeyError, match="unknown exchange kind 'all_gather'"):
         category("all_gather")
 

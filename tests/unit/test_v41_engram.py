@@ -15,7 +15,8 @@ from dsv4.config import DSV4Config
 from dsv4.data.tokenizers import ByteTokenizer, HFTokenizer
 from dsv4.model.v41.engram import Engram
 from dsv4.model.v41.engram_hash import (
-    EngramHashing, EngramHistory, engram_hash_specs, engram_hash_specs_for, engram_ngram_ids,
+    EngramHashing, EngramHistory, engram_hash_specs, engram_hash_specs_for, engram_history_from_tail,
+    engram_history_tail, engram_ngram_ids,
 )
 from dsv4.model.v41.engram_vocab import engram_class_map, engram_class_map_for
 
@@ -207,20 +208,35 @@ def test_hash_ids_equal_reference(tok, nemo, setup, case):
 
 def test_history_split_equals_whole_row(tok, setup):
     """A packed row (documents, padding, image tokens) cut anywhere, its right part hashed with the left part's
-    last tokens as history, gives the whole row's ids."""
+    last tokens as history, gives the whole row's ids; so does the CP halo form of the history (the left part's
+    :func:`engram_history_tail`, received only where the right part's first token continues the left part's last
+    document, read back by :func:`engram_history_from_tail`), with masked tokens inside a document and a document
+    that starts within the last three tokens."""
     ids = _rows(tok, 20, 2, seed=2)
     docs = torch.tensor([[1] * 6 + [2] * 7 + [0] + [3] * 6, [1] * 4 + [0] * 2 + [2] * 14])
     image = torch.zeros(2, 20, dtype=torch.bool)
     image[1, 9] = True
     whole = _ours(setup, ids, packed_seq_ids=docs, image_mask=image)
     visible = docs.masked_fill(image, 0)
-    for cut in (1, 2, 6, 7, 8, 13, 15):
+    for cut in (1, 2, 6, 7, 8, 10, 11, 13, 15):
         left = _ours(setup, ids[:, :cut], packed_seq_ids=docs[:, :cut], image_mask=image[:, :cut])
         history = EngramHistory(ids[:, max(0, cut - 3):cut], visible[:, max(0, cut - 3):cut])
         right = _ours(setup, ids[:, cut:], packed_seq_ids=docs[:, cut:], image_mask=image[:, cut:], history=history)
         for (w, wa), (lft, la), (r, ra) in zip(whole, left, right):
             assert torch.equal(torch.cat([lft, r], 1), w), cut
             assert torch.equal(torch.cat([la, ra], 1), wa)
+        if cut < 3:
+            continue
+        tail = engram_history_tail(ids[:, :cut], docs[:, :cut], image[:, :cut], 3)
+        assert tail.dtype == torch.int32 and tail.shape == (2, 3)
+        continues = (docs[:, cut] == docs[:, cut - 1]) & (docs[:, cut] > 0)  # the CP halo route's rows
+        received = torch.where(continues[:, None], tail, torch.zeros_like(tail))
+        history = engram_history_from_tail(received, docs[:, cut:])
+        right = _ours(setup, ids[:, cut:], packed_seq_ids=docs[:, cut:], padding_mask=image[:, cut:],
+                      history=history)
+        for (w, wa), (r, ra) in zip(whole, right):
+            assert torch.equal(r, w[:, cut:]), cut
+            assert torch.equal(ra, wa[:, cut:])
     # an unpacked row: history doc ids 1
     row = _ours(setup, ids)
     right = _ours(setup, ids[:, 9:], history=EngramHistory(ids[:, 6:9], torch.ones(2, 3, dtype=torch.int64)))

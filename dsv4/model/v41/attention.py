@@ -22,9 +22,24 @@ Roles (what a layer owns and what it does to the shared state):
 
 The per-forward positions, document ids, RoPE tables and window metadata come from V4's
 :func:`~dsv4.model.attention_metadata.build_attention_metadata` (ratios 1 and 2), shared by every layer. Everything
-here is document-local arithmetic on those tables: nothing of size ``[L, L]`` is built. Context parallelism for V4.1
-(halo of window keys, the compressed rows and index keys of earlier ranks) is not implemented; the model refuses
-``cp`` with more than one rank before any layer runs.
+here is document-local arithmetic on those tables: nothing of size ``[L, L]`` is built.
+
+Context parallelism (``cp``, the :class:`~dsv4.model.context_parallel.ContextParallel` view; each local row is one
+chunk of a whole row) only adds exchanges, planned once per forward in ``meta.routes``:
+
+* ``halo``: every layer's window keys, as in V4: the previous chunk's last ``sliding_window - 1`` K=V rows (RoPE'd
+  and FP8-rounded by their owner), only to the rows whose document continues across the chunk boundary;
+* ``compressed_gather`` / ``index_key_gather``: a Full layer's compressed rows and index keys of the earlier chunks
+  of the document each local row's first token continues (``meta.routes.preceding[ratio]``), received point to
+  point from their owners once, by the Full layer; the shared state carries the gathered rows, so Reindex and Reuse
+  layers read them without another exchange. The compressed rows' gradients return to their owner (the index keys
+  have none: the indexer is frozen).
+
+The CSA2 compressor needs no boundary exchange: its windows (ratio 2: pairs; ratio 1: single tokens) do not overlap,
+and documents and chunks start on multiples of the shard multiple (lcm of the ratios), so no window straddles a
+chunk boundary. Each exchange starts as soon as its input exists and is waited for where its result is first
+needed: the halo overlaps the queries and the compressor, the index keys the compressed rows' rounding, the
+compressed rows the indexer.
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ from torch import Tensor, nn
 from dsv4.model.attention import AttentionSink, BlockDiagonalLinear
 from dsv4.model.attention_backend import attend
 from dsv4.model.attention_metadata import AttentionMetadata
+from dsv4.model.context_parallel import ContextParallel, ReadyRows
 from dsv4.model.fake_quant import fake_quant_fp4, fake_quant_fp8
 from dsv4.model.norm import RMSNorm
 from dsv4.model.rope import apply_rope
@@ -71,19 +87,22 @@ class CSA2Attention(nn.Module):
         self.compressor = CSA2Compressor(d_m, self.head_dim, self.ratio, eps) if self.role == "full" else None
         self.indexer = CSA2Indexer(config, layer_idx) if self.role in ("full", "reindex") else None
 
-    def forward(self, x: Tensor, meta: AttentionMetadata, state: SharedState | None) -> tuple[Tensor, SharedState | None]:
+    def forward(self, x: Tensor, meta: AttentionMetadata, state: SharedState | None,
+                cp: ContextParallel | None = None) -> tuple[Tensor, SharedState | None]:
         """Attention of this rank's tokens; returns the output and the shared state for the next layer.
 
         Args:
             x: ``[B, L, d]`` (input-layernormed).
             meta: the forward's :class:`~dsv4.model.attention_metadata.AttentionMetadata`.
             state: the shared state of the layers before (None before the first Full layer).
+            cp: None or the context-parallel view the metadata was built with (its exchanges: module docstring).
         """
         b, length, _ = x.shape
         rope = meta.rope_compress if self.ratio else meta.rope_main
         kv = apply_rope(self.kv_norm(self.wkv(x)), rope)
         if self.fake_quant:
             kv = fake_quant_fp8(kv, 32)
+        halo = cp.start_halo_exchange(kv, meta.halo, dim=1, kind="halo", route=meta.routes.halo) if meta.halo else None
         q_lat = self.q_norm(self.wq_a(x))
         q = apply_rope(self.wq_b(q_lat).view(b, length, self.n_heads, self.head_dim), rope)
 
@@ -91,25 +110,47 @@ class CSA2Attention(nn.Module):
         if self.ratio:
             windows, key_windows = meta.windows[self.ratio], meta.key_windows[self.ratio]
             if self.role == "full":
-                latent = self.compressor(x, windows)
-                rows = apply_rope(latent, windows.rope)
-                if self.fake_quant:
-                    rows = fake_quant_fp4(rows, 16, "e4m3")
-                state = SharedState(ratio=self.ratio, owner=self.layer_idx, compressed=rows,
-                                    index_keys=self.indexer.keys(latent, windows), topk=None)
+                pending, index_keys = self._compress(x, windows, meta, cp)
+                candidates = None
             elif state is None:
                 raise ValueError(f"V4.1 layer {self.layer_idx} ({self.role}) runs before any KV source layer")
-            state.check_consumer(self.layer_idx, self.ratio)
-            if self.indexer is not None:
+            else:
+                state.check_consumer(self.layer_idx, self.ratio)
+                index_keys, candidates = state.index_keys, state.candidates
+            if self.indexer is not None:  # overlaps the compressed rows' exchange
                 selected, candidates = self.indexer(
-                    x, q_lat, meta.rope_compress, meta.seq_ids, meta.position_ids, state.index_keys, key_windows,
-                    self.ratio, state.candidates)
-                state = replace(state, topk=selected, candidates=candidates)
+                    x, q_lat, meta.rope_compress, meta.seq_ids, meta.position_ids, index_keys, key_windows,
+                    self.ratio, candidates)
+                if self.role == "full":
+                    state = SharedState(ratio=self.ratio, owner=self.layer_idx, compressed=pending.wait(),
+                                        index_keys=index_keys, topk=selected, candidates=candidates)
+                else:
+                    state = replace(state, topk=selected, candidates=candidates)
             compressed, topk = state.compressed, state.topk
             local_windows = windows.seq_ids.shape[1]
+        if halo is not None:
+            kv = torch.cat((halo.wait(), kv), dim=1)  # [B, halo + L, D]
 
         out = attend(self.config, q, kv, self.sink(), meta, ratio=self.ratio, compressed=compressed, topk=topk,
                      local_windows=local_windows)
         out = apply_rope(out, rope, inverse=True)
         out = self.wo_a(out.reshape(b, length, self.n_groups, -1)).reshape(b, length, -1)
         return self.wo_b(out), state
+
+    def _compress(self, x: Tensor, windows, meta: AttentionMetadata, cp: ContextParallel | None):
+        """A Full layer's compressed rows (started: ``.wait()`` gives them) and index keys over every key window of
+        ``meta.key_windows`` (under CP: the earlier chunks' rows of the continued document, gathered here once,
+        then this chunk's own)."""
+        latent = self.compressor(x, windows)
+        keys = self._start_preceding(self.indexer.keys(latent, windows), meta, cp, "index_key_gather")
+        rows = apply_rope(latent, windows.rope)
+        if self.fake_quant:
+            rows = fake_quant_fp4(rows, 16, "e4m3")
+        return self._start_preceding(rows, meta, cp, "compressed_gather"), keys.wait()
+
+    def _start_preceding(self, rows: Tensor, meta: AttentionMetadata, cp: ContextParallel | None, kind: str):
+        """``rows [B, n, *]`` (this chunk's own windows) with the needed earlier windows before them, started
+        (``.wait()`` gives ``[B, P, *]``); the rows themselves on one rank."""
+        if meta.routes is None:
+            return ReadyRows(rows)
+        return cp.start_exchange_rows(rows, meta.routes.preceding[self.ratio], dim=1, kind=kind)

@@ -9,12 +9,13 @@ hyper-connections (:mod:`dsv4.model.v41.hyper_connections`).
     X = expand(X, mlp(post_attention_layernorm(collapse(X, mix_a.pre))), mix_f.post, mix_f.comb)
     carry = mix_f.pre
 
-``forward(X [B, L, hc, d], carry [B, L, hc] fp32, state, meta, engram_inputs) -> (X, carry, state)``;
+``forward(X [B, L, hc, d], carry [B, L, hc] fp32, state, meta, engram_inputs, cp) -> (X, carry, state)``;
 ``engram_inputs``: ``({layer_id: ngram_ids [B, L, n_buckets]}, active [B, L])`` of the forward
 (:class:`~dsv4.model.v41.engram_hash.EngramHashing`), None without Engram layers. ``state`` is
 the CSA2 shared state (:mod:`dsv4.model.v41.shared_state`), passed from block to block and never modified in place,
 so ``activation_checkpointing`` (``block`` / ``selective``, :mod:`dsv4.model.recompute`) recomputes a block from its
-inputs exactly.
+inputs exactly. ``cp`` (None or the :class:`~dsv4.model.context_parallel.ContextParallel` view) reaches only the
+attention, whose exchanges it runs (a recomputed block runs them again, with the same data, on every rank).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from dsv4.model.attention_metadata import AttentionMetadata
+from dsv4.model.context_parallel import ContextParallel
 from dsv4.model.norm import RMSNorm
 from dsv4.model.recompute import recomputed
 from dsv4.model.v41.attention import CSA2Attention
@@ -59,19 +61,20 @@ class DSV41Block(nn.Module):
         self.activation_checkpointing = config.activation_checkpointing
 
     def forward(self, x: torch.Tensor, carry: torch.Tensor, state: SharedState | None, meta: AttentionMetadata,
-                engram_inputs=None) -> tuple[torch.Tensor, torch.Tensor, SharedState | None]:
+                engram_inputs=None, cp: ContextParallel | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, SharedState | None]:
         if self.activation_checkpointing == "block" and torch.is_grad_enabled():
-            return recomputed(self._forward, x, carry, state, meta, engram_inputs)
-        return self._forward(x, carry, state, meta, engram_inputs)
+            return recomputed(self._forward, x, carry, state, meta, engram_inputs, cp)
+        return self._forward(x, carry, state, meta, engram_inputs, cp)
 
-    def _forward(self, x, carry, state, meta: AttentionMetadata, engram_inputs):
+    def _forward(self, x, carry, state, meta: AttentionMetadata, engram_inputs, cp):
         selective = self.activation_checkpointing == "selective" and torch.is_grad_enabled()
         if self.engram is not None:
             ngram_ids, active = engram_inputs
             x = self.engram(x, ngram_ids[self.layer_idx], active)
         mix_a = self.attn_hc(x)
         h = self.input_layernorm(self.attn_hc.collapse(x, carry))
-        y, state = recomputed(self.self_attn, h, meta, state) if selective else self.self_attn(h, meta, state)
+        y, state = recomputed(self.self_attn, h, meta, state, cp) if selective else self.self_attn(h, meta, state, cp)
         x = self.attn_hc.expand(x, y, mix_a.post, mix_a.comb)
         mix_f = self.ffn_hc(x)
         y = self._ffn(self.ffn_hc.collapse(x, mix_a.pre), meta.real_tokens, selective)

@@ -23,7 +23,13 @@ larger ``j`` (once a shorter n-gram is blocked, the longer ones are too). A padd
 is *inactive*: all its ``c_j`` are the pad class, and the Engram gate there is exactly 0.
 
 Context parallelism: a rank that holds a slice of a row passes :class:`EngramHistory`, the ``N - 1`` token ids
-before its first position with their document ids, instead of the whole row; its ids equal the whole row's.
+before its first position with their document ids, instead of the whole row; its ids equal the whole row's. The
+history travels as a halo of token ids: the chunk before writes :func:`engram_history_tail` (its last ``N - 1`` ids,
+each shifted by one and 0 where that token cannot be history of the next chunk's first token: padding or another
+document than its last token), the CP halo exchange moves it to the chunk that continues the
+document (zeros to every other chunk), and :func:`engram_history_from_tail` reads it back with the receiving chunk's
+own first document id. No document ids travel: a chunk receives only when its first token continues the document
+its predecessor ends with.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from dsv4.model.v41.engram_vocab import EngramClassMap
 
 __all__ = [
     "EngramHashSpec", "EngramHashing", "EngramHistory", "EngramWindows", "engram_hash", "engram_hash_specs",
-    "engram_hash_specs_for", "engram_ngram_ids", "engram_windows",
+    "engram_hash_specs_for", "engram_history_from_tail", "engram_history_tail", "engram_ngram_ids", "engram_windows",
 ]
 
 SEQ_LENS_ABSENT = (0, -1000)
@@ -149,6 +155,33 @@ class EngramHistory:
 
     input_ids: torch.Tensor
     doc_ids: torch.Tensor
+
+
+def engram_history_tail(input_ids: torch.Tensor, packed_seq_ids: torch.Tensor | None, padding_mask: torch.Tensor | None,
+                        reach: int) -> torch.Tensor:
+    """``[B, reach]`` int32: what a chunk ``[B, L]`` (``L >= reach``) sends as the Engram history of the chunk after
+    it (see the module docstring): its last ``reach`` token ids plus one, 0 where the token is padding or belongs
+    to another document than the chunk's last token (blocked history; the hash blocks every token before a blocked
+    one too). Ids must fit in int32 (any tokenizer's vocabulary does)."""
+    rows, length = input_ids.shape
+    if not 0 <= reach <= length:
+        raise ValueError(f"Engram: a history of {reach} tokens from a chunk of {length}")
+    ids = input_ids[:, length - reach:].long()
+    docs = (torch.ones_like(ids) if packed_seq_ids is None else packed_seq_ids[:, length - reach:].long())
+    if padding_mask is not None:
+        docs = docs.masked_fill(padding_mask[:, length - reach:].bool(), 0)
+    usable = (docs > 0) & (docs == docs[:, -1:])  # the hash blocks every token before a blocked one
+    return torch.where(usable, ids + 1, torch.zeros_like(ids)).to(torch.int32)
+
+
+def engram_history_from_tail(tail: torch.Tensor, packed_seq_ids: torch.Tensor | None) -> EngramHistory:
+    """The :class:`EngramHistory` of chunks ``[B, L]`` (document ids ``packed_seq_ids``, None = one document) that
+    received ``tail [B, reach]`` (:func:`engram_history_tail` of the chunk each continues, zeros where none): a
+    non-zero entry is a token of the document the chunk's first token continues."""
+    first = (torch.ones_like(tail[:, :1], dtype=torch.int64) if packed_seq_ids is None
+             else packed_seq_ids[:, :1].long())
+    tail = tail.long()
+    return EngramHistory((tail - 1).clamp_min(0), torch.where(tail > 0, first, torch.zeros_like(tail)))
 
 
 @dataclass(frozen=True)

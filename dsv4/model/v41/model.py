@@ -13,7 +13,12 @@ documents, ``return_logits``, ``logits_to_keep`` -> :class:`~dsv4.model.model.DS
 * text only: a token equal to ``config.image_token_id`` raises ``ValueError`` (no vision tower);
 * Engram hashes n-grams through the checkpoint tokenizer's class map: ``DSV41ForCausalLM(config, tokenizer=...)``
   or :meth:`DSV41ForCausalLM.set_engram_tokenizer` before the first forward of a config with Engram layers;
-* one rank: ``cp`` with more than one rank raises ``ValueError`` (V4.1 context parallelism is not implemented).
+* context parallelism (``cp``, contiguous or balanced layout) through the same
+  :class:`~dsv4.model.context_parallel.ContextParallel` seam as V4: the attention metadata plans the forward's
+  routes once; every layer's window halo and each Full layer's compressed rows and index keys travel as described
+  in :mod:`dsv4.model.v41.attention`; Engram's n-gram history is a halo of ``engram_max_ngram_size - 1`` token ids
+  per chunk that continues a document (``engram_ids``, :func:`~dsv4.model.v41.engram_hash.engram_history_tail`),
+  never the sequence; a local chunk shorter than that history is refused (ValueError) before any exchange.
 
 Module names follow V4's (``model.embed_tokens``, ``model.layers.{i}``, ``model.norm``, ``lm_head``).
 :meth:`DSV41ForCausalLM.feature_modules` names the modules whose first forward input is a DSpark target feature
@@ -26,17 +31,17 @@ import torch
 from torch import nn
 
 from dsv4.model.attention_metadata import AttentionMetadata, build_attention_metadata
-from dsv4.model.context_parallel import is_parallel
+from dsv4.model.context_parallel import ContextParallel, is_parallel
 from dsv4.model.inputs import ModelInputs
 from dsv4.model.model import BackboneOutput, CausalLM
 from dsv4.model.norm import RMSNorm
 from dsv4.model.v41.block import DSV41Block
-from dsv4.model.v41.engram_hash import EngramHashing
+from dsv4.model.v41.engram_hash import EngramHashing, engram_history_from_tail, engram_history_tail
 from dsv4.model.v41.hyper_connections import SinglePassHyperConnection, first_carry
 
 
 class DSV41Model(nn.Module):
-    """Backbone: ``forward(input_ids [B, L], meta, engram_inputs) -> BackboneOutput`` (``streams``: the last
+    """Backbone: ``forward(input_ids [B, L], meta, engram_inputs, cp) -> BackboneOutput`` (``streams``: the last
     block's streams ``[B, L, hc, d]``)."""
 
     def __init__(self, config) -> None:
@@ -46,12 +51,13 @@ class DSV41Model(nn.Module):
         self.layers = nn.ModuleList(DSV41Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, engram_inputs=None) -> BackboneOutput:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, engram_inputs=None,
+                cp: ContextParallel | None = None) -> BackboneOutput:
         h = self.embed_tokens(input_ids)
         x = h.unsqueeze(-2).expand(*h.shape[:-1], self.config.hc_mult, h.shape[-1])
         carry, state = first_carry(x), None
         for layer in self.layers:
-            x, carry, state = layer(x, carry, state, meta, engram_inputs)
+            x, carry, state = layer(x, carry, state, meta, engram_inputs, cp)
         return BackboneOutput(hidden=self.norm(SinglePassHyperConnection.collapse(x, carry)), streams=x)
 
 
@@ -100,20 +106,26 @@ class DSV41ForCausalLM(CausalLM):
         return [self.model.layers[i].attn_hc for i in layer_ids]
 
     def _hidden_states(self, inputs: ModelInputs) -> tuple[torch.Tensor, list[torch.Tensor], list | None, list]:
-        if is_parallel(inputs.cp):
-            raise ValueError(f"DSV41ForCausalLM: context parallelism (cp of {inputs.cp.size} ranks) is not "
-                             "implemented for V4.1; run with cp=1")
+        cp = inputs.cp if is_parallel(inputs.cp) else None
+        reach = self.config.engram_max_ngram_size - 1
+        if cp is not None and self.config.engram_layer_ids and inputs.input_ids.shape[1] < reach:
+            raise ValueError(f"DSV41ForCausalLM: each local chunk has {inputs.input_ids.shape[1]} tokens but Engram's "
+                             f"history needs the previous engram_max_ngram_size - 1 = {reach} token ids from one chunk; "
+                             f"use fewer CP ranks ({cp.size}) or a longer sequence")
         image = inputs.input_ids == self.config.image_token_id
         if image.any():
             raise ValueError(f"DSV41ForCausalLM trains text only: input_ids hold image_token_id="
                              f"{self.config.image_token_id} at {int(image.sum())} positions")
         meta = build_attention_metadata(self.config, inputs.position_ids, inputs.seq_ids, inputs.padding, inputs.cp)
-        backbone = self.model(inputs.input_ids, meta, self.engram_inputs(inputs))
+        backbone = self.model(inputs.input_ids, meta, self.engram_inputs(inputs, meta), cp)
         return backbone.hidden, [], None, []
 
-    def engram_inputs(self, inputs: ModelInputs) -> tuple[dict[int, torch.Tensor], torch.Tensor] | None:
+    def engram_inputs(self, inputs: ModelInputs, meta: AttentionMetadata | None = None
+                      ) -> tuple[dict[int, torch.Tensor], torch.Tensor] | None:
         """What every Engram layer of this forward reads, hashed once: ``({layer_id: ngram_ids [B, L, n_buckets]},
-        active [B, L])`` (history stops at row starts, documents and padding); None without Engram layers."""
+        active [B, L])`` (history stops at row starts, documents and padding); None without Engram layers. Under
+        CP (``meta.routes`` planned) each chunk's history is the last ``engram_max_ngram_size - 1`` token ids of
+        the chunk whose document it continues, received through the halo route (kind ``engram_ids``)."""
         if not self.config.engram_layer_ids:
             return None
         if self.engram_hashing is None:
@@ -124,4 +136,10 @@ class DSV41ForCausalLM(CausalLM):
         if device not in self._hashing_on:
             self._hashing_on[device] = self.engram_hashing.to(device)
         hashing = self._hashing_on[device]
-        return hashing(inputs.input_ids, packed_seq_ids=inputs.seq_ids, padding_mask=inputs.padding)
+        history = None
+        if meta is not None and meta.routes is not None:
+            reach = self.config.engram_max_ngram_size - 1
+            tail = engram_history_tail(inputs.input_ids, inputs.seq_ids, inputs.padding, reach)
+            received = inputs.cp.halo_exchange(tail, reach, dim=1, kind="engram_ids", route=meta.routes.halo)
+            history = engram_history_from_tail(received, inputs.seq_ids)
+        return hashing(inputs.input_ids, packed_seq_ids=inputs.seq_ids, padding_mask=inputs.padding, history=history)

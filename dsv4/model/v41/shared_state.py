@@ -8,7 +8,12 @@ layers consume tensors that belong to the autograd graph of the owner, so the co
 owner's compressor through ordinary autograd; nothing is written in place, so a recomputed block (activation
 checkpointing) sees exactly what its first run saw.
 
-Shapes (``B`` rows, ``L`` local queries, ``P`` compressed key rows of ``key_windows`` of the ratio):
+Under context parallelism the Full layer gathers the earlier chunks' compressed rows and index keys of the document
+each local row continues (once, :mod:`dsv4.model.v41.attention`) and the state holds them with this chunk's own, so
+its consumers read them without another exchange; their gradients reach the owning rank through the exchange.
+
+Shapes (``B`` rows, ``L`` local queries, ``P`` compressed key rows of ``key_windows`` of the ratio: under CP the
+received earlier rows, left-padded, then the chunk's own):
 
 * ``compressed [B, P, D]``: normalised, RoPE'd (and, with ``fake_quant``, FP4-rounded) compressed K=V rows;
 * ``index_keys [B, P, D_I]``: the indexer keys (RoPE'd, FP4-rounded), no gradient (the indexer is frozen);

@@ -1,8 +1,6 @@
 """What a run of a DeepSeek-V4.1 model (``model=v41_*``, :class:`~dsv4.config_v41.DSV41Config`) needs beyond V4's
 checks, resolved in the launching process before any rank starts:
 
-* **one CP rank**: context parallelism for V4.1 (its shared CSA2 state, Engram history and tables across ranks) is
-  not implemented; ``cp`` > 1 is refused with a ValueError naming ``cp`` and the model.
 * **the run's tokenizer is Engram's**: Engram hashes n-grams of the tokenizer's classes
   (:mod:`dsv4.model.v41.engram_vocab`), so the tokenizer the data is tokenized with (``data.tokenizer``, resolved:
   the checkpoint's ``tokenizer.json``, else the byte tokenizer) is the one the model hashes with
@@ -24,14 +22,6 @@ V41 = "deepseek_v41"
 def is_v41(config: Any) -> bool:
     """True for a DeepSeek-V4.1 config (``model_type`` "deepseek_v41")."""
     return getattr(config, "model_type", None) == V41
-
-
-def check_v41_parallel(config: Any, cp: int) -> None:
-    """ValueError for a V4.1 model with ``cp`` > 1 (not supported yet)."""
-    if is_v41(config) and cp > 1:
-        raise ValueError(f"`cp`={cp}: context parallelism is not supported yet for DeepSeek-V4.1 models "
-                         "(model=v41_*: the shared CSA2 state and Engram's n-gram history and tables across CP ranks); "
-                         "run V4.1 with cp=1")
 
 
 def check_engram_tokenizer(config: Any, tokenizer: Any, name: str) -> None:

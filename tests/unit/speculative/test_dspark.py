@@ -164,7 +164,7 @@ def test_v41_packed_capture_equals_per_document_after_engram():
 def test_v41_capture_job_defaults_to_the_dspark_targets(tmp_path):
     """``recipes/capture_dspark.py model=v41_tiny`` (its job in-process, one rank): ``layer_ids`` default to the
     config's ``dspark_target_layer_ids``; the stored features equal a direct per-document capture of the same seeded
-    model on the byte tokenizer; cp=2 for V4.1 is refused before any rank starts."""
+    model on the byte tokenizer (cp=2: tests/distributed/test_cp_v41.py)."""
     import json
 
     from safetensors.torch import load_file
@@ -178,8 +178,6 @@ def test_v41_capture_job_defaults_to_the_dspark_targets(tmp_path):
 
     args = ["model=v41_tiny", "max_documents=2", "docs_per_shard=2", "max_document_tokens=9", "seq_len=32",
             "progress=false", f"output_dir={tmp_path / 'features'}"]
-    with pytest.raises(ValueError, match=r"`cp`=2: context parallelism is not supported yet for DeepSeek-V4.1"):
-        run_capture(_compose([*args, "cp=2"], name="capture_dspark"), tmp_path)
     run_capture(_compose(args, name="capture_dspark"), tmp_path)
     index = json.loads((tmp_path / "features" / "index.json").read_text())
     assert index["layer_ids"] == [9, 10, 11] == DSV4Config.preset("v41_tiny").dspark_target_layer_ids

@@ -78,7 +78,6 @@ def _compose(overrides):
         (["scheduler.min_lr_ratio=2"], "`scheduler` cannot be instantiated: ValueError: min_lr_ratio must be in"),
         (["callbacks=default", "callbacks.throughput.warmup_steps=-1"], "`callbacks.throughput` cannot be"),
         (["logger._target_=no.such.Logger"], "`logger._target_`='no.such.Logger' cannot be imported"),
-        (["model=v41_tiny", "cp=2"], "`cp`=2: context parallelism is not supported yet for DeepSeek-V4.1 models"),
         (["model=v41_tiny", "model.engram_compressed_vocab_size=300"],
          "`data.tokenizer`='byte' has 227 Engram classes but `model.engram_compressed_vocab_size` is 300"),
     ],
