@@ -33,6 +33,7 @@ from dsv4.model.indexer import Indexer
 from dsv4.model.model import DSV4ForCausalLM
 from dsv4.model.moe import GroupedExperts, MoE, set_dispatcher
 from dsv4.model.mtp import MTPLayer
+from dsv4.model.v41.engram_table import LocalEngramTable
 from dsv4.plan.stand_ins import PlanCP, PlanDispatcher, plan_metadata
 from dsv4.plan.trace import AllocationTracer
 
@@ -114,9 +115,10 @@ def trace_segment(name: str, kind: str, run: Callable[[torch.Tensor | None], tor
     ``source`` leaf (created outside the trace, so only ``x`` itself counts) by its recorded view op
     (``source._plan_view``), a non-leaf freed when the segment does not save it; None for the embedding.
     ``held``: parameters whose gradients stay until the end of backward (their bytes: ``held_gradients``);
-    ``regions``: ``{(module type, method name): label}`` for recomputed regions that are methods."""
+    ``regions``: ``{(module type, method name): label}`` for recomputed regions that are methods. The Engram tables
+    of ``modules`` are never counted (:func:`table_tensors`)."""
     params = [p for p in modules.parameters() if p.requires_grad]
-    with AllocationTracer(default_label) as tracer:
+    with AllocationTracer(default_label, untracked=table_tensors(modules)) as tracer:
         tracer.label_modules(modules, labels)
         for module in modules.modules():
             for (owner_type, method), label in (regions or {}).items():
@@ -141,6 +143,13 @@ def trace_segment(name: str, kind: str, run: Callable[[torch.Tensor | None], tor
         source.grad = None
     return SegmentTrace(name, kind, forward_peak, retained, backward_peak, held_bytes, dict(tracer.saved_by_label),
                         at_peak)
+
+
+def table_tensors(modules: nn.Module) -> list[torch.Tensor]:
+    """The tensors of DeepSeek-V4.1's Engram tables in ``modules`` (``weight``, and ``scale`` in the FP8 form): the
+    plan counts them in ``parameters`` (the rank's rows), so a trace never counts them, views included."""
+    return [t for m in modules.modules() if isinstance(m, LocalEngramTable)
+            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
 
 
 def cast_for_compute(model: nn.Module, dtypes: dict[nn.Parameter, torch.dtype]) -> None:
@@ -446,7 +455,7 @@ class V41StepTracer(StepTracer):
 
     def whole_step(self) -> int:
         model = self.model
-        with AllocationTracer() as tracer:
+        with AllocationTracer(untracked=table_tensors(model)) as tracer:
             backbone = model.model(self.ids, self.meta, self.engram_inputs, self.cp_arg)
             out = model._head_and_loss(backbone.hidden, [], self.ids, [], 0, self.return_logits)
             del backbone

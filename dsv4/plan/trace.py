@@ -8,7 +8,10 @@ Run the code on the ``meta`` device and nothing is allocated: shapes, dtypes and
 the real run, at any size.
 
 Only tensors created while the tracer is active count (parameters and inputs made before are the caller's to
-add); ``reset_peak()`` restarts the peak from the current live bytes.
+add); ``reset_peak()`` restarts the peak from the current live bytes. A view an op makes of an earlier tensor is a
+new tensor object on its storage and counts like a new one, except on the storages of ``untracked`` tensors: storage
+the caller holds and counts elsewhere (the plan: DeepSeek-V4.1's Engram tables, in its ``parameters``), never an
+activation, however it is viewed (the FP8 table's lookup reads its rows through a ``uint8`` view of the whole table).
 
 Attribution: :meth:`AllocationTracer.label_modules` names the model parts (``{module class: label}``); every
 storage is charged to the innermost labelled module running when it was created (``default_label`` outside
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -28,11 +32,13 @@ from torch.utils._pytree import tree_flatten
 
 
 class AllocationTracer(TorchDispatchMode):
-    """``with AllocationTracer() as t: ...``; then ``t.peak``, ``t.live``, ``t.saved`` (bytes)."""
+    """``with AllocationTracer() as t: ...``; then ``t.peak``, ``t.live``, ``t.saved`` (bytes). ``untracked``:
+    tensors whose storage (and so every view of it) is never counted."""
 
-    def __init__(self, default_label: str = "other") -> None:
+    def __init__(self, default_label: str = "other", untracked: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self.default_label = default_label
+        self._untracked = {self._storage_key(t) for t in untracked}
         self.live = 0
         self.peak = 0
         self.saved = 0
@@ -118,6 +124,8 @@ class AllocationTracer(TorchDispatchMode):
 
     def _track(self, t: torch.Tensor) -> None:
         key = self._storage_key(t)
+        if key in self._untracked:
+            return
         entry = self._refs.get(key)
         if entry is None:
             label = self._labels[-1] if self._labels else self.default_label

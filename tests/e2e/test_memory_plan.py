@@ -1,6 +1,7 @@
-"""`plan.only=true` for V4 Flash at 128K tokens on 64 ranks of 80 GiB (`experiment=flash_128k_80g`): the full per-rank
-plan on a CPU in under 2 GiB (no model is built), at most 76 GiB per rank, so that at least 4 GiB stay for what the
-plan does not count; and for CP 8 x DP 8, which does not fit, what would (the printed overrides planned again).
+"""`plan.only=true` for V4 Flash and V4.1-Flash at 128K tokens on 64 ranks of 80 GiB (`experiment=flash_128k_80g`,
+`experiment=v41_flash_128k_80g`): the full per-rank plans on a CPU in under 2 GiB (no model is built), at most 76 GiB
+per rank, so that at least 4 GiB stay for what the plan does not count; and for CP 8 x DP 8, which does not fit, what
+would (the printed overrides planned again).
 Times are not asserted (a shared machine is noisy); the subprocess timeout is only a safety net."""
 
 from __future__ import annotations
@@ -21,15 +22,22 @@ _MEASURE = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]);
 
 
 def test_flash_128k_on_64_gpus_of_80_gib_plans_at_most_76_gib(tmp_path):
+    """Both experiments in one recipe process (a Hydra multirun: job 0 V4, job 1 V4.1)."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-c", _MEASURE, sys.executable, "recipes/finetune.py", "experiment=flash_128k_80g",
-           "plan.only=true", "plan.device_memory_gib=80", f"hydra.run.dir={run}"]
+    cmd = [sys.executable, "-c", _MEASURE, sys.executable, "recipes/finetune.py", "-m",
+           "experiment=flash_128k_80g,v41_flash_128k_80g", "plan.only=true", "plan.device_memory_gib=80",
+           f"hydra.sweep.dir={run}"]
     with reserved_port() as port:
         proc = subprocess.run(cmd, cwd=REPO, env=recipe_env(port), capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rss_gib = int(proc.stdout.split("MAXRSS_KIB")[1].split()[0]) / 2**20
     assert rss_gib < 2, rss_gib
-    plan = json.loads((run / "memory_plan.json").read_text())
+    assert proc.stdout.count("fits") >= 2 and "DOES NOT FIT" not in proc.stdout
+    for line in ("parameters", "optimizer", "activations", "communication", "total", "block ratio 128",
+                 "of which Engram tables", "host offload"):
+        assert line in proc.stdout
+
+    plan = json.loads((run / "0" / "memory_plan.json").read_text())  # V4 Flash
     assert plan["setup"] == {**plan["setup"], "world": 64, "cp": 16, "ep": 8, "seq_len": 131072,
                              "activation_checkpointing": "block", "compute_dtype": "bfloat16",
                              "optimizer_state_dtype": "bfloat16"}
@@ -37,9 +45,24 @@ def test_flash_128k_on_64_gpus_of_80_gib_plans_at_most_76_gib(tmp_path):
     assert per_rank["total"] > per_rank["parameters"] + per_rank["optimizer"] + per_rank["activations"]
     assert per_rank["total"] <= 76 * 2**30, per_rank["total"] / 2**30
     assert plan["fits"] and plan["device_memory_bytes"] == 80 * 2**30
-    assert "fits" in proc.stdout and "DOES NOT FIT" not in proc.stdout
-    for line in ("parameters", "optimizer", "activations", "communication", "total", "block ratio 128"):
-        assert line in proc.stdout
+
+    # V4.1-Flash: CP 16 x DP 4 with host offload; on the device the rank's rows of the two Engram tables (384006168
+    # and 384016682 rows of 256, fp32 without a checkpoint: ceil(rows / 64) rows each), the activations and FSDP's
+    # buffers; the shards, gradients and bf16 moments in host memory
+    plan = json.loads((run / "1" / "memory_plan.json").read_text())
+    assert plan["setup"] == {**plan["setup"], "world": 64, "cp": 16, "dp": 4, "ep": 8, "seq_len": 131072,
+                             "activation_checkpointing": "block", "compute_dtype": "bfloat16",
+                             "optimizer_state_dtype": "bfloat16", "offload": "optimizer"}
+    tables = (-(-384006168 // 64) + -(-384016682 // 64)) * 256 * 4
+    per_rank = plan["per_rank_bytes"]
+    assert plan["engram_table_bytes"] == tables and tables <= per_rank["parameters"] < tables + 2**30
+    assert per_rank["gradients"] == per_rank["optimizer"] == 0
+    assert per_rank["total"] == per_rank["parameters"] + per_rank["activations"] + per_rank["communication"]
+    assert per_rank["total"] <= 76 * 2**30, per_rank["total"] / 2**30
+    assert plan["fits"] and plan["device_memory_bytes"] == 80 * 2**30
+    host = plan["host_offload_bytes"]  # fp32 shards, fp32 gradients, two bf16 moments (+ a step counter per tensor)
+    assert host["parameters"] >= host["gradients"] > 30 * 2**30
+    assert 0 <= host["optimizer"] - host["gradients"] < 2**20
 
 
 def test_flash_cp8_at_128k_prints_what_would_fit_and_the_plan_confirms_it(tmp_path):

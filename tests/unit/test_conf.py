@@ -76,6 +76,9 @@ def test_every_group_option_composes_and_builds(tmp_path, monkeypatch):
     cfg = _compose(["experiment=flash_128k_80g"])
     assert (cfg.cp, cfg.dp, cfg.ep, cfg.optim.state_dtype) == (16, 4, 8, "bfloat16")
     assert model_config(cfg.model).moe_chunk_tokens == 6144
+    cfg = _compose(["experiment=v41_flash_128k_80g"])
+    assert (cfg.cp, cfg.dp, cfg.ep, cfg.optim.state_dtype, cfg.trainer.offload) == (16, 4, 8, "bfloat16", "optimizer")
+    assert model_config(cfg.model).model_type == "deepseek_v41" and cfg.dispatcher.name == "alltoall"
 
 
 def test_groups_select_what_is_built():

@@ -69,3 +69,25 @@ def test_v41_composed_peak_matches_the_whole_step():
         "full, ratio 2, engram": 1, "full, ratio 1": 1, "reuse, ratio 1": 3, "reindex, ratio 1": 2}
     whole = tracer.whole_step() + plan.metadata
     assert plan.peak == pytest.approx(whole, rel=0.02), (plan.peak, whole, plan.phase)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_v41_engram_table_is_never_an_activation(fp8):
+    """An Engram layer's trace does not depend on its table's size (the table is the plan's `parameters`): the same
+    peaks and saved bytes with 1,000 and 1,000,000 rows, with the table in float and in the release's FP8 form (whose
+    lookup reads the rows through a `uint8` view of the whole table)."""
+    from dsv4.model.v41.engram import Engram
+    from dsv4.plan.activations import _leaf, trace_segment
+
+    traces = []
+    for rows in (1000, 1_000_000):
+        config = DSV4Config.preset("v41_tiny", engram_num_embeddings=[rows, 552])
+        with torch.device("meta"):
+            engram = Engram(config, 1)
+        if fp8:
+            engram.embed.keep_fp8()
+        ids = torch.zeros(1, 64, engram.n_buckets, dtype=torch.long, device="meta")
+        streams = _leaf((1, 64, config.hc_mult, config.hidden_size), torch.float32, lambda x: x)
+        trace = trace_segment("engram", "engram", lambda x: engram(x, ids), streams, engram, {}, "engram")
+        traces.append((trace.forward_peak, trace.retained, trace.backward_peak))
+    assert traces[0] == traces[1] and traces[0][0] < 1_000_000, traces
