@@ -57,6 +57,15 @@ from dsv4.model.recompute import is_recomputing
 from dsv4.model.rope import apply_rope
 
 
+def start_preceding(rows: Tensor, meta: AttentionMetadata, ratio: int, cp: ContextParallel | None, kind: str):
+    """``rows [B, n, *]`` (this chunk's own windows of ``ratio``) with the needed earlier windows of
+    ``meta.key_windows[ratio]`` before them, started: ``.wait()`` gives ``[B, P, *]``; the rows themselves on one
+    rank. Used by the V4 and V4.1 attention layers."""
+    if meta.routes is None:
+        return ReadyRows(rows)
+    return cp.start_exchange_rows(rows, meta.routes.preceding[ratio], dim=1, kind=kind)
+
+
 class AttentionSink(nn.Module):
     """The learned per-head sink logits ``[H]`` (fp32, zero-init); a module of its own so that mixed precision can
     keep it fp32 (``dsv4.parallel.wrap``). ``forward()`` returns a copy: a sharded module's parameter storage is
@@ -129,14 +138,6 @@ class DSV4Attention(nn.Module):
     # Each exchange is started as soon as its input exists and waited for where its result is needed, so the work in
     # between (the query projections, the compressors, the indexer) overlaps the transfer (``CPContext.overlap``).
     @staticmethod
-    def _start_preceding(rows: Tensor, meta: AttentionMetadata, ratio: int, cp: ContextParallel | None, kind: str):
-        """Compressed rows of every window in ``meta.key_windows[ratio]`` (the needed earlier ones, then ours),
-        started: ``.wait()`` gives them."""
-        if meta.routes is None:
-            return ReadyRows(rows)
-        return cp.start_exchange_rows(rows, meta.routes.preceding[ratio], dim=1, kind=kind)
-
-    @staticmethod
     def _start_prev_features(module, x: Tensor, meta: AttentionMetadata, cp: ContextParallel | None, kind: str):
         """An overlap compressor's boundary features of the previous chunk, started (``.wait()`` is None on a
         single rank)."""
@@ -180,11 +181,11 @@ class DSV4Attention(nn.Module):
             windows, key_windows = meta.windows[self.ratio], meta.key_windows[self.ratio]
             local_windows = windows.seq_ids.shape[1]  # this block's own windows, the last rows of key_windows
             rows = self._kv_numerics(self.compressor(x, windows, prev_features=prev.wait()))
-            compressed = self._start_preceding(rows, meta, self.ratio, cp, "compressed_gather")
+            compressed = start_preceding(rows, meta, self.ratio, cp, "compressed_gather")
             comp_seq, comp_pos = key_windows.seq_ids, key_windows.positions
             if self.indexer is not None:
                 q_lat_i = zero_gradient(q_lat) if train_indexer else q_lat
-                index_keys = self._start_preceding(self.indexer.keys(x_i, windows, prev_features=prev_i.wait()), meta,
+                index_keys = start_preceding(self.indexer.keys(x_i, windows, prev_features=prev_i.wait()), meta,
                                                    self.ratio, cp, "index_key_gather").wait()
                 topk = self.indexer(
                     x_i, q_lat_i, meta.rope_compress, meta.seq_ids, meta.position_ids, index_keys, comp_seq,

@@ -49,10 +49,10 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from dsv4.model.attention import AttentionSink, BlockDiagonalLinear
+from dsv4.model.attention import AttentionSink, BlockDiagonalLinear, start_preceding
 from dsv4.model.attention_backend import attend
 from dsv4.model.attention_metadata import AttentionMetadata
-from dsv4.model.context_parallel import ContextParallel, ReadyRows
+from dsv4.model.context_parallel import ContextParallel
 from dsv4.model.fake_quant import fake_quant_fp4, fake_quant_fp8
 from dsv4.model.norm import RMSNorm
 from dsv4.model.rope import apply_rope
@@ -142,15 +142,8 @@ class CSA2Attention(nn.Module):
         ``meta.key_windows`` (under CP: the earlier chunks' rows of the continued document, gathered here once,
         then this chunk's own)."""
         latent = self.compressor(x, windows)
-        keys = self._start_preceding(self.indexer.keys(latent, windows), meta, cp, "index_key_gather")
+        keys = start_preceding(self.indexer.keys(latent, windows), meta, self.ratio, cp, "index_key_gather")
         rows = apply_rope(latent, windows.rope)
         if self.fake_quant:
             rows = fake_quant_fp4(rows, 16, "e4m3")
-        return self._start_preceding(rows, meta, cp, "compressed_gather"), keys.wait()
-
-    def _start_preceding(self, rows: Tensor, meta: AttentionMetadata, cp: ContextParallel | None, kind: str):
-        """``rows [B, n, *]`` (this chunk's own windows) with the needed earlier windows before them, started
-        (``.wait()`` gives ``[B, P, *]``); the rows themselves on one rank."""
-        if meta.routes is None:
-            return ReadyRows(rows)
-        return cp.start_exchange_rows(rows, meta.routes.preceding[self.ratio], dim=1, kind=kind)
+        return start_preceding(rows, meta, self.ratio, cp, "compressed_gather"), keys.wait()
