@@ -14,7 +14,8 @@ Two measurements of that step, each the max over ranks:
   autograd graph (about 1 KiB per recorded op) and the allocator's small-block heap.
 * ``measured_tensors``: the bytes of every tensor storage alive at the step's peak: the parameter shards, buffers
   and optimizer state that exist between steps (summed from the real objects) plus the peak of what the step
-  allocates (:class:`dsv4.plan.trace.AllocationTracer` on the real run: real data, collectives, FSDP and AdamW).
+  allocates (:class:`dsv4.plan.trace.AllocationTracer` on the real run: real data, collectives, FSDP and AdamW; a
+  V4.1 Engram table's rows are state, so the lookup's view of them is not counted again).
   This is what a GPU's memory holds (less the caching allocator's fragmentation).
 
 The plan (``predicted``) is built from the configuration alone: the model on the meta device, stand-ins for CP,
@@ -36,9 +37,13 @@ state, the gradients reduced so far); ``memory_plan.predicted_device`` and ``mem
 plan's device total and host term) are printed as well. How the bytes split between a GPU and its host is not
 measured.
 
+DeepSeek-V4.1 (``v41_tiny``, ``v41_mid``): the Engram tables row-sharded over the CP ranks (FSDP2's wrap does it) and
+frozen, ``model.fake_quant`` on (the presets'), token ids below 256 (Engram hashes through the byte tokenizer).
+
     python benchmarks/memory_plan.py                                  # tiny and mid, S = 16384, CP 1 2 4
     python benchmarks/memory_plan.py --models tiny --cp 1 2 --seq-len 4096 --variants none
     python benchmarks/memory_plan.py --variants block adam_bf16 adam_8bit --seq-len 4096    # optimizer state dtypes
+    python benchmarks/memory_plan.py --models v41_tiny v41_mid --cp 1 2 4 --seq-len 4096 --variants none block   # V4.1
 """
 
 from __future__ import annotations
@@ -57,10 +62,19 @@ MODELS: dict[str, dict] = {
                 n_routed_experts=16, moe_intermediate_size=256, num_experts_per_tok=2, index_head_dim=64,
                 index_n_heads=4, index_topk=32, vocab_size=32768, sliding_window=64, attention_chunk_size=256),
     # DeepSeek-V4.1 on CPU (the v41_tiny preset: CSA2 roles, Engram at layers 1 and 4 hashing through the byte
-    # tokenizer, one CP rank only)
+    # tokenizer, fake quantisation on)
     "v41_tiny": {},
+    # V4.1 at the mid dims (v41_tiny's 12 layers and CSA2 roles, Full layers 2 / 4 / 6 with 6 the candidate source),
+    # window 64, Engram tables of 600,766 and 602,024 rows of 64 (the primes' sums from engram_vocab_size 50000,
+    # 4 heads: 294 MiB in fp32, row-sharded over the ranks), fake quantisation on
+    "v41_mid": dict(hidden_size=512, num_attention_heads=8, head_dim=64, qk_rope_head_dim=32, q_lora_rank=128,
+                    o_lora_rank=128, o_groups=4, n_routed_experts=16, moe_intermediate_size=256, num_experts_per_tok=2,
+                    index_head_dim=64, index_n_heads=4, index_topk=32, candidate_topk_blocks=16,
+                    candidate_block_size=8, vocab_size=32768, sliding_window=64, attention_chunk_size=256,
+                    engram_vocab_size=50000, engram_n_heads=4, engram_head_dim=64,
+                    engram_num_embeddings=[600766, 602024]),
 }
-PRESETS = {"v41_tiny": "v41_tiny"}  # the preset of each model (the others: tiny)
+PRESETS = {"v41_tiny": "v41_tiny", "v41_mid": "v41_tiny"}  # the preset of each model (the others: tiny)
 VARIANTS = ("none", "block", "selective", "logits", "lora_fp8", "offload", "adam_bf16", "adam_8bit", "chunked")
 CHUNK_TOKENS = 1024  # the chunked variant's model.moe_chunk_tokens (chunks of whole experts, at most this many rows)
 # optim.state_dtype of each variant (the others: float32); the adam_* variants recompute blocks, so that the optimizer
@@ -173,8 +187,11 @@ def _rank_body(rank: int, world_size: int, model_name: str, variant: str, seq_le
 
     import torch
 
+    from torch.distributed.tensor import DTensor
+
     from dsv4.parallel.cp import CPContext
     from dsv4.parallel.mesh import ParallelDims, build_meshes
+    from dsv4.plan.states import table_tensors
     from dsv4.plan.trace import AllocationTracer
 
     libc = ctypes.CDLL("libc.so.6")
@@ -183,7 +200,9 @@ def _rank_body(rank: int, world_size: int, model_name: str, variant: str, seq_le
     config = model_config(model_name, variant)
     meshes = build_meshes(ParallelDims(world_size=world_size, cp=world_size), "cpu")
     cp = CPContext(meshes.cp.get_group()) if world_size > 1 else None
-    short = _document(config, config.shard_multiple * world_size * 2, rank, world_size)
+    # the short step's rows: two shard multiples per rank, at least the sliding window (a CP halo comes from one rank)
+    unit = config.shard_multiple * -(-config.sliding_window // config.shard_multiple)
+    short = _document(config, unit * world_size * 2, rank, world_size)
     batch = _document(config, seq_len, rank, world_size)
     # a throw-away model first: what the first step imports and allocates once (autograd engine, FSDP hooks, ...)
     _step(*_build(config, meshes, variant), meshes, cp, short, variant)
@@ -195,7 +214,9 @@ def _rank_body(rank: int, world_size: int, model_name: str, variant: str, seq_le
     _step(model, optimizer, meshes, cp, short, variant)  # allocates the optimizer state, as every later step has it
     _step(model, optimizer, meshes, cp, batch, variant)
     rss = max(peak_rss_kib() - base, 0) / 1024
-    with AllocationTracer() as tracer:
+    # V4.1's Engram tables are in the state bytes; their lookup's view of the rank's rows is not a new tensor
+    tables = [t.to_local() if isinstance(t, DTensor) else t for t in table_tensors(model)]
+    with AllocationTracer(untracked=tables) as tracer:
         _step(model, optimizer, meshes, cp, batch, variant)
     from dsv4.training.optimizer import optimizer_state_bytes
 
@@ -204,7 +225,7 @@ def _rank_body(rank: int, world_size: int, model_name: str, variant: str, seq_le
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=["tiny", "mid"], choices=list(MODELS))
     parser.add_argument("--cp", type=int, nargs="*", default=[1, 2, 4])
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--variants", nargs="*", default=["none", "block", "logits"], choices=VARIANTS)

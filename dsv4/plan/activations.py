@@ -33,8 +33,8 @@ from dsv4.model.indexer import Indexer
 from dsv4.model.model import DSV4ForCausalLM
 from dsv4.model.moe import GroupedExperts, MoE, set_dispatcher
 from dsv4.model.mtp import MTPLayer
-from dsv4.model.v41.engram_table import LocalEngramTable
 from dsv4.plan.stand_ins import PlanCP, PlanDispatcher, plan_metadata
+from dsv4.plan.states import table_tensors
 from dsv4.plan.trace import AllocationTracer
 
 # Labels by module type (the innermost labelled module wins). The sub-modules a recomputed block calls are listed
@@ -116,7 +116,7 @@ def trace_segment(name: str, kind: str, run: Callable[[torch.Tensor | None], tor
     (``source._plan_view``), a non-leaf freed when the segment does not save it; None for the embedding.
     ``held``: parameters whose gradients stay until the end of backward (their bytes: ``held_gradients``);
     ``regions``: ``{(module type, method name): label}`` for recomputed regions that are methods. The Engram tables
-    of ``modules`` are never counted (:func:`table_tensors`)."""
+    of ``modules`` are never counted: the plan has them in ``parameters`` (:func:`~dsv4.plan.states.table_tensors`)."""
     params = [p for p in modules.parameters() if p.requires_grad]
     with AllocationTracer(default_label, untracked=table_tensors(modules)) as tracer:
         tracer.label_modules(modules, labels)
@@ -143,13 +143,6 @@ def trace_segment(name: str, kind: str, run: Callable[[torch.Tensor | None], tor
         source.grad = None
     return SegmentTrace(name, kind, forward_peak, retained, backward_peak, held_bytes, dict(tracer.saved_by_label),
                         at_peak)
-
-
-def table_tensors(modules: nn.Module) -> list[torch.Tensor]:
-    """The tensors of DeepSeek-V4.1's Engram tables in ``modules`` (``weight``, and ``scale`` in the FP8 form): the
-    plan counts them in ``parameters`` (the rank's rows), so a trace never counts them, views included."""
-    return [t for m in modules.modules() if isinstance(m, LocalEngramTable)
-            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
 
 
 def cast_for_compute(model: nn.Module, dtypes: dict[nn.Parameter, torch.dtype]) -> None:
