@@ -8,24 +8,23 @@ that probes the same free port skips it.
 Hydra and dsv4 once (:func:`_forked_recipe`), instead of a fresh ``python recipes/finetune.py`` that imports them
 again (about 8 CPU-s each). The child is the command a user types in every other respect: its own session, the
 given working directory, environment and ``sys.argv``, the script run as ``__main__``, stdout / stderr captured,
-``atexit`` handlers run, the exit status of ``sys.exit``; the ranks Lightning starts are fresh interpreters, as
-for a user. The tests that signal a process, and torchrun's, start the real command line with ``Popen``.
+``atexit`` handlers run, the exit status of ``sys.exit``. The ranks Lightning starts from it are forked likewise, from
+a copy of that process taken before the script ran (:mod:`tests.e2e.forked_ranks`), with the command line,
+environment and working directory Lightning gives them. The tests that signal a process, and torchrun's, start the
+real command line with ``Popen``: their ranks are fresh interpreters.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import csv
 import fcntl
 import os
-import runpy
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -86,27 +85,18 @@ _RECIPE_PRELOAD = ["torch", "torch.distributed", "lightning", "dsv4.model", "dsv
 
 def _recipe_child(script: str, args: list[str], cwd: str, env: dict[str, str], out_path: str, err_path: str) -> None:
     """In the forked child: become ``python <script> <args>`` run from ``cwd`` with ``env`` (see the module
-    docstring) and leave with the script's exit status."""
+    docstring), the ranks Lightning starts forked from a copy of it (:mod:`tests.e2e.forked_ranks`), and leave with
+    the script's exit status."""
+    from tests.e2e import forked_ranks
+
     os.setsid()  # a session of its own: a timeout kills the child and the ranks it started
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-    sys.path[:0] = [os.path.dirname(script), *extra]
     for fd, path in ((1, out_path), (2, err_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
         os.close(target)
-    sys.argv = [script, *args]
-    try:
-        runpy.run_path(script, run_name="__main__")
-    finally:  # what the interpreter does at exit: wait for non-daemon threads, then the atexit handlers
-        for thread in threading.enumerate():
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
+    forked_ranks.become(cwd, env, script)
+    forked_ranks.install()
+    sys.exit(forked_ranks.run_script(script, args))
 
 
 def _forked_recipe(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
