@@ -133,12 +133,14 @@ def _two_nodes(port: int, run_dir: Path, extra_args: tuple[str, ...] = (),
             for node in (0, 1)]
 
 
-def test_two_node_torchrun_matches_lightning_and_resumes_after_sigterm(tmp_path):
+def test_two_node_torchrun_matches_lightning_and_its_sigterm_checkpoint_resumes(tmp_path):
     """The README's torchrun command as 2 nodes x 2 processes on this machine (cp=2 dp=2, one run dir for all
     ranks): every worker is held by a test callback at the end of step 3 until it got a signal; SIGTERM to both
     torchrun agents (as a scheduler does) is forwarded to every worker, which stop after step 3 with a checkpoint
     (status 143). Step 3 is neither periodic (every 2 steps) nor the last (4), so step3.ckpt is the preemption's
-    save. The same two commands resume, and every loss is the Lightning launcher's for the same config."""
+    save. Every loss is the Lightning launcher's for the same config, and the Lightning launcher on one node resumes
+    the 2-node job's checkpoint on the same trajectory (torchrun resuming its own checkpoints:
+    test_torchrun_max_restarts_...)."""
     run_recipe(MULTI_NODE, tmp_path / "lightning")
     reference = losses(tmp_path / "lightning")
     run = tmp_path / "torchrun"
@@ -154,11 +156,7 @@ def test_two_node_torchrun_matches_lightning_and_resumes_after_sigterm(tmp_path)
     _assert_stopped_with_the_preemption_save(run / "checkpoints", stop=3, every=2, final=4)
     # every one of the 4 workers left through the preemption exit (status 143), after step 3
     assert (run / "finetune.log").read_text().count("preempted: stopped after step 3 ") == 4
-    with reserved_port() as port:
-        agents = _two_nodes(port, run)
-        outs = [agent.communicate(timeout=SAFETY_NET_S)[0] for agent in agents]
-    for agent, out in zip(agents, outs):
-        assert agent.returncode == 0, out[-6000:]
+    run_recipe(MULTI_NODE, run)
     assert f"resuming from {run / 'checkpoints' / 'last.ckpt'}" in (run / "finetune.log").read_text()
     trajectory = losses(run)
     assert trajectory.keys() == reference.keys() == set(range(4))
