@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import threading
@@ -169,10 +170,10 @@ class ForkedRank:
                 pass
 
     def terminate(self) -> None:
-        self.send_signal(15)
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
 
 def _popen(command: Any, *args: Any, env: dict[str, str] | None = None, cwd: str | None = None, **kwargs: Any):
