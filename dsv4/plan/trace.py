@@ -28,7 +28,6 @@ from typing import Iterable
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 
 class AllocationTracer(TorchDispatchMode):
@@ -141,9 +140,24 @@ class AllocationTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is not torch.Tensor and t is not nn.Parameter for t in types):
             return NotImplemented  # a tensor subclass (DTensor): let it run its local ops, which come back here
-        inputs = {id(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        inputs = {id(a) for a in _tensors(args)}
+        if kwargs:
+            inputs.update(id(a) for a in _tensors(tuple(kwargs.values())))
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and id(t) not in inputs:  # in-place ops return their input
+        for t in _tensors((out,)):
+            if id(t) not in inputs:  # in-place ops return their input
                 self._track(t)
         return out
+
+
+def _tensors(items: tuple | list) -> list[torch.Tensor]:
+    """The tensors among an op's arguments or results: ``items`` and the lists / tuples in them (an aten op's
+    arguments and results nest no deeper, and hold no dicts), in order. torch's ``tree_flatten`` gives the same
+    tensors at several times the cost, and the tracer calls this twice per op."""
+    found = []
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            found.extend(_tensors(item))
+    return found
