@@ -115,6 +115,18 @@ def test_fp4_quantize_round_to_nearest_ties_to_even():
     assert got == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -4.0, 0.0, -0.5, 6.0, 0.0]
 
 
+def test_fp4_quantize_one_float_either_side_of_each_midpoint_goes_to_the_nearer_value():
+    """Only an exact tie goes to the even code: one float below a midpoint rounds down, one float above up."""
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    lower = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
+    upper = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    below, above = torch.nextafter(mids, torch.zeros(())), torch.nextafter(mids, torch.full((), 6.0))
+    w = torch.cat((below, above, -below, -above, torch.full((4,), 6.0))).view(1, 32)
+    packed, scale = quantize_fp4_packed(w)
+    got = dequantize_fp4_packed(packed, scale, dtype=torch.float32)[0, :28]
+    assert torch.equal(got, torch.cat((lower, upper, -lower, -upper)))
+
+
 def test_fp4_quantize_grid_values_round_trip_exactly():
     packed, scale, expected = fp4_case(4, 64, torch.Generator().manual_seed(4))
     q2, s2 = quantize_fp4_packed(expected)
