@@ -59,6 +59,19 @@ def find_checkpoint(run_dir: str | os.PathLike, step: int | None = None) -> Path
     return path
 
 
+class _ReaderOf(FileSystemReader):
+    """A ``FileSystemReader`` that hands DCP the checkpoint's metadata, read once, instead of unpickling
+    ``.metadata`` again for every key (which costs about as much as the key's bytes for a small tensor)."""
+
+    def __init__(self, path: Path, metadata) -> None:
+        super().__init__(str(path))
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
 class DCPTensors:
     """The tensors of one DCP checkpoint directory, read one key at a time."""
 
@@ -100,7 +113,7 @@ class DCPTensors:
     def read(self, key: str) -> torch.Tensor:
         t = torch.empty(self.shape(key), dtype=self.dtype(key))
         try:
-            load({key: t}, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
+            load({key: t}, storage_reader=_ReaderOf(self.path, self.metadata), no_dist=True)
         except Exception as err:  # noqa: BLE001 - name the checkpoint and the key
             raise CheckpointFormatError(f"{self.path}: reading {key} failed ({type(err).__name__}: {err})") from None
         return t
