@@ -182,18 +182,15 @@ def dequantize_fp4_packed(packed: torch.Tensor, scale: torch.Tensor, dtype: torc
     return (pairs.view(out, inp) * s).to(dtype)
 
 
-# The magnitudes halfway between neighbouring E2M1 values (codes 0-7: 0, .5, 1, 1.5, 2, 3, 4, 6). A magnitude equal
-# to a boundary stays below it (``bucketize``, ``right=False``), so a tie goes down where the lower code is even and,
-# with the boundary one float below the midpoint, up where the upper code is even: ties to the even code.
-_E2M1_BOUNDARIES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-_E2M1_BOUNDARIES = torch.where(torch.arange(7) % 2 == 1,
-                               torch.nextafter(_E2M1_BOUNDARIES, torch.zeros(())), _E2M1_BOUNDARIES)
-
-
 def _round_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """fp32 (already clamped to [-6, 6]) -> e2m1 codes, nearest value with ties to the even code: the magnitude's
-    bucket among the midpoints between the E2M1 values, the sign bit (code + 8) for a negative non-zero."""
-    code = torch.bucketize(x.abs(), _E2M1_BOUNDARIES.to(x.device)).to(torch.uint8)
+    """fp32 (already clamped to [-6, 6]) -> e2m1 codes, nearest value with ties to the even code.
+
+    The magnitudes are three evenly spaced grids: codes 0-4 are ``0, 0.5, ..., 2`` (step 1/2), codes 4-6 are
+    ``2, 3, 4`` (step 1), codes 6-7 are ``4, 6`` (step 2); on each, the code is an even offset plus the magnitude
+    rounded on that grid, and ``torch.round`` rounds half to even, so a tie lands on the even code."""
+    mag = x.abs()
+    idx = torch.where(mag < 2, (mag * 2).round(), torch.where(mag < 4, mag.round() + 2, (mag * 0.5).round() + 4))
+    code = idx.to(torch.uint8)
     return torch.where((x < 0) & (code > 0), code + 8, code)
 
 
