@@ -20,7 +20,7 @@ does not need. Candidates that go further than a suggestion are not planned.
 
 **Bounds.** At most ``max_changes`` changes per candidate and ``max_candidates`` candidates evaluated;
 :class:`SetupPlanner` traces at most ``max_traces`` new activation setups (a trace is the expensive part of a plan:
-tens of seconds for V4 Flash at 16K tokens per rank on a CPU). Options that do not change what is traced (the
+about 7 s for V4 Flash at 16K tokens per rank on a CPU). Options that do not change what is traced (the
 optimizer state, host offload, dp) reuse a trace (:func:`activation_key`); a candidate whose activations are not
 traced yet is first estimated optimistically (:func:`optimistic_activations`), and planned only when that estimate
 fits.

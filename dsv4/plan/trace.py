@@ -5,7 +5,7 @@ count as live from the op until the last tensor viewing that storage is gone (Py
 object alive while autograd still holds the tensor, so saved activations stay counted until backward frees
 them). It reports the live bytes now, the peak, and the bytes saved for backward (``saved_tensors_hooks``).
 Run the code on the ``meta`` device and nothing is allocated: shapes, dtypes and lifetimes are exactly those of
-the real run, at any size.
+the real run, at any size; an op repeated on the same shapes is not computed again (:mod:`dsv4.plan.meta_ops`).
 
 Only tensors created while the tracer is active count (parameters and inputs made before are the caller's to
 add); ``reset_peak()`` restarts the peak from the current live bytes. A view an op makes of an earlier tensor is a
@@ -28,6 +28,8 @@ from typing import Iterable
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from dsv4.plan.meta_ops import run_meta_op
 
 
 class AllocationTracer(TorchDispatchMode):
@@ -143,7 +145,7 @@ class AllocationTracer(TorchDispatchMode):
         inputs = {id(a) for a in _tensors(args)}
         if kwargs:
             inputs.update(id(a) for a in _tensors(tuple(kwargs.values())))
-        out = func(*args, **(kwargs or {}))
+        out = run_meta_op(func, args, kwargs or {})  # on meta tensors: a repeated op's outputs from a record
         for t in _tensors((out,)):
             if id(t) not in inputs:  # in-place ops return their input
                 self._track(t)
