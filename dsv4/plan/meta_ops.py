@@ -75,7 +75,9 @@ def run_meta_op(func, args: tuple, kwargs: dict):
         return func(*args, **kwargs)
     tensors: list[torch.Tensor] = []
     try:
-        key = (func, _key_of(args, tensors), _key_of(tuple(sorted(kwargs.items())), tensors))
+        # the default dtype too: a factory op without a dtype (``arange``, ``full``) reads it
+        key = (func, _key_of(args, tensors), _key_of(tuple(sorted(kwargs.items())), tensors),
+               torch.get_default_dtype())
         hash(key)
     except TypeError:  # an unhashable argument: not recorded
         return func(*args, **kwargs)

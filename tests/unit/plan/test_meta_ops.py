@@ -62,6 +62,17 @@ def test_python_scalars_of_another_type_are_another_record():
     assert meta_ops.run_meta_op(aten.mul.Scalar, (x, True), {}).dtype == torch.int32
 
 
+def test_a_factory_op_without_a_dtype_follows_the_default_dtype():
+    meta = {"device": torch.device("meta")}
+    assert meta_ops.run_meta_op(aten.full.default, ([2], 1.5), meta).dtype == torch.float32
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert meta_ops.run_meta_op(aten.full.default, ([2], 1.5), meta).dtype == torch.float64
+    finally:
+        torch.set_default_dtype(default)
+
+
 def test_tensors_off_meta_run_the_op():
     x = torch.arange(4.0)
     for _ in range(2):
