@@ -1,10 +1,10 @@
 """Running aten ops on ``meta`` tensors, the outputs of a repeated op made from a record of its first run.
 
-On the ``meta`` device an op's outputs (shape, strides, dtype) depend only on its inputs' metadata and its other
-arguments, yet torch computes them afresh on every call, most of them through Python meta functions (about 100 us
-an op). The plan's traces repeat the same ops on the same shapes many times (every query chunk of a sparse
-attention, every block of a kind, forward again in recompute), so :func:`run_meta_op` keeps, per
-``(op, input metadata, other arguments)``, what the op returned, and makes those outputs again with
+On the ``meta`` device an op's outputs (shape, strides, dtype) depend only on its inputs' metadata, its other
+arguments and the default dtype, yet torch computes them afresh on every call, most of them through Python meta
+functions (about 100 us an op). The plan's traces repeat the same ops on the same shapes many times (every query
+chunk of a sparse attention, every block of a kind, forward again in recompute), so :func:`run_meta_op` keeps, per
+``(op, input metadata, other arguments, default dtype)``, what the op returned, and makes those outputs again with
 ``torch.empty_strided``, a new storage each, exactly as the op would.
 
 Only ops whose outputs are fresh storages are repeated this way: an op whose schema says it aliases or writes an
