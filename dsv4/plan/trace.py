@@ -155,7 +155,7 @@ class AllocationTracer(TorchDispatchMode):
 def _tensors(items: tuple | list) -> list[torch.Tensor]:
     """The tensors among an op's arguments or results: ``items`` and the lists / tuples in them (an aten op's
     arguments and results nest no deeper, and hold no dicts), in order. torch's ``tree_flatten`` gives the same
-    tensors at several times the cost, and the tracer calls this twice per op."""
+    tensors at several times the cost, and the tracer calls this on every op."""
     found = []
     for item in items:
         if isinstance(item, torch.Tensor):
