@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 _MAX_ENTRIES = 100_000  # the records are small (a shape and strides per output); a bound, not a tuning knob
-_records: dict[tuple, tuple | None] = {}  # key -> (single output?, ((shape, stride, dtype) | None, ...)) | None
+# key -> (one tensor returned?, ((shape, stride, dtype) | None per output), the container's type), or None: always run
+_records: dict[tuple, tuple | None] = {}
 _never: set = set()  # ops whose schema aliases or writes an argument
 
 
