@@ -58,7 +58,7 @@ def _record(out, inputs: list[torch.Tensor]) -> tuple | None:
         if t is None:
             entries.append(None)
             continue
-        if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor or not t.is_meta:
+        if type(t) is not torch.Tensor or not t.is_meta:  # a subclass, a number, another device
             return None
         key = t.untyped_storage()._cdata
         if (key in storages or t.storage_offset() != 0
