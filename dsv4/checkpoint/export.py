@@ -58,7 +58,7 @@ from torch import nn
 
 from dsv4.checkpoint import keys as K
 from dsv4.checkpoint.export_dir import export_dir_problem, remove_stale_files
-from dsv4.checkpoint.hf_config import CONFIG_FILE, INDEX_FILE, SCHEMES, config_family, write_hf_config
+from dsv4.checkpoint.hf_config import CONFIG_FILE, INDEX_FILE, SCHEMES, model_family, write_hf_config
 from dsv4.checkpoint.quant import quantize, scale_shape
 from dsv4.checkpoint.safetensors_write import TensorMeta, create_file, file_layout, write_rows, write_tensor
 from dsv4.distributed import full_tensor, group_rank, group_size, is_initialized, resolve_group
@@ -85,19 +85,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full_tensor(t).detach().cpu()
 
 
-def _family(model: nn.Module, config=None) -> str:
-    """The checkpoint family an export of ``model`` writes (its config's, V4 without one)."""
-    from dsv4.config import DSV4Config
-
-    config = config if config is not None else getattr(model, "config", None)
-    return config_family(config) if isinstance(config, DSV4Config) else K.V4
-
-
 def iter_hf_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]] | None = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(on-disk key, full tensor)`` for every persistent tensor of ``model`` (or for the ``(state-dict name,
     tensor)`` pairs of ``tensors``, e.g. a LoRA model's merged weights), experts split per expert."""
-    family = _family(model)
+    family = model_family(model)
     for name, t in (model.state_dict().items() if tensors is None else tensors):
         if K.is_stacked_expert(name):
             module = model.get_submodule(name.rsplit(".", 1)[0])
@@ -295,6 +287,8 @@ def export_hf_checkpoint(
     sources: list[ExportSource] | None = None,
     group=None,
     overwrite: bool = False,
+    beside: bool = False,
+    file_prefix: str = "model",
 ) -> ExportReport:
     """Write ``model`` to ``path`` (see the module docstring). ``config`` defaults to ``model.config``; the tensors
     come from ``sources`` (``dsv4.peft.apply.merged_sources`` for a merged LoRA model), else the ``(state-dict name,
@@ -303,7 +297,14 @@ def export_hf_checkpoint(
 
     ``path`` must be absent or empty, else ``ValueError`` before anything is written (rank 0 looks; every rank
     raises); ``overwrite``: a directory of files is accepted and, once the new files are in place, every file the
-    export did not write is removed (:mod:`dsv4.checkpoint.export_dir`)."""
+    export did not write is removed (:mod:`dsv4.checkpoint.export_dir`).
+
+    ``beside``: add the tensors to the checkpoint already in ``path`` (a DSpark drafter next to its target): the
+    shards are named ``{file_prefix}-0000i-of-0000n.safetensors`` and merged into the directory's index; its other
+    files and its ``config.json`` stay as they are. A key the index already holds, or a shard name already there, is
+    refused (``ValueError``) unless ``overwrite``: then the index points the key at the new shard and the directory's
+    ``{file_prefix}-*`` shards no index entry names any more are removed (a replaced key inside another file stays
+    in that file's bytes, unreferenced)."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
     config = config if config is not None else getattr(model, "config", None)
@@ -314,18 +315,22 @@ def export_hf_checkpoint(
     distributed = is_initialized()
     group = resolve_group(group) if distributed else None
     rank, world = group_rank(group), group_size(group)
-    problem = export_dir_problem(str(path), key="path", overwrite=overwrite, flag="overwrite=True") if rank == 0 else None
+    family = model_family(model, config)
+    planned = _plan(model, sources, dtype, world, group, family)
+    shards = _shards(planned, max_shard_bytes)
+    n = len(shards)
+    names = [f"{file_prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    problem = None
+    if rank == 0:
+        problem = (_beside_problem(str(path), [m.key for metas in shards for m in metas], names, overwrite)
+                   if beside else export_dir_problem(str(path), key="path", overwrite=overwrite,
+                                                     flag="overwrite=True"))
     if distributed and world > 1:  # rank 0 alone looks (it creates the files), so every rank stops or none does
         box = [problem]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
         problem = box[0]
     if problem is not None:
         raise ValueError(problem)
-    family = _family(model, config)
-    planned = _plan(model, sources, dtype, world, group, family)
-    shards = _shards(planned, max_shard_bytes)
-    n = len(shards)
-    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     temps = [f"shard-{i:05d}.tmp" for i in range(n)]
     layouts = [file_layout(metas, {"format": "pt"}) for metas in shards]
     file_of = {meta.key: i for i, metas in enumerate(shards) for meta in metas}
@@ -397,7 +402,11 @@ def export_hf_checkpoint(
         for fd in fds.values():
             os.close(fd)
     barrier()
-    if rank == 0:
+    if rank == 0 and beside:
+        for temp, final in zip(temps, names):
+            os.replace(os.path.join(path, temp), os.path.join(path, final))
+        _merge_index(path, report.weight_map, file_prefix)
+    elif rank == 0:
         for temp, final in zip(temps, names):
             os.replace(os.path.join(path, temp), os.path.join(path, final))
         with open(os.path.join(path, INDEX_FILE), "w") as f:
@@ -409,3 +418,46 @@ def export_hf_checkpoint(
             remove_stale_files(path, [*names, INDEX_FILE, *([CONFIG_FILE] if config is not None else [])])
     barrier()
     return report
+
+
+def _beside_problem(path: str, keys: list[str], names: list[str], overwrite: bool) -> str | None:
+    """Why ``keys`` (in shards ``names``) cannot be added to the checkpoint in ``path``, or None."""
+    index_file = os.path.join(path, INDEX_FILE)
+    if not os.path.isfile(index_file):
+        return f"path={path!r} holds no {INDEX_FILE}: there is no checkpoint to add the tensors beside"
+    if overwrite:
+        return None
+    with open(index_file) as f:
+        held = json.load(f).get("weight_map", {})
+    clash = sorted(set(keys) & set(held))
+    if clash:
+        return (f"{path}: its index already holds {len(clash)} of the exported keys (e.g. {clash[:3]}); set "
+                "overwrite=True to replace them")
+    taken = [n for n in names if os.path.lexists(os.path.join(path, n))]
+    if taken:
+        return f"{path}: shard file(s) {taken[:3]} exist already; set overwrite=True to replace them"
+    return None
+
+
+def _merge_index(path: str, weight_map: dict[str, str], file_prefix: str) -> None:
+    """Point ``path``'s index at the new shards for every key of ``weight_map``, remove the ``file_prefix`` shards
+    no entry names any more, and recount ``metadata.total_size`` from the shard headers."""
+    from dsv4.checkpoint.safetensors_io import CheckpointDir
+
+    index_file = os.path.join(path, INDEX_FILE)
+    with open(index_file) as f:
+        index = json.load(f)
+    merged = {**index.get("weight_map", {}), **weight_map}
+    used = set(merged.values())
+    for entry in os.scandir(path):
+        if entry.name.startswith(f"{file_prefix}-") and entry.name.endswith(".safetensors") and entry.name not in used:
+            os.unlink(entry.path)
+    index["weight_map"] = merged
+    temp = index_file + ".tmp"
+    with open(temp, "w") as f:
+        json.dump(index, f, indent=2)
+    os.replace(temp, index_file)
+    index.setdefault("metadata", {})["total_size"] = sum(t.nbytes for t in CheckpointDir.open(path).tensors.values())
+    with open(temp, "w") as f:
+        json.dump(index, f, indent=2)
+    os.replace(temp, index_file)

@@ -80,7 +80,7 @@ V41_QUANTIZATION_CONFIG: dict[str, Any] = {
 V41_MODEL_TYPE, V41_TEXT_MODEL_TYPE, V41_VISION_MODEL_TYPE = "deepseek_v41", "deepseek_v41_text", "deepseek_v41_vision"
 # model_type -> checkpoint family (dsv4.checkpoint.keys)
 MODEL_TYPES = {"deepseek_v4": K.V4, V41_MODEL_TYPE: K.V41, V41_TEXT_MODEL_TYPE: K.V41}
-SCHEMES = {K.V4: V4_SCHEME, K.V41: V41_SCHEME}
+SCHEMES = {K.V4: V4_SCHEME, K.V41: V41_SCHEME, K.DSPARK: V41_SCHEME}
 # dsv4 training knobs of a V4.1 config that are not part of the release format
 _DSV41_ONLY_FIELDS = ("engram_trainable",)
 
@@ -119,6 +119,17 @@ def checkpoint_family(data: dict[str, Any]) -> str:
 def config_family(config: DSV4Config) -> str:
     """The checkpoint family of a model config (its class's ``model_type``)."""
     return MODEL_TYPES.get(getattr(config, "model_type", "deepseek_v4"), K.V4)
+
+
+def model_family(model, config=None) -> str:
+    """The key family of ``model``'s checkpoints: its own ``checkpoint_family`` when it declares one (the DSpark
+    drafter: :data:`dsv4.checkpoint.keys.DSPARK`), else its config's (``config`` or ``model.config``; V4 without
+    one)."""
+    declared = getattr(model, "checkpoint_family", None)
+    if declared is not None:
+        return K.check_family(declared)
+    config = config if config is not None else getattr(model, "config", None)
+    return config_family(config) if isinstance(config, DSV4Config) else K.V4
 
 
 _QUANT_VALUES: dict[str, tuple[Any, ...]] = {

@@ -21,6 +21,16 @@ On disk there is no ``model.`` prefix. The renames, per block
 Globals: ``embed.weight <-> model.embed_tokens.weight``, ``head.weight <-> lm_head.weight``, ``norm.weight <->
 model.norm.weight``, ``hc_head_{fn,base,scale} <-> model.hc_head.hc_{fn,base,scale}``.
 
+The DSpark drafter of a V4.1 release (``deepseek_v41_dspark``, :data:`DSPARK`; the module
+:class:`~dsv4.model.v41.drafter.DSparkDrafter`) reads the same directory from the other side: its keys are
+``mtp.{i}.*`` <-> ``layers.{i}.*`` with the block renames above plus the drafter's own ``main_proj``, ``main_norm``,
+``norm``, ``markov_head.{embed,head}`` and ``confidence_head.proj`` (names kept), and ``embed.weight`` /
+``head.weight`` <-> ``embed_tokens.weight`` / ``lm_head.weight`` (its frozen copies of the target's); every other
+key of the directory (the text backbone, the vision tower) is skipped by a drafter load. On disk the drafter's
+attention projections, ``main_proj`` and shared experts are FP8 with 32 x 32 tiles, its routed experts FP4, its
+``hc_*``, ``attn_sink``, gate biases and ``confidence_head`` F32, the rest BF16; its ``config.json`` is the V4.1
+release's (:func:`config_family_of` maps the drafter's keys to that family).
+
 Quantisation scales are ``<module>.scale`` next to ``<module>.weight`` (never ``hc_*_scale``, which are learned
 F32 parameters); they are not model keys and are handled by the loader.
 
@@ -39,7 +49,14 @@ from dataclasses import dataclass
 
 V4 = "deepseek_v4"
 V41 = "deepseek_v41"
-FAMILIES = (V4, V41)
+DSPARK = "deepseek_v41_dspark"
+FAMILIES = (V4, V41, DSPARK)
+
+
+def config_family_of(family: str) -> str:
+    """The family whose ``config.json`` and quantisation scheme a key family's directory holds (the drafter's is
+    the V4.1 release's)."""
+    return V41 if check_family(family) == DSPARK else family
 
 
 def check_family(family: str) -> str:
@@ -102,10 +119,30 @@ V41_SKIPPED: tuple[tuple[str, str], ...] = (
 )
 
 
+_DRAFTER_GLOBALS = {"embed.weight": "embed_tokens.weight", "head.weight": "lm_head.weight"}
+_DRAFTER_GLOBALS_OURS = {v: k for k, v in _DRAFTER_GLOBALS.items()}
+# the drafter's stage-owned tensors outside the block names (kept as they are)
+_DRAFTER_RENAMES: list[tuple[str, str]] = [
+    ("main_proj.weight", "main_proj.weight"),
+    ("main_norm.weight", "main_norm.weight"),
+    ("norm.weight", "norm.weight"),
+    ("markov_head.", "markov_head."),
+    ("confidence_head.", "confidence_head."),
+]
+
+
 def skip_reason(hf_key: str, family: str = V4) -> str | None:
-    """For a family's key that is not part of the text backbone dsv4 builds, the group it belongs to (``"mtp.*
-    (the DSpark drafter)"``); else None. V4 has none (its ``mtp.*`` blocks are MTP depths the model may build)."""
-    if check_family(family) != V41:
+    """For a family's key that is not part of the model the family builds, the group it belongs to (``"mtp.*
+    (the DSpark drafter)"``); else None. V4 has none (its ``mtp.*`` blocks are MTP depths the model may build); a
+    drafter load (:data:`DSPARK`) skips everything but ``mtp.*``, ``embed.weight`` and ``head.weight``."""
+    if check_family(family) == DSPARK:
+        if hf_key.startswith("mtp.") or hf_key in _DRAFTER_GLOBALS:
+            return None
+        for prefix, what in V41_SKIPPED:
+            if hf_key.startswith(prefix):
+                return f"{prefix}* ({what})"
+        return "the target backbone"
+    if family != V41:
         return None
     for prefix, what in V41_SKIPPED:
         if hf_key.startswith(prefix):
@@ -116,7 +153,7 @@ def skip_reason(hf_key: str, family: str = V4) -> str | None:
 _HF_EXPERT = re.compile(r"^ffn\.experts\.(0|[1-9][0-9]*)\.(w1|w2|w3)\.weight$")
 _OURS_EXPERT = re.compile(r"^mlp\.experts\.(w1|w2|w3)$")
 _HF_BLOCK = re.compile(r"^(layers|mtp)\.(0|[1-9][0-9]*)\.(.+)$")
-_OURS_BLOCK = re.compile(r"^(model\.layers|mtp\.layers)\.(\d+)\.(.+)$")
+_OURS_BLOCK = re.compile(r"^(model\.layers|mtp\.layers|layers)\.(\d+)\.(.+)$")  # layers.{i}: a drafter stage
 
 
 @dataclass(frozen=True)
@@ -144,7 +181,9 @@ def scale_key_of_weight(hf_weight_key: str) -> str | None:
 def hf_to_ours(hf_key: str, family: str = V4) -> OurKey | None:
     """Map an on-disk tensor name of ``family`` to our state-dict name; ``None`` for a name the adapter does not
     know (and for the keys :func:`skip_reason` names)."""
-    if check_family(family) == V41 and (skip_reason(hf_key, family) or hf_key.startswith("hc_head_")):
+    if check_family(family) == DSPARK:
+        return _drafter_hf_to_ours(hf_key)
+    if family == V41 and (skip_reason(hf_key, family) or hf_key.startswith("hc_head_")):
         return None
     if hf_key in _GLOBALS_HF_TO_OURS:
         return OurKey(_GLOBALS_HF_TO_OURS[hf_key])
@@ -167,13 +206,15 @@ def hf_to_ours(hf_key: str, family: str = V4) -> OurKey | None:
 def ours_to_hf(name: str, expert: int | None = None, family: str = V4) -> str | None:
     """Inverse of :func:`hf_to_ours`. A stacked expert tensor (``...mlp.experts.w1``) needs the global ``expert``
     index; ``None`` for a name the adapter does not know."""
+    if check_family(family) == DSPARK:
+        return _drafter_ours_to_hf(name, expert)
     if name in _GLOBALS_OURS_TO_HF:
         hf = _GLOBALS_OURS_TO_HF[name]
-        return hf if check_family(family) == V4 or hf in _V41_GLOBALS else None
-    if check_family(family) == V41 and name.startswith("mtp."):
+        return hf if family == V4 or hf in _V41_GLOBALS else None
+    if family == V41 and name.startswith("mtp."):
         return None
     m = _OURS_BLOCK.match(name)
-    if m is None:
+    if m is None or m.group(1) == "layers":
         return None
     kind, idx, rest = m.groups()
     prefix = f"layers.{idx}." if kind == "model.layers" else f"mtp.{idx}."
@@ -190,13 +231,46 @@ def ours_to_hf(name: str, expert: int | None = None, family: str = V4) -> str | 
     return None if mapped is None else prefix + mapped
 
 
+def _drafter_hf_to_ours(hf_key: str) -> OurKey | None:
+    if hf_key in _DRAFTER_GLOBALS:
+        return OurKey(_DRAFTER_GLOBALS[hf_key])
+    m = _HF_BLOCK.match(hf_key)
+    if m is None or m.group(1) != "mtp":
+        return None
+    prefix, rest = f"layers.{m.group(2)}.", m.group(3)
+    em = _HF_EXPERT.match(rest)
+    if em is not None:
+        return OurKey(f"{prefix}mlp.experts.{em.group(2)}", int(em.group(1)))
+    mapped = _rename(_DRAFTER_RENAMES, rest, to_ours=True) or _rename(_BLOCK_RENAMES, rest, to_ours=True)
+    return None if mapped is None or mapped.startswith("engram.") else OurKey(prefix + mapped)
+
+
+def _drafter_ours_to_hf(name: str, expert: int | None) -> str | None:
+    if name in _DRAFTER_GLOBALS_OURS:
+        return _DRAFTER_GLOBALS_OURS[name]
+    m = _OURS_BLOCK.match(name)
+    if m is None or m.group(1) != "layers":
+        return None
+    prefix, rest = f"mtp.{m.group(2)}.", m.group(3)
+    em = _OURS_EXPERT.match(rest)
+    if em is not None:
+        if expert is None:
+            raise ValueError(f"ours_to_hf: {name!r} is a stacked expert tensor; give the global expert index")
+        return f"{prefix}ffn.experts.{expert}.{em.group(1)}.weight"
+    mapped = _rename(_DRAFTER_RENAMES, rest, to_ours=False) or _rename(_BLOCK_RENAMES, rest, to_ours=False)
+    return None if mapped is None or mapped.startswith("engram.") else prefix + mapped
+
+
 def is_stacked_expert(name: str) -> bool:
     m = _OURS_BLOCK.match(name)
     return m is not None and _OURS_EXPERT.match(m.group(3)) is not None
 
 
-def mtp_depth(hf_key: str) -> int | None:
-    """``k`` of an ``mtp.{k}.*`` key, else ``None``."""
+def mtp_depth(hf_key: str, family: str = V4) -> int | None:
+    """``k`` of an ``mtp.{k}.*`` key of a V4 checkpoint (an MTP depth), else ``None`` (V4.1's ``mtp.*`` is the
+    drafter)."""
+    if check_family(family) != V4:
+        return None
     m = _HF_BLOCK.match(hf_key)
     return int(m.group(2)) if m is not None and m.group(1) == "mtp" else None
 
@@ -214,6 +288,10 @@ _V41_FP8_MODULES = re.compile(
 _V41_F32_KEYS = re.compile(r"^(head\.weight|layers\.\d+\.(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink"
                            r"|ffn\.gate\.(bias|bias_vl)|attn\.compressor\.(wkv|wgate)\.weight))$")
 _EXPERT_WEIGHT = re.compile(r"(^|\.)ffn\.experts\.\d+\.(w1|w2|w3)\.weight$")
+_DRAFTER_FP8_MODULES = re.compile(r"^mtp\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|main_proj|ffn\.shared_experts\.(w1|w2|w3))"
+                                  r"\.weight$")
+_DRAFTER_F32_KEYS = re.compile(r"^(head\.weight|mtp\.\d+\.(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink"
+                               r"|ffn\.gate\.(bias|bias_vl)|confidence_head\.proj\.weight))$")
 
 
 def on_disk_format(hf_key: str, family: str = V4) -> str:
@@ -222,7 +300,11 @@ def on_disk_format(hf_key: str, family: str = V4) -> str:
     (packed e2m1 + e8m0 per 32), ``"f32"``, ``"int"`` (tid2eid) or ``"bf16"``."""
     if _EXPERT_WEIGHT.search(hf_key):
         return "fp4"
-    if check_family(family) == V41:
+    if check_family(family) == DSPARK:
+        if _DRAFTER_FP8_MODULES.search(hf_key):
+            return "fp8"
+        return "f32" if _DRAFTER_F32_KEYS.search(hf_key) else "bf16"
+    if family == V41:
         if re.fullmatch(r"layers\.\d+\.engram\.embed\.weight", hf_key):
             return "fp8_rows"
         if _V41_FP8_MODULES.search(hf_key):

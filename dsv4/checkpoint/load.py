@@ -75,6 +75,7 @@ from dsv4.checkpoint.hf_config import (
     SCHEMES,
     checkpoint_family,
     config_family,
+    model_family,
     quant_scheme_of,
     read_hf_config_dict,
 )
@@ -232,7 +233,7 @@ def _check_and_plan(
             not_built[reason] = not_built.get(reason, 0) + 1
             skipped.append(key)
             continue
-        depth = K.mtp_depth(key)
+        depth = K.mtp_depth(key, family)
         if depth is not None and depth >= mtp_depths:
             skipped.append(key)
             continue
@@ -370,7 +371,7 @@ def load_hf_checkpoint(
     ``init_missing_mtp``: MTP depths the checkpoint has no key of keep their initialisation instead of being
     refused."""
     start = time.perf_counter()
-    family, scheme = checkpoint_scheme(path, getattr(model, "config", None))
+    family, scheme = checkpoint_scheme(path, getattr(model, "config", None), model_family(model))
     ckpt, layout = release_view(CheckpointDir.open(path))
     state = model.state_dict(keep_vars=True)
     kept_scales = {kept_scale_name(n) for n, t in state.items() if kept_format(t)}
@@ -379,7 +380,7 @@ def load_hf_checkpoint(
     if only is not None:
         left_out = {n for n in targets if not only(n)}
         targets = {n: t for n, t in targets.items() if n not in left_out}
-    if family == K.V41:  # its mtp.* keys are the DSpark drafter (skip_reason), not MTP depths
+    if family != K.V4:  # V4.1's mtp.* keys are the DSpark drafter (skipped, or the drafter's own), not MTP depths
         mtp_depths = 0
     elif mtp_depths is None:
         mtp = getattr(model, "mtp", None)
@@ -424,18 +425,20 @@ def load_hf_checkpoint(
     return report
 
 
-def checkpoint_scheme(path: str, config) -> tuple[str, QuantScheme]:
-    """``(family, quant scheme)`` of loading the directory ``path`` into a model of ``config`` (its family; V4
-    without a config): the directory's ``config.json``, when it has one, must be of that family with a
-    ``quantization_config`` the family's formats read (``ValueError`` naming both families, or the field)."""
+def checkpoint_scheme(path: str, config, family: str | None = None) -> tuple[str, QuantScheme]:
+    """``(key family, quant scheme)`` of loading the directory ``path`` into a model of ``config`` (``family``, else
+    the config's; V4 without a config): the directory's ``config.json``, when it has one, must be of that family's
+    (:func:`~dsv4.checkpoint.keys.config_family_of`) with a ``quantization_config`` its formats read
+    (``ValueError`` naming both families, or the field)."""
     from dsv4.config import DSV4Config
 
-    family = config_family(config) if isinstance(config, DSV4Config) else K.V4
+    if family is None:
+        family = config_family(config) if isinstance(config, DSV4Config) else K.V4
     if not os.path.exists(os.path.join(path, CONFIG_FILE)):
         return family, SCHEMES[family]
     data = read_hf_config_dict(path)
     found = checkpoint_family(data)
-    if found != family:
+    if found != K.config_family_of(family):
         raise ValueError(f"{path}: a {found} checkpoint (config.json model_type={data.get('model_type')!r}); the model "
                          f"is {family} ({type(config).__name__}): build the model from the checkpoint's config "
                          "(load_model_from_hf) or choose a checkpoint of its family")

@@ -41,7 +41,8 @@ def shard_name(k: int) -> str:
     return f"shard_{k:05d}"
 
 
-def _build_model(job: dict):
+def build_target(job: dict):
+    """The frozen target of ``job`` (its config, seeded init, ``checkpoint`` loaded; eval mode, no gradients)."""
     from dsv4.config import DSV4Config, config_class
     from dsv4.model import build_causal_lm
 
@@ -65,7 +66,8 @@ def _build_model(job: dict):
     return model.eval().requires_grad_(False)
 
 
-def _documents(job: dict):
+def job_documents(job: dict):
+    """The documents of ``job["data"]``: the first ``max_documents``, each cut to ``max_document_tokens``."""
     from dsv4.data import build_documents
 
     docs = build_documents(**job["data"])
@@ -118,7 +120,7 @@ def capture_rank(rank: int, world: int, job: dict) -> dict:
 
     torch.set_num_threads(max(1, int(job.get("threads") or 1)))
     out = Path(job["output_dir"])
-    docs = _documents(job)
+    docs = job_documents(job)
     cp_size = int(job.get("cp", 1))
     dp_rank, dp_size, writer = rank // cp_size, world // cp_size, rank % cp_size == 0
     n_shards = -(-len(docs) // job["docs_per_shard"])
@@ -128,7 +130,7 @@ def capture_rank(rank: int, world: int, job: dict) -> dict:
     cp = _cp_context(rank, world, cp_size)  # after every rank listed its shards: none is written yet
     if not mine:
         return {"shards": [], "tokens": 0, "seconds": 0.0}
-    model = _build_model(job)
+    model = build_target(job)
     dtype, multiple = _DTYPES[job["dtype"]], model.config.shard_multiple
     tokens, start = 0, time.perf_counter()
     bar = tqdm(mine, desc=f"capture rank {rank}", position=rank, file=sys.stderr, unit="shard",
@@ -200,13 +202,27 @@ def default_layer_ids(config: Any) -> list[int]:
     return ids
 
 
+def job_data(data: dict, checkpoint: str | None, config) -> dict:
+    """The data group's source keys for :func:`dsv4.data.build_documents` (tokenizer resolved against
+    ``checkpoint``, chat template read, checked against ``config``'s vocabulary and Engram classes). The packer's
+    and the prepared dataset's keys and held-out settings (``val``, ``val_fraction``) are left out."""
+    from dsv4.data.defaults import resolve_data_source
+    from dsv4.data.tokenizers import build_tokenizer
+    from dsv4.training.options.family import check_engram_tokenizer
+
+    skip = ("overlong", "cache_dir", "num_proc", "val", "val_fraction")
+    source = resolve_data_source({k: v for k, v in data.items() if v is not None and k not in skip}, checkpoint,
+                                 config.vocab_size)
+    check_engram_tokenizer(config, build_tokenizer(source["tokenizer"]), str(source["tokenizer"]))
+    return source
+
+
 def capture_job(cfg: Any, output_dir: str | Path) -> dict:
     """The job every rank of :func:`run_capture` runs (:func:`capture_rank`), from the recipe's config: validated,
     its documents read once (bad data fails here, before any rank starts); creates the output folder."""
     from omegaconf import OmegaConf
 
     from dsv4.speculative.capture import validate_layer_ids
-    from dsv4.training.options.family import check_engram_tokenizer
     from dsv4.training.schema import model_config
 
     c = OmegaConf.to_container(cfg, resolve=True)
@@ -225,13 +241,7 @@ def capture_job(cfg: Any, output_dir: str | Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     # data.overlong is the training packer's choice; capture keeps whole documents (max_document_tokens caps them)
     # (prepared datasets, cache_dir / num_proc, are the training recipe's); tokenizer and template as in training
-    from dsv4.data.defaults import resolve_data_source
-
-    data = {k: v for k, v in c["data"].items() if v is not None and k not in ("overlong", "cache_dir", "num_proc")}
-    data = resolve_data_source(data, c["model"].get("checkpoint"), config.vocab_size)
-    from dsv4.data.tokenizers import build_tokenizer
-
-    check_engram_tokenizer(config, build_tokenizer(data["tokenizer"]), str(data["tokenizer"]))
+    data = job_data(c["data"], c["model"].get("checkpoint"), config)
     job = {"model": config.to_dict(), "model_type": config.model_type, "data": data, "layer_ids": layer_ids, "seed": int(c["seed"]),
            "checkpoint": c["model"].get("checkpoint"),
            "dtype": c["dtype"], "seq_len": int(c["seq_len"]),
@@ -240,7 +250,7 @@ def capture_job(cfg: Any, output_dir: str | Path) -> dict:
            "max_document_tokens": c.get("max_document_tokens"), "max_shards_this_run": c.get("max_shards_this_run"),
            "output_dir": str(out), "progress": c.get("progress", True), "threads": c.get("threads", 1),
            "cp": int(c["cp"]), "dp": int(c["dp"])}
-    docs = _documents(job)  # bad data fails here, before any rank starts
+    docs = job_documents(job)  # bad data fails here, before any rank starts
     if not docs:
         raise ValueError("data: no documents")
     too_big = [i for i, d in enumerate(docs) if any(t >= config.vocab_size or t < 0 for t in d.ids)]

@@ -1,5 +1,5 @@
 """Typed schemas of ``conf/finetune.yaml`` and ``conf/capture_dspark.yaml`` (Hydra ConfigStore entries
-``finetune_schema`` and ``capture_schema``).
+``finetune_schema``, ``capture_schema`` and ``eval_dspark_schema``).
 
 Typos and wrong types fail while Hydra composes the config, before any process starts: ``cp=three`` -> "Value
 'three' ... could not be converted to Integer / full_key: cp"; ``cpp=4`` -> "Key 'cpp' not in 'FinetuneConfig'";
@@ -225,6 +225,32 @@ class CaptureConfig:
     data: DataConfig = field(default_factory=DataConfig)
 
 
+@dataclass
+class DrafterSourceConfig:
+    """The drafter ``recipes/eval_dspark.py`` runs: a V4.1 checkpoint directory holding ``mtp.*`` (None: a fresh
+    drafter with the target's embedding and head)."""
+
+    checkpoint: Optional[str] = None
+
+
+@dataclass
+class EvalDSparkConfig:
+    """``recipes/eval_dspark.py`` (:func:`dsv4.speculative.eval_job.run_eval`)."""
+
+    num_prompts: int = 8
+    prompt_tokens: int = 64
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    eos_token_id: Optional[int] = None
+    max_documents: Optional[int] = 256
+    seed: int = 1234
+    threads: int = 1
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterSourceConfig = field(default_factory=DrafterSourceConfig)
+    logger: Optional[Dict[str, Any]] = None
+
+
 def cpu_world_size(dp: int, cp: int) -> int:
     """``${dsv4.world:${dp},${cp}}``: processes on one machine, ``dp * cp`` (``cp`` when dp is derived, -1)."""
     return cp if dp in (-1, 0, None) else dp * cp
@@ -237,4 +263,5 @@ def register_schema() -> None:
     store = ConfigStore.instance()
     store.store(name="finetune_schema", node=FinetuneConfig)
     store.store(name="capture_schema", node=CaptureConfig)
+    store.store(name="eval_dspark_schema", node=EvalDSparkConfig)
     OmegaConf.register_new_resolver("dsv4.world", cpu_world_size, replace=True)

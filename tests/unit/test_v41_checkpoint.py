@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 from types import SimpleNamespace
 
@@ -28,12 +27,13 @@ from dsv4.checkpoint import keys as K
 from dsv4.checkpoint import quant as Q
 from dsv4.checkpoint.__main__ import main as cli_main
 from dsv4.checkpoint.export import export_hf_checkpoint
-from dsv4.checkpoint.hf_config import INDEX_FILE, config_from_hf, config_to_hf
+from dsv4.checkpoint.hf_config import config_from_hf, config_to_hf
 from dsv4.checkpoint.load import load_hf_checkpoint
 from dsv4.config import DSV4Config
 from dsv4.config_v41 import DSV41Config
 from dsv4.model import build_causal_lm
 from dsv4.model.moe import GroupedExperts
+from tests.v41_release import release_fp8, release_tensors, write_release_dir
 
 TEXT = dict(
     vocab_size=384, hidden_size=64, num_hidden_layers=12, num_attention_heads=4, head_dim=32, qk_rope_head_dim=8,
@@ -54,78 +54,6 @@ RELEASE_QUANT = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_
 EXTRA = {"mtp.0.attn.wq_a.weight": (16, 64), "mtp.0.attn_norm.weight": (64,), "mtp.2.main_proj.weight": (64, 192),
          "vision.patch_embed.proj.weight": (8, 3, 2, 2), "vision.blocks.0.attn.qkv.weight": (24, 8),
          "aligner.proj.weight": (64, 72), "image_start": (64,), "image_end": (64,), "image_newline": (64,)}
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
-# ------------------------------------------------------------------------------------------ the release quantiser
-def _pow2_at_least(x: torch.Tensor) -> torch.Tensor:
-    """The release's ue8m0 choice: 2^ceil(log2 x) (x > 0)."""
-    return torch.exp2(torch.ceil(torch.log2(x)))
-
-
-def _byte(s: torch.Tensor) -> torch.Tensor:
-    return (torch.log2(s).round().to(torch.int32) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
-
-
-def _release_fp8(w: torch.Tensor, rb: int, cb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = w.shape
-    nr, nc = -(-rows // rb), -(-cols // cb)
-    padded = torch.zeros(nr * rb, nc * cb)
-    padded[:rows, :cols] = w
-    amax = padded.abs().reshape(nr, rb, nc, cb).amax(dim=(1, 3)).clamp_min(2.0**-60)
-    s = _pow2_at_least(amax / 448)
-    full = s.repeat_interleave(rb, 0)[:rows].repeat_interleave(cb, 1)[:, :cols]
-    return (w / full).to(torch.float8_e4m3fn), _byte(s)
-
-
-def _release_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = w.shape
-    s = _pow2_at_least(w.abs().reshape(rows, cols // 32, 32).amax(-1).clamp_min(2.0**-60) / 6)
-    x = w / s.repeat_interleave(32, 1)
-    mag = (x.abs()[..., None] - E2M1).abs().argmin(-1)  # nearest magnitude
-    codes = mag + 8 * ((x < 0) & (mag > 0))
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8), _byte(s)
-
-
-def _release_tensors(adapter, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """NeMo's release names and placeholders (``to_hf(quantization=True)``), filled by the quantiser above."""
-    out: dict[str, torch.Tensor] = {}
-    for fqn, value in state.items():
-        floats = dict(adapter.convert_single_tensor_to_hf(fqn, value))
-        placeholders = adapter.convert_single_tensor_to_hf(fqn, value, quantization=True, for_checkpoint_load=True)
-        for key, ph in placeholders:
-            if key.endswith(".scale"):
-                continue
-            w = floats[key].detach().float()
-            if ph.dtype == torch.int8:
-                q, s = _release_fp4(w)
-            elif ph.dtype == torch.float8_e4m3fn:
-                scale = dict(placeholders)[key[: -len("weight")] + "scale"]
-                q, s = _release_fp8(w, *((1, 32) if scale.shape[0] == w.shape[0] else (32, 32)))
-            else:
-                out[key] = w.clone()
-                continue
-            scale = dict(placeholders)[key[: -len("weight")] + "scale"]
-            assert (q.dtype, q.shape, s.dtype, s.shape) == (ph.dtype, ph.shape, scale.dtype, scale.shape), key
-            out[key], out[key[: -len("weight")] + "scale"] = q, s
-    return out
-
-
-def _write_dir(path: str, tensors: dict[str, torch.Tensor], config: dict, shards: int = 2) -> None:
-    os.makedirs(path, exist_ok=True)
-    names = list(tensors)
-    per = -(-len(names) // shards)
-    weight_map = {}
-    for i in range(shards):
-        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({k: tensors[k].contiguous() for k in names[i * per:(i + 1) * per]}, os.path.join(path, file))
-        weight_map.update({k: file for k in names[i * per:(i + 1) * per]})
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-
-
 # ------------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def nemo():
@@ -156,14 +84,14 @@ def release(nemo, tmp_path_factory):
     with torch.no_grad():
         for name, p in model.named_parameters():  # every tensor distinct and non-trivial
             p.copy_(torch.randn_like(p) * (0.5 if p.dim() < 2 else 0.1) + (1.0 if name.endswith("norm.weight") else 0))
-    tensors = _release_tensors(model.state_dict_adapter, model.state_dict())
+    tensors = release_tensors(model.state_dict_adapter, model.state_dict())
     gen = torch.Generator().manual_seed(1)
     for key, shape in EXTRA.items():
         tensors[key] = torch.randn(shape, generator=gen).to(torch.bfloat16)
-    q, s = _release_fp8(torch.randn(16, 64, generator=gen), 32, 32)  # a quantised drafter weight: its scale skips too
+    q, s = release_fp8(torch.randn(16, 64, generator=gen), 32, 32)  # a quantised drafter weight: its scale skips too
     tensors["mtp.0.attn.wq_a.weight"], tensors["mtp.0.attn.wq_a.scale"] = q, s
     path = str(tmp_path_factory.mktemp("v41_release"))
-    _write_dir(path, tensors, config.to_dict())
+    write_release_dir(path, tensors, config.to_dict())
     deq = {}
     for key, value in tensors.items():
         scale = tensors.get(key[: -len("weight")] + "scale") if key.endswith(".weight") else None
@@ -469,11 +397,11 @@ def case(tmp_path_factory):
     config = tiny_config(tokenizer)
     ref = build_reference(config, SEED, tokenizer)
     off_grid = {k: v.clone() for k, v in ref.state_dict().items()}
-    tensors = _release_tensors(ref.state_dict_adapter, ref.state_dict())
+    tensors = release_tensors(ref.state_dict_adapter, ref.state_dict())
     data = ref.config.to_dict()
     data["quantization_config"] = dict(RELEASE_QUANT)
     path = str(tmp_path_factory.mktemp("v41_model_release"))
-    _write_dir(path, tensors, data)
+    write_release_dir(path, tensors, data)
     tokenizer.save_pretrained(path)  # the release ships its tokenizer: Engram's class map comes from it
     ref.load_state_dict(ref.state_dict_adapter.from_hf(dict(tensors)), strict=True)
     lens = torch.tensor([DOCS])

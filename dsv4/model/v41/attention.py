@@ -99,12 +99,9 @@ class CSA2Attention(nn.Module):
         """
         b, length, _ = x.shape
         rope = meta.rope_compress if self.ratio else meta.rope_main
-        kv = apply_rope(self.kv_norm(self.wkv(x)), rope)
-        if self.fake_quant:
-            kv = fake_quant_fp8(kv, 32)
+        kv = self.project_kv(x, rope)
         halo = cp.start_halo_exchange(kv, meta.halo, dim=1, kind="halo", route=meta.routes.halo) if meta.halo else None
-        q_lat = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(q_lat).view(b, length, self.n_heads, self.head_dim), rope)
+        q_lat, q = self.project_queries(x, rope)
 
         compressed = topk = local_windows = None
         if self.ratio:
@@ -133,9 +130,24 @@ class CSA2Attention(nn.Module):
 
         out = attend(self.config, q, kv, self.sink(), meta, ratio=self.ratio, compressed=compressed, topk=topk,
                      local_windows=local_windows)
+        return self.project_output(out, rope), state
+
+    def project_kv(self, x: Tensor, rope) -> Tensor:
+        """The K = V rows of ``x [B, L, d]``: ``kv_norm(wkv x)``, RoPE'd by ``rope``, FP8-rounded when
+        ``fake_quant`` -> ``[B, L, D]``."""
+        kv = apply_rope(self.kv_norm(self.wkv(x)), rope)
+        return fake_quant_fp8(kv, 32) if self.fake_quant else kv
+
+    def project_queries(self, x: Tensor, rope) -> tuple[Tensor, Tensor]:
+        """``(q_lat [B, L, q_lora_rank], q [B, L, H, D])`` of ``x [B, L, d]`` (``q`` RoPE'd by ``rope``)."""
+        q_lat = self.q_norm(self.wq_a(x))
+        return q_lat, apply_rope(self.wq_b(q_lat).view(*x.shape[:2], self.n_heads, self.head_dim), rope)
+
+    def project_output(self, out: Tensor, rope) -> Tensor:
+        """The attention output ``[B, L, H, D]`` back to ``[B, L, d]``: inverse RoPE, grouped ``wo_a``, ``wo_b``."""
+        b, length = out.shape[:2]
         out = apply_rope(out, rope, inverse=True)
-        out = self.wo_a(out.reshape(b, length, self.n_groups, -1)).reshape(b, length, -1)
-        return self.wo_b(out), state
+        return self.wo_b(self.wo_a(out.reshape(b, length, self.n_groups, -1)).reshape(b, length, -1))
 
     def _compress(self, x: Tensor, windows, meta: AttentionMetadata, cp: ContextParallel | None):
         """A Full layer's compressed rows (started: ``.wait()`` gives them) and index keys over every key window of
