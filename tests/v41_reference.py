@@ -14,6 +14,7 @@ at std 1. :func:`build_reference` returns the reference in fp32 eval mode;
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -167,3 +168,38 @@ def load_into(model: torch.nn.Module, reference: DeepseekV41ForCausalLM) -> None
     if bad:
         raise ValueError(f"load_into: shape mismatches {bad}")
     model.load_state_dict(state, strict=False)
+
+
+# ------------------------------------------------------------------------------------------ the DSpark drafter
+def build_drafter_reference(config: DSV41Config, seed: int, num_anchors: int):
+    """NeMo Automodel 0.7.0's ``DeepseekV41DSparkModel`` of ``config`` (fp32, eval, confidence head on), its weights
+    drawn as :func:`condition_` draws the backbone's, its embedding and head frozen as its trainer freezes them."""
+    from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkModel
+
+    torch.manual_seed(seed)
+    model = DeepseekV41DSparkModel(reference_config(config).text_config, BACKEND, num_anchors=num_anchors,
+                                   enable_confidence_head=True).float().eval()
+    _eager_expert_activations(model)
+    condition_(model, seed)
+    model.initialize_embeddings_and_head(embed_tokens=model.embed_tokens, lm_head=model.lm_head)
+    return model
+
+
+def drafter_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Reference drafter tensors (weights or gradients) under dsv4's :class:`~dsv4.model.v41.drafter.DSparkDrafter`
+    names (``mtp.{i}.`` -> ``layers.{i}.``, the block renames and expert layouts of :func:`dsv4_names`)."""
+    return {k.replace("mtp.", "layers.", 1) if k.startswith("mtp.") else k: v for k, v in dsv4_names(tensors).items()}
+
+
+@contextlib.contextmanager
+def fixed_anchors(anchors: torch.Tensor):
+    """Make the reference drafter run the blocks ``anchors [B, N]`` (``-1`` = unused) instead of sampling them."""
+    import nemo_automodel.components.models.deepseek_v41.dspark as reference
+
+    keep = anchors >= 0
+    original = reference.sample_anchor_positions
+    reference.sample_anchor_positions = lambda **_: (torch.where(keep, anchors, torch.zeros_like(anchors)), keep)
+    try:
+        yield
+    finally:
+        reference.sample_anchor_positions = original

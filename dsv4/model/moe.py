@@ -115,6 +115,8 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     kernel's rule). Meta tensors (the memory plan) follow the CPU rule."""
     if not hasattr(F, "grouped_mm") or any(w.dtype != x.dtype for w in weights):
         return False
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):  # the kernel's dtypes (float64: the loop)
+        return False
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16
     if x.device.type not in ("cpu", "meta"):
