@@ -302,7 +302,8 @@ def export_hf_checkpoint(
     ``beside``: add the tensors to the checkpoint already in ``path`` (a DSpark drafter next to its target): the
     shards are named ``{file_prefix}-0000i-of-0000n.safetensors`` and merged into the directory's index; its other
     files and its ``config.json`` stay as they are. A key the index already holds, or a shard name already there, is
-    refused (``ValueError``) unless ``overwrite``: then the index points the key at the new shard and the directory's
+    refused (``ValueError``) unless ``overwrite``: then the index points the key at the new shard (a replaced weight's
+    old ``.scale`` leaves the index with it, unless the new export writes one) and the directory's
     ``{file_prefix}-*`` shards no index entry names any more are removed (a replaced key inside another file stays
     in that file's bytes, unreferenced)."""
     if dtype not in EXPORT_DTYPES:
@@ -440,14 +441,20 @@ def _beside_problem(path: str, keys: list[str], names: list[str], overwrite: boo
 
 
 def _merge_index(path: str, weight_map: dict[str, str], file_prefix: str) -> None:
-    """Point ``path``'s index at the new shards for every key of ``weight_map``, remove the ``file_prefix`` shards
-    no entry names any more, and recount ``metadata.total_size`` from the shard headers."""
+    """Point ``path``'s index at the new shards for every key of ``weight_map`` (dropping the old ``.scale`` of a
+    weight now written without one), remove the ``file_prefix`` shards no entry names any more, and recount
+    ``metadata.total_size`` from the shard headers."""
     from dsv4.checkpoint.safetensors_io import CheckpointDir
 
     index_file = os.path.join(path, INDEX_FILE)
     with open(index_file) as f:
         index = json.load(f)
-    merged = {**index.get("weight_map", {}), **weight_map}
+    held = dict(index.get("weight_map", {}))
+    for key in weight_map:  # a replaced weight's old scale goes too (a quantised tensor rewritten in float)
+        scale = K.scale_key_of_weight(key)
+        if scale is not None and scale not in weight_map:
+            held.pop(scale, None)
+    merged = {**held, **weight_map}
     used = set(merged.values())
     for entry in os.scandir(path):
         if entry.name.startswith(f"{file_prefix}-") and entry.name.endswith(".safetensors") and entry.name not in used:
