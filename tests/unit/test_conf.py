@@ -117,3 +117,13 @@ def test_capture_config_is_typed_and_names_weights_like_finetune():
         _compose(["weights=/ckpt"], name="capture_dspark")
     with pytest.raises(Exception, match="layer_ids"):
         _compose(["layer_ids=three"], name="capture_dspark")
+
+
+def test_eval_dspark_config_is_typed():
+    cfg = _compose(["drafter.checkpoint=/ckpt", "temperature=0.5"], name="eval_dspark")
+    assert cfg.drafter.checkpoint == "/ckpt" and cfg.temperature == 0.5 and cfg.logger.name == "csv"
+    assert model_config(cfg.model) == DSV4Config.preset("v41_tiny")
+    with pytest.raises(Exception, match="drafter_checkpoint"):
+        _compose(["drafter_checkpoint=/ckpt"], name="eval_dspark")
+    with pytest.raises(Exception, match="max_new_tokens"):
+        _compose(["max_new_tokens=many"], name="eval_dspark")
