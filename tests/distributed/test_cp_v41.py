@@ -9,8 +9,11 @@ size serves every test of the module: each rank runs the training-path cut of bo
 model. Traffic: only the designed kinds; each Full layer gathers its compressed rows and index keys once (the
 Reindex and Reuse layers read the shared state without exchanging); Engram receives exactly
 ``engram_max_ngram_size - 1`` int32 token ids per chunk that continues a document held by another rank.
-The CP=2 ranks also run the DSpark capture job of ``recipes/capture_dspark.py model=v41_tiny cp=2`` (three aligned
-documents of 12 per row, the middle one across the rank boundary): it writes the same features as ``cp=1``.
+After each layout's step the same model runs the rows again with other token ids (same documents, positions and
+padding, so every local shape repeats): the logits equal those of a fresh one-process model on those tokens (nothing
+of the earlier forward's selection or shared state survives). The CP=2 ranks also run the DSpark capture job of
+``recipes/capture_dspark.py model=v41_tiny cp=2`` (three aligned documents of 12 per row, the middle one across the
+rank boundary): it writes the same features as ``cp=1``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,14 @@ def _batch():
     return TokenBatch.stack([rows[i] for i in range(len(rows))] + [long_doc])
 
 
+def _new_tokens(batch):
+    """``batch`` with other token ids in its real slots (same rows, documents, positions and padding)."""
+    from dataclasses import replace
+
+    ids = torch.randint(1, 256, tuple(batch.input_ids.shape), generator=torch.Generator().manual_seed(6))
+    return replace(batch, input_ids=torch.where(batch.padding, batch.input_ids, ids))
+
+
 def _capture_job(tmp_path, cp):
     """The capture recipe's job for ``model=v41_tiny`` at ``cp`` (validated in this process, as the recipe does)."""
     from dsv4.speculative.capture_job import capture_job
@@ -87,6 +98,12 @@ def _body(rank, world_size, capture=None):
             "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
             "traffic": cp.traffic.as_dict(),
         }
+        again = _new_tokens(batch).cut(rank, world_size, model.config.shard_multiple, balance=balance)
+        assert again.input_ids.shape == local.input_ids.shape
+        with torch.no_grad():  # the same model, the same local shapes, other tokens
+            results[balance]["new_logits"] = model(
+                again.input_ids, position_ids=again.positions, packed_seq_ids=again.seq_ids,
+                padding_mask=again.padding, cp=CPContext(group, balance=balance)).logits
     if capture is not None:
         capture_rank(rank, world_size, capture)
     return results
@@ -101,8 +118,12 @@ def reference():
                 padding_mask=batch.padding, labels=batch.labels)
     (out.loss_sum / out.label_count).backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    new = _new_tokens(batch)
+    with torch.no_grad():  # a fresh model (same seed) whose first forward this is: an oracle of its own
+        new_logits = _model()(new.input_ids, position_ids=new.positions, packed_seq_ids=new.seq_ids,
+                              padding_mask=new.padding).logits
     return {"batch": batch, "logits": out.logits.detach(), "loss": (out.loss_sum / out.label_count).detach(),
-            "grads": grads, "config": model.config}
+            "grads": grads, "config": model.config, "new_logits": new_logits}
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +163,20 @@ def test_logits_and_loss_equal_one_process(ranks, reference, balance):
     torch.testing.assert_close(got[real], reference["logits"][real], atol=1e-5, rtol=0)
     for res in results:
         torch.testing.assert_close(res[balance]["loss"], reference["loss"], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("balance", LAYOUTS)
+def test_a_second_forward_with_new_tokens_of_the_same_shape_equals_one_process(ranks, reference, balance):
+    """Right after the layout's step, the same model on other tokens of the same local shapes (a Reuse or Reindex
+    layer keeping the earlier forward's selection, e.g. cached by shape, would attend to the wrong rows)."""
+    from dsv4.parallel.cp.layout import CPLayout
+
+    world_size, results = ranks
+    real = ~reference["batch"].padding
+    want = reference["new_logits"]
+    assert (want - reference["logits"])[real].abs().max() > 1.0  # other tokens: other logits
+    got = CPLayout(world_size, balance).assemble(torch.stack([r[balance]["new_logits"] for r in results]))
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("balance", LAYOUTS)

@@ -13,6 +13,10 @@ Through the training path (``apply_expert_parallel`` + ``apply_fsdp``, dp=2 ep=2
 backward passes): EP rank 1's experts receive no rows in one layer, every rank still issues the same collectives in
 the same order (a mismatch hangs, which the spawn's timeout turns into a failure), and the loss and gradients equal
 one process's on both ranks' tokens.
+
+Expert data parallelism (edp = 2): one Lightning training step with ``DSV4Strategy(ep=2)`` on 4 ranks, each rank a
+different row of one global batch; every gradient the optimizer step would apply (each routed expert's from its EP
+rank's slice) equals one process's on the whole global batch: the edp replicas' gradients are summed, not averaged.
 """
 
 import copy
@@ -277,3 +281,142 @@ def test_dp2_ep2_fsdp_with_an_idle_expert_rank_matches_single_process(two_ranks)
             assert torch.count_nonzero(res["w1"]["1"]) == 0
         else:
             assert torch.count_nonzero(res["w1"]["1"]) > 0
+
+
+# ------------------------------------------------------------------------------- expert data parallelism (edp > 1)
+# One training step through the Lightning path on 4 gloo ranks: DSV4Strategy(ep=2, dispatcher="alltoall") (dp=4,
+# so the expert mesh is (edp=2, ep=2): EP groups [0, 1], [2, 3]; each expert slice replicated on edp ranks [0, 2]
+# and [1, 3]), DSV4LightningModule.training_step on this dp rank's row of a 4-row global batch (rows of different
+# label counts), FSDP2's reduce-scatter of the routed experts over edp, and an SGD of lr 0 that records the
+# gradients the optimizer step would apply. Oracle: one process, the whole global batch as one batch.
+EDP_SEQ = 256
+EDP_DOCS = (250, 200, 120, 100, 180)  # packed into 4 rows of 256 with 249, 199, 179, 218 labels
+
+
+def _edp_dataset():
+    from dsv4.config import DSV4Config
+    from dsv4.data import build_packed_dataset
+
+    config = DSV4Config.preset("tiny")
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(1, config.vocab_size, (n,), generator=g).tolist() for n in EDP_DOCS]
+    return build_packed_dataset(docs, EDP_SEQ, config.shard_multiple)
+
+
+def _edp_rank_body(rank, world_size):
+    import os
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from dsv4.batch import TokenBatch
+    from dsv4.config import DSV4Config
+    from dsv4.data import DistributedPackedSampler
+    from dsv4.model.moe import GroupedExperts
+    from dsv4.training.module import DSV4LightningModule
+    from dsv4.training.spec import RunSpec
+    from dsv4.training.strategy import DSV4Strategy
+
+    # Lightning runs inside the already initialised gloo group as if launched by torchrun (it does not relaunch)
+    os.environ.update({"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    record = {}
+
+    class RecordingSGD(torch.optim.SGD):  # lr 0: records the gradients its step is asked to apply
+        def step(self, closure=None):
+            with torch.enable_grad():
+                loss = closure() if closure is not None else None
+            for name, p in module.model.named_parameters():
+                if p.grad is not None:  # experts: this EP rank's slice (gathered over edp); the rest: whole
+                    g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                    record[name] = g.detach().clone()
+            return loss
+
+    class SeededModule(DSV4LightningModule):
+        def configure_model(self) -> None:
+            if self.model is None:
+                torch.manual_seed(0)  # the reference's initial weights
+            super().configure_model()
+
+    spec = RunSpec(DSV4Config.preset("tiny"), optimizer=lambda params: RecordingSGD(params, lr=0.0),
+                   bias_update_rate=0.0, seq_len=EDP_SEQ, micro_batch_size=1, global_batch_size=world_size)
+    module = SeededModule(spec)
+    dataset = _edp_dataset()
+    loader = DataLoader(dataset, batch_size=1, sampler=DistributedPackedSampler(len(dataset), rank, world_size,
+                                                                                 shuffle=False),
+                        collate_fn=TokenBatch.stack)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=DSV4Strategy(ep=2, dispatcher="alltoall"),
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False)
+    trainer.fit(module, train_dataloaders=loader)
+    meshes = trainer.strategy.meshes
+    return {"grads": record, "loss": float(trainer.callback_metrics["train/loss"]),
+            "edp": meshes.edp.size(), "ep_rank": meshes.ep.get_local_rank(),
+            "offsets": {n: m.expert_offset for n, m in module.model.named_modules() if isinstance(m, GroupedExperts)},
+            "local_rows": {n: p.to_local().shape[0] for n, p in module.model.named_parameters()
+                           if ".experts.w" in n}}
+
+
+def _edp_reference():
+    """The loss and every gradient of the token mean over the 4 rows as one batch, in one process."""
+    from dsv4.batch import TokenBatch
+    from dsv4.config import DSV4Config
+    from dsv4.model import DSV4ForCausalLM
+    from dsv4.training.step import forward_outputs
+
+    torch.set_num_threads(1)
+    dataset = _edp_dataset()
+    torch.manual_seed(0)
+    model = DSV4ForCausalLM(DSV4Config.preset("tiny"))
+    out = forward_outputs(model, TokenBatch.stack([dataset[i] for i in range(len(dataset))]))
+    loss = out.loss_sum / out.label_count
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), grads, [int(dataset[i].label_count()) for i in range(len(dataset))]
+
+
+# Tolerances, of each tensor's largest |gradient|. Routed experts and every other tensor but the hyper-connections':
+# 1e-5 (measured: below 7e-7, the size of the fp32 reference's own distance to a float64 run, below 8e-7).
+# Hyper-connection parameters (sums over every token and stream with much cancellation): their fp32 gradients are
+# good to ~3e-4 only (the one-process fp32 reference is 2.9e-4 from a float64 run of it; the 4 ranks' sums in
+# another order, 8.4e-5 from the reference), so 1e-3; a lost or doubled share of the batch still moves them by O(1).
+EDP_TOL = 1e-5
+EDP_HC_TOL = 1e-3
+
+
+def _hyper_connection(name: str) -> bool:
+    return any(part in name for part in ("attn_hc.", "ffn_hc.", "hc_head."))
+
+
+def test_dp4_ep2_edp2_training_step_gradients_equal_one_process_on_the_global_batch():
+    """edp = 2: each routed expert's gradient is the sum over the 4 ranks' rows (its EP group's dispatch brings the
+    group's 2 rows, the edp reduce-scatter adds the other group's 2), neither averaged over edp nor over the world.
+    Every routed expert of every MoE layer (backbone and MTP, all 8 experts, each with a non-zero gradient), and
+    every other gradient, against one process on the whole global batch."""
+    ref_loss, ref, label_counts = _edp_reference()
+    assert len(label_counts) == 4 and len(set(label_counts)) == 4  # per-rank means would weigh the rows wrongly
+    results = run_on_ranks(_edp_rank_body, 4, timeout=300)
+    expert_names = [n for n in ref if ".experts.w" in n]
+    assert len(expert_names) == 5 * 3  # w1, w3, w2 of 4 layers + MTP
+    for name in expert_names:  # every expert received rows: each compared slice means something
+        assert (ref[name].flatten(1).abs().amax(dim=1) > 0).all(), name
+    for rank, res in enumerate(results):
+        assert res["edp"] == 2 and res["ep_rank"] == rank % 2
+        assert res["loss"] == pytest.approx(ref_loss, rel=1e-6), rank
+        assert set(res["grads"]) == set(ref), sorted(set(res["grads"]) ^ set(ref))
+        assert set(res["offsets"].values()) == {4 * (rank % 2)}
+        for name in expert_names:
+            assert res["local_rows"][name] == 2  # FSDP's edp shard: 2 of the EP slice's 4 experts
+        errors = {}
+        for name, want in ref.items():
+            if name in expert_names:
+                off = res["offsets"][name.rsplit(".", 1)[0]]
+                want = want[off: off + 4]
+            got = res["grads"][name]
+            assert got.shape == want.shape, (rank, name, got.shape, want.shape)
+            errors[name] = ((got - want).abs().max() / want.abs().max()).item()
+        bad = {n: e for n, e in errors.items() if not e <= (EDP_HC_TOL if _hyper_connection(n) else EDP_TOL)}
+        assert not bad, f"rank {rank}: gradients off by more than the tolerance (of their largest entry): {bad}"
+        for name in ("model.embed_tokens.weight", "model.layers.1.mlp.gate.weight",
+                     "model.layers.1.mlp.shared_experts.w2.weight", "mtp.layers.0.self_attn.wo_b.weight"):
+            assert not _hyper_connection(name) and errors[name] <= EDP_TOL, (rank, name)  # named: held to 1e-5

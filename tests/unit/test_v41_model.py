@@ -6,8 +6,10 @@ well-conditioned weights (tests/v41_reference.py) copied into dsv4 by name. Asse
 row of uneven documents (``seq_lens`` and dsv4's own aligned ``packed_seq_ids`` / ``position_ids``) within 1e-5 of
 the largest logit; gradients of a loss within 1e-4 (per tensor, relative to its largest entry), hyper-connection
 parameters and Engram's ``wkv`` included; the DSpark target features (and those of Engram layer 4: after its update); the fake quantisation bit for bit; a packed row equals its
-documents run alone; and that the case is well conditioned (no near top-k tie, 1e-7 noise moves logits far less
-than the tolerance, every role, Engram and the hyper-connections move them far more).
+documents run alone; a second forward of the same model on other tokens of the first row's shape equals the
+reference on them (no selection or shared state kept from an earlier forward); and that the case is well
+conditioned (no near top-k tie, 1e-7 noise moves logits far less than the tolerance, every role, Engram and the
+hyper-connections move them far more).
 """
 
 from __future__ import annotations
@@ -144,6 +146,45 @@ def test_fake_quantisation_is_the_reference_rounding_bit_for_bit():
     leaf = x.clone().requires_grad_()
     fake_quant_fp8(leaf, 32).backward(x)  # straight through
     assert torch.equal(leaf.grad, x)
+
+
+def _selections(model, ids) -> dict[int, torch.Tensor]:
+    """The top-k selection each Full and Reindex layer publishes in the shared state for ``ids``."""
+    found = {}
+    handles = [layer.self_attn.register_forward_hook(
+        lambda _module, _args, out, i=i: found.__setitem__(i, out[1].topk.clone()))
+        for i, layer in enumerate(model.model.layers) if layer.self_attn.indexer is not None]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        [h.remove() for h in handles]
+    return found
+
+
+def test_a_second_forward_with_new_tokens_of_the_same_shape_equals_the_reference(case):
+    """The same model object, after the case's forwards (the first of them on ``ids`` of this very shape), on other
+    token ids of the same shape: the reference's logits for those tokens. Nothing of an earlier forward's selection or
+    shared state may survive into the next (e.g. a Reuse or Reindex layer keeping a top-k cached by shape). The new
+    tokens make other selections than the first ids in every Full and Reindex layer, and are as well conditioned as
+    the case (no top-k choice within 1e-5 of a tie)."""
+    model, ref, first = case["model"], case["ref"], case["ids"]
+    new = _ids(UNPACKED_LEN, 3)
+    assert new.shape == first.shape and not torch.equal(new, first)
+    with torch.no_grad():
+        want = ref(new).logits
+        model(first)  # the first shape's tokens again, right before
+        got = model(new).logits
+    assert got.shape == want.shape == (1, UNPACKED_LEN, VOCAB)
+    assert (got - want).abs().max() <= LOGIT_TOL * want.abs().max(), _differ(got, want, LOGIT_TOL)
+    # the case: other logits, other selections everywhere, no near tie
+    assert (want - case["ref_logits"]).abs().max() > 100 * LOGIT_TOL * want.abs().max()
+    before, after = _selections(model, first), _selections(model, new)
+    assert sorted(before) == [2, 4, 6, 8, 10]  # Full 2/4/6, Reindex 8/10
+    for i in before:
+        assert before[i].shape == after[i].shape and not torch.equal(before[i], after[i]), i
+    gaps = _top_gaps(model, new)
+    assert len(gaps) == 5 + 1 + 12 and min(gaps) > 1e-5, min(gaps)
 
 
 def test_packed_row_equals_its_documents_run_alone(case):
