@@ -166,7 +166,7 @@ class AcceptanceStats:
         steps = max(self.steps, 1)
         out = {
             "acceptance_length": self.emitted / steps if self.steps else float("nan"),
-            "acceptance_per_position": [a / steps for a in self.accepted_at],
+            "acceptance_per_position": [a / steps if self.steps else float("nan") for a in self.accepted_at],
             "conditional_acceptance_per_position": [a / r if r else float("nan")
                                                     for a, r in zip(self.accepted_at, self.reached_at)],
             "drafting_steps": self.steps,

@@ -56,6 +56,11 @@ def verify_block(target_logits: Tensor, draft_tokens: Tensor, draft_probs: Tenso
         temperature: 0 for greedy decoding.
         generator: the random source of sampled decoding.
     """
+    if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.long or target_logits.dim() != 3:
+        raise ValueError(f"verify_block: draft_tokens must be int64 [B, K] and target_logits [B, K + 1, V], got "
+                         f"{draft_tokens.dtype} {list(draft_tokens.shape)} and {list(target_logits.shape)}")
+    if not temperature >= 0:
+        raise ValueError(f"verify_block: temperature must be >= 0 (0 = greedy), got {temperature}")
     b, k = draft_tokens.shape
     if tuple(target_logits.shape[:2]) != (b, k + 1):
         raise ValueError(f"verify_block: target_logits {list(target_logits.shape)} must be [B, K + 1, V] for drafts "
@@ -74,7 +79,8 @@ def verify_block(target_logits: Tensor, draft_tokens: Tensor, draft_probs: Tenso
         q = draft_probs.float()
         p_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
         q_draft = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
-        ratio = torch.where(q_draft > 0, p_draft / q_draft.clamp(min=1e-30), torch.ones_like(p_draft))
+        # a draft its own distribution gives no probability cannot have been drawn from it: rejected
+        ratio = torch.where(q_draft > 0, p_draft / q_draft.clamp(min=1e-30), torch.zeros_like(p_draft))
         u = torch.rand(b, k, generator=generator, device=draft_tokens.device)
         accepted = (u < ratio.clamp(max=1.0)).int().cumprod(-1).sum(-1)
         stopped = accepted < k
