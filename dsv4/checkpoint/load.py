@@ -38,9 +38,11 @@ window, compress ratios) is refused after the key checks, naming each field (:fu
 Kept quantized targets (a LoRA model with ``peft.base_dtype=fp8``, :mod:`dsv4.peft`): a model tensor of dtype
 ``float8_e4m3fn`` (FP8 block) or ``int8`` (packed FP4) receives the checkpoint's bytes as they are and its scale
 goes to the model's kept scale (``<module>.scale``, or ``w1_scale`` beside stacked experts): nothing is
-dequantised. A checkpoint that stores such a tensor unquantised (bf16 / fp32) is quantised on the way in; one
-stored in the other format is an error. Adapter parameters (``*lora_A`` / ``*lora_B``) are not checkpoint keys
-and keep their values.
+dequantised. The kept form is in the checkpoint family's tiles (V4.1: 32 x 32, :func:`dsv4.peft.apply_lora`), so
+the release's e4m3 bytes and e8m0 scales go in as they are; a model whose kept scale has another shape (another
+family's tiles) is refused before anything is read. A checkpoint that stores such a tensor unquantised (bf16 / fp32)
+is quantised on the way in, in the family's tiles; one stored in the other format is an error. Adapter parameters
+(``*lora_A`` / ``*lora_B``) are not checkpoint keys and keep their values.
 
 Engram tables (V4.1, :class:`~dsv4.model.v41.engram_table.LocalEngramTable`): a table holding rows ``[start,
 stop)`` (one rank's slice of a row-sharded table, :mod:`dsv4.parallel.engram_table`; all rows for a whole table)
@@ -400,6 +402,7 @@ def load_hf_checkpoint(
     not_built: dict[str, int] = {}
     items, skipped = _check_and_plan(ckpt, targets, ranges, mtp_depths, left_out, family, scheme, not_built,
                                      _table_rows(model, targets))
+    _check_kept_scales(items, state)
     check_model_config(getattr(model, "config", None), path)
     if not_built:
         log.info("%s: skipped %d tensors outside the text backbone dsv4 builds (text-only training; they are not "
@@ -568,18 +571,37 @@ def _load_item(reader: TensorReader, it: _Item, state: dict[str, torch.Tensor]) 
     dest.copy_(value.to(device=dest.device, dtype=dest.dtype))
 
 
+def _check_kept_scales(items: list[_Item], state: dict[str, torch.Tensor]) -> None:
+    """Every kept FP8 / FP4 target's scale has the shape the checkpoint family's formats give it (its tiles: the
+    model keeps the release's bytes and scales as they are), else a ``ValueError`` naming the key, before anything
+    is read."""
+    for it in items:
+        if it.keep not in ("fp8", "fp4") or it.rows is not None:
+            continue
+        logical = logical_shape(state[it.target])
+        got = tuple(state[kept_scale_name(it.target)].shape)
+        if it.expert_row is not None:
+            logical, got = logical[1:], got[1:]
+        want = scale_shape(it.keep, logical, it.scheme)
+        if got != tuple(want):
+            tiles = "x".join(map(str, it.scheme.fp8_block)) + " tiles" if it.keep == "fp8" else "32 columns"
+            raise ValueError(f"{it.hf_key}: the model keeps it with a {list(got)} scale, but {it.scheme.name}'s "
+                             f"{it.keep} ({tiles}) gives {list(want)}: keep the base in the checkpoint family's "
+                             "formats (apply_lora / keep_base_quantized on a model of the checkpoint's config)")
+
+
 def _load_kept(it: _Item, weight: torch.Tensor, scale: torch.Tensor | None, dest: torch.Tensor,
                state: dict[str, torch.Tensor]) -> None:
-    """A kept target: the checkpoint's bytes and e8m0 scale as they are; an unquantised tensor (or a float32
-    scale) is quantised into the kept format."""
+    """A kept target: the checkpoint's bytes and e8m0 scale as they are (the kept form is in the checkpoint
+    family's tiles, :func:`_check_kept_scales`); an unquantised tensor (or a float32 scale) is quantised into the
+    kept format, in those tiles."""
     scale_target = state[kept_scale_name(it.target)]
     scale_dest = scale_target if it.expert_row is None else scale_target[it.expert_row]
-    same_tiles = it.fmt == "fp4" or it.scheme.fp8_block == V4_SCHEME.fp8_block  # kept FP8 uses V4's 128x128 tiles
-    if it.fmt == it.keep and same_tiles and scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+    if it.fmt == it.keep and scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
         q, s = weight, scale.view(torch.float8_e8m0fnu)
     else:
         value = weight.float() if it.fmt == "plain" else dequantize(weight, scale, it.fmt, torch.float32, it.scheme)
-        q, s = quantize_kept(value, it.keep)
+        q, s = quantize_kept(value, it.keep, it.scheme)
     dest.copy_(q.view(dest.dtype).to(dest.device))
     scale_dest.copy_(s.to(scale_dest.device))
 

@@ -253,7 +253,9 @@ def quantize(weight: torch.Tensor, fmt: str, scheme: QuantScheme = V4_SCHEME) ->
 
 # ---------------------------------------------------------------------------------------------- kept in the model
 # A model may hold release-format tensors as they are (a LoRA base, ``dsv4.peft``): by dtype, ``float8_e4m3fn`` is
-# FP8 block and ``int8`` packed FP4; stacked experts carry a leading expert axis.
+# FP8 block and ``int8`` packed FP4; stacked experts carry a leading expert axis. The FP8 tiles and the decoding of
+# E8M0 byte 0 are the checkpoint family's (``scheme``: V4's 128 x 128, V4.1's 32 x 32), so the kept bytes and scales
+# are the release's as they are.
 KEPT_DTYPES = {"fp8": torch.float8_e4m3fn, "fp4": torch.int8}
 _KEPT_FORMATS = {dtype: fmt for fmt, dtype in KEPT_DTYPES.items()}
 
@@ -263,35 +265,44 @@ def kept_format(weight: torch.Tensor) -> str | None:
     return _KEPT_FORMATS.get(weight.dtype)
 
 
-def quantize_kept(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float weight ``[..., out, in]`` -> its kept ``(weight, scale)`` in ``fmt`` (leading axes kept). On the meta
-    device (the memory plan) only the shapes and dtypes are produced."""
+def quantize_kept(weight: torch.Tensor, fmt: str, scheme: QuantScheme = V4_SCHEME) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight ``[..., out, in]`` -> its kept ``(weight, scale)`` in ``fmt`` of family ``scheme`` (FP8 in the
+    scheme's tiles; leading axes kept). On the meta device (the memory plan) only the shapes and dtypes are
+    produced."""
     lead, (out, inp) = weight.shape[:-2], weight.shape[-2:]
     if weight.device.type == "meta":
         q_shape = (out, inp) if fmt == "fp8" else (out, inp // 2)
-        s_shape = fp8_scale_shape((out, inp)) if fmt == "fp8" else fp4_scale_shape((out, inp))
         return (torch.empty(*lead, *q_shape, dtype=KEPT_DTYPES[fmt], device="meta"),
-                torch.empty(*lead, *s_shape, dtype=torch.float8_e8m0fnu, device="meta"))
+                torch.empty(*lead, *scale_shape(fmt, (out, inp), scheme), dtype=torch.float8_e8m0fnu, device="meta"))
+    if fmt not in KEPT_DTYPES:
+        raise ValueError(f"quantize_kept: unknown kept format {fmt!r}; expected one of {list(KEPT_DTYPES)}")
     flat = weight.detach().reshape(-1, out, inp)
-    pairs = [quantize_fp8_block(w) if fmt == "fp8" else quantize_fp4_packed(w) for w in flat]
+    pairs = [quantize(w, fmt, scheme) for w in flat]
     q = torch.stack([p[0] for p in pairs]).reshape(*lead, *pairs[0][0].shape)
     s = torch.stack([p[1] for p in pairs]).reshape(*lead, *pairs[0][1].shape)
     return q, s
 
 
-def dequantize_kept(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Kept ``(weight, scale)`` -> the logical ``dtype [..., out, in]`` weight (exact: power-of-two scales)."""
+def dequantize_kept(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                    scheme: QuantScheme = V4_SCHEME) -> torch.Tensor:
+    """Kept ``(weight, scale)`` of family ``scheme`` -> the logical ``dtype [..., out, in]`` weight (exact:
+    power-of-two scales; the values :func:`dequantize` gives the same bytes). A scale whose shape is not the
+    scheme's for the weight is a ``ValueError``."""
     fmt = kept_format(weight)
     if weight.device.type == "meta":  # the memory plan: the dequantised weight's shape and dtype
         return torch.empty(logical_shape(weight), dtype=dtype, device="meta")
     if fmt == "fp4":  # one scale row per weight row: the leading axes fold into the rows
-        out = dequantize_fp4_packed(weight.reshape(-1, weight.shape[-1]), scale.reshape(-1, scale.shape[-1]), dtype)
+        out = dequantize_fp4_packed(weight.reshape(-1, weight.shape[-1]), scale.reshape(-1, scale.shape[-1]), dtype,
+                                    scheme.e8m0_zero)
         return out.view(*weight.shape[:-1], 2 * weight.shape[-1])
     if fmt == "fp8":
         if weight.dim() == 2:
-            return dequantize_fp8_block(weight, scale, dtype)
-        return torch.stack([dequantize_fp8_block(w, s, dtype) for w, s in zip(weight.flatten(0, -3),
-                                                                             scale.flatten(0, -3))]).view(weight.shape)
+            return dequantize(weight, scale, "fp8", dtype, scheme)
+        if weight.shape[:-2] != scale.shape[:-2]:
+            raise ValueError(f"dequantize_kept: weight {tuple(weight.shape)} and scale {tuple(scale.shape)} differ in "
+                             "their leading axes")
+        pairs = zip(weight.flatten(0, -3), scale.flatten(0, -3))
+        return torch.stack([dequantize(w, s, "fp8", dtype, scheme) for w, s in pairs]).view(weight.shape)
     raise ValueError(f"dequantize_kept: {weight.dtype} is not a kept format (float8_e4m3fn or int8)")
 
 

@@ -10,7 +10,8 @@
   expert weights and sharded with them under EP). Never adapted: compressors, the indexer, routers, norms,
   hyper-connections, embeddings, the head, MTP's ``e_proj``/``h_proj``.
 * ``base_dtype``: ``bf16`` keeps the frozen base as ordinary (frozen) parameters; ``fp8`` keeps every tensor the
-  release stores in FP8 (e4m3, 128 x 128 e8m0 scales) or FP4 (packed e2m1, e8m0 per 32 columns) in that form, as
+  release stores in FP8 (e4m3, e8m0 scales per tile of the family: 128 x 128 in V4, 32 x 32 in V4.1) or FP4
+  (packed e2m1, e8m0 per 32 columns) in that form, the release's bytes as they are, as
   frozen buffers dequantised one layer at a time in forward and again in backward
   (:mod:`dsv4.peft.frozen`), so the whole model never exists in bf16.
 """

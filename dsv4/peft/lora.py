@@ -11,6 +11,10 @@
 
 Output: ``base(x) + (alpha / r) * B A dropout(x)``; ``B`` starts at zero. :meth:`merged_weight` gives ``W + s B A``
 in fp32 (the kept base dequantised), the tensor a merged export writes.
+
+A kept base is in the formats of the model's checkpoint family (``scheme``, a
+:class:`~dsv4.checkpoint.quant.QuantScheme`: V4's FP8 tiles are 128 x 128, V4.1's 32 x 32), so the loader copies a
+release's bytes and scales in as they are and dequantising them gives exactly the values a float model loads.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dsv4.checkpoint.quant import dequantize_kept, logical_shape, quantize_kept
+from dsv4.checkpoint.quant import V4_SCHEME, QuantScheme, dequantize_kept, logical_shape, quantize_kept
 from dsv4.distributed import full_tensor
 from dsv4.model.attention import block_diagonal_linear
 from dsv4.model.moe import GroupedExperts, expert_linear
@@ -55,15 +59,18 @@ def _linear_input_grad(grad: Tensor, weight: Tensor) -> Tensor:
 
 class LoRALinear(nn.Module):
     """See the module docstring. ``keep``: ``"fp8"`` to hold the base in the kept FP8 form, None for a frozen
-    parameter; ``lora`` None = a frozen projection without an adapter (a kept base that is not a target)."""
+    parameter; ``lora`` None = a frozen projection without an adapter (a kept base that is not a target);
+    ``scheme``: the checkpoint family's formats (the kept FP8 tiles)."""
 
-    def __init__(self, base: nn.Linear, lora: LoRAConfig | None, keep: str | None = None) -> None:
+    def __init__(self, base: nn.Linear, lora: LoRAConfig | None, keep: str | None = None,
+                 scheme: QuantScheme = V4_SCHEME) -> None:
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.groups = getattr(base, "groups", 1)
         self.keep = keep
+        self.scheme = scheme
         if keep:
-            q, s = quantize_kept(base.weight, keep)
+            q, s = quantize_kept(base.weight, keep, scheme)
             self.register_buffer("weight", q)
             self.register_buffer("scale", s)
         else:
@@ -78,13 +85,13 @@ class LoRALinear(nn.Module):
     def _base(self, x: Tensor) -> Tensor:
         if self.groups == 1:
             if self.keep:
-                return frozen_projection(x, self.weight, self.scale, F.linear, _linear_input_grad)
+                return frozen_projection(x, self.weight, self.scale, F.linear, _linear_input_grad, self.scheme)
             return F.linear(x, self.weight.to(x.dtype))
         g = self.groups
         if self.keep:
             return frozen_projection(
                 x, self.weight, self.scale, lambda inp, w: block_diagonal_linear(inp, w, g),
-                lambda grad, w: torch.einsum("...go,goi->...gi", grad, w.view(g, -1, w.shape[-1])))
+                lambda grad, w: torch.einsum("...go,goi->...gi", grad, w.view(g, -1, w.shape[-1])), self.scheme)
         return block_diagonal_linear(x, self.weight, g)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -100,7 +107,7 @@ class LoRALinear(nn.Module):
     def base_weight(self) -> Tensor:
         """The frozen base weight as fp32 ``[out, in]`` (dequantised when kept), a full tensor."""
         if self.keep:
-            return dequantize_kept(full_tensor(self.weight), full_tensor(self.scale), torch.float32)
+            return dequantize_kept(full_tensor(self.weight), full_tensor(self.scale), torch.float32, self.scheme)
         return full_tensor(self.weight).float()
 
     @torch.no_grad()
@@ -112,29 +119,33 @@ class LoRALinear(nn.Module):
         return w
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, groups={self.groups}, base={self.keep or 'frozen'}, "
+        base = f"{self.keep} {'x'.join(map(str, self.scheme.fp8_block))}" if self.keep else "frozen"
+        return (f"in={self.in_features}, out={self.out_features}, groups={self.groups}, base={base}, "
                 f"rank={self.rank}")
 
 
 class LoRAGroupedExperts(GroupedExperts):
     """A ``GroupedExperts`` with frozen (or kept FP4) expert weights and optional per-expert adapters; see the
-    module docstring. Built from an existing ``GroupedExperts`` (:meth:`from_experts`)."""
+    module docstring. Built from an existing ``GroupedExperts`` (:meth:`from_experts`; ``scheme``: the checkpoint
+    family's formats, whose E8M0 byte 0 the kept FP4 scales decode as)."""
 
     WEIGHTS = ("w1", "w3", "w2")
 
     @classmethod
-    def from_experts(cls, experts: GroupedExperts, lora: LoRAConfig | None, keep: str | None) -> "LoRAGroupedExperts":
+    def from_experts(cls, experts: GroupedExperts, lora: LoRAConfig | None, keep: str | None,
+                     scheme: QuantScheme = V4_SCHEME) -> "LoRAGroupedExperts":
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         for attr in ("num_experts", "expert_offset", "num_local_experts", "swiglu_limit", "init_std", "chunk_tokens"):
             setattr(new, attr, getattr(experts, attr))
         new.keep = keep
+        new.scheme = scheme
         new.rank = lora.rank if lora is not None else 0
         new.scaling = lora.scaling if lora is not None else 0.0
         for name in cls.WEIGHTS:
             w = getattr(experts, name)
             if keep:
-                q, s = quantize_kept(w, keep)
+                q, s = quantize_kept(w, keep, scheme)
                 new.register_buffer(name, q)
                 new.register_buffer(f"{name}_scale", s)
             else:
@@ -169,7 +180,8 @@ class LoRAGroupedExperts(GroupedExperts):
             y = frozen_projection(
                 x, weight, getattr(self, f"{name}_scale"),
                 lambda inp, w: expert_linear(inp, w, tokens_per_expert, offs),
-                lambda grad, w: expert_linear(grad.contiguous(), w.transpose(-2, -1), tokens_per_expert, offs))
+                lambda grad, w: expert_linear(grad.contiguous(), w.transpose(-2, -1), tokens_per_expert, offs),
+                self.scheme)
         else:
             y = expert_linear(x, weight.to(x.dtype), tokens_per_expert, offs)
         if not self.rank:
@@ -182,7 +194,8 @@ class LoRAGroupedExperts(GroupedExperts):
         """The frozen ``W_e`` of every local expert, fp32 ``[E_local, out, in]`` (dequantised when kept)."""
         weight = getattr(self, name)
         if self.keep:
-            return dequantize_kept(full_tensor(weight), full_tensor(getattr(self, f"{name}_scale")), torch.float32)
+            return dequantize_kept(full_tensor(weight), full_tensor(getattr(self, f"{name}_scale")), torch.float32,
+                                   self.scheme)
         return full_tensor(weight).float()
 
     @torch.no_grad()

@@ -131,3 +131,33 @@ def test_fp4_quantize_grid_values_round_trip_exactly():
     packed, scale, expected = fp4_case(4, 64, torch.Generator().manual_seed(4))
     q2, s2 = quantize_fp4_packed(expected)
     assert torch.equal(dequantize_fp4_packed(q2, s2, dtype=torch.float32), expected)
+
+
+@pytest.mark.parametrize("scheme_name", ["V4_SCHEME", "V41_SCHEME"])
+def test_kept_forms_are_the_familys_formats(scheme_name):
+    """``quantize_kept`` / ``dequantize_kept`` in a family's scheme: FP8 in its tiles (V4.1: 32 x 32), E8M0 byte 0
+    decoded as the family does (V4.1: 2^-127), stacked (expert) axes included; the values are exactly those
+    ``dequantize`` gives the same bytes, the meta shapes are the real ones, and a scale of another family's tiles
+    is refused."""
+    from dsv4.checkpoint import quant as Q
+
+    scheme = getattr(Q, scheme_name)
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(2, 160, 96, generator=gen) * torch.exp2(torch.randint(-8, 8, (2, 160, 96), generator=gen).float())
+    for fmt in ("fp8", "fp4"):
+        q, s = Q.quantize_kept(w, fmt, scheme)
+        assert tuple(s.shape) == (2, *Q.scale_shape(fmt, (160, 96), scheme))
+        for e in range(2):
+            assert torch.equal(q[e].view(torch.uint8), Q.quantize(w[e], fmt, scheme)[0].view(torch.uint8))
+        meta_q, meta_s = Q.quantize_kept(w.to("meta"), fmt, scheme)
+        assert (meta_q.shape, meta_q.dtype, meta_s.shape, meta_s.dtype) == (q.shape, q.dtype, s.shape, s.dtype)
+        q, s = q.clone(), s.clone()
+        q.view(torch.uint8)[0, 0, 0] = 0x38 if fmt == "fp8" else 0x22  # 1.0 (FP4: both nibbles)
+        s.view(torch.uint8)[0, 0, 0] = 0  # its scale byte 0: 0.0 in V4, 2^-127 in V4.1
+        got = Q.dequantize_kept(q, s, torch.float32, scheme)
+        want = torch.stack([Q.dequantize(q[e], s[e], fmt, torch.float32, scheme) for e in range(2)])
+        assert torch.equal(got, want) and torch.equal(Q.dequantize_kept(q[1], s[1], torch.float32, scheme), want[1])
+        assert got[0, 0, 0].item() == (2.0**-127 if scheme is Q.V41_SCHEME else 0.0)
+    q, s = Q.quantize_kept(w[0], "fp8", Q.V4_SCHEME if scheme is Q.V41_SCHEME else Q.V41_SCHEME)
+    with pytest.raises(ValueError, match="does not match weight"):
+        Q.dequantize_kept(q, s, torch.float32, scheme)

@@ -192,8 +192,8 @@ def test_the_kept_base_is_never_saved_dequantised(monkeypatch):
     made = []
     original = frozen.dequantize_kept
 
-    def recording(weight, scale, dtype):
-        out = original(weight, scale, dtype)
+    def recording(weight, scale, dtype, *scheme):
+        out = original(weight, scale, dtype, *scheme)
         made.append(out)  # kept alive, so that no later tensor can reuse its address
         return out
 
