@@ -126,6 +126,10 @@ class TokenBatch:
         moved = {name: getattr(self, name).to(device, non_blocking=non_blocking) for name in _TOKEN_FIELDS}
         return replace(self, **moved)
 
+    def without_labels(self) -> "TokenBatch":
+        """The same rows with every label ``-100`` (a slot that adds nothing to any loss)."""
+        return replace(self, labels=torch.full_like(self.labels, IGNORE_INDEX))
+
     def select(self, rows: slice) -> "TokenBatch":
         """The whole-row batch of ``rows`` (a slice of the row axis)."""
         if self.shard.size != 1:

@@ -19,7 +19,7 @@ from typing import Sequence, TypeVar
 import torch
 from torch.utils.data import Dataset
 
-from dsv4.batch import IGNORE_INDEX, TokenBatch
+from dsv4.batch import TokenBatch
 from dsv4.data.packer import PackedRows
 
 T = TypeVar("T")
@@ -78,5 +78,4 @@ class ValidationShard(Dataset):
             return self.rows[self.indices[index]]
         if not 0 <= index < self.length:
             raise IndexError(f"ValidationShard: index {index} is outside [0, {self.length})")
-        row = self.rows[0]
-        return TokenBatch(row.input_ids, torch.full_like(row.labels, IGNORE_INDEX), row.seq_ids, row.positions)
+        return self.rows[0].without_labels()

@@ -24,7 +24,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -81,9 +83,11 @@ def table_parameters(module: nn.Module) -> set[nn.Parameter]:
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """The decoder blocks of a causal LM: the backbone's layers, then V4's MTP depths (a V4.1 model has none)."""
+    """The decoder blocks of a causal LM: the backbone's layers, then V4's MTP depths (a V4.1 model has none); of a
+    model without a backbone (the DSpark drafter), its own ``layers``."""
     mtp = getattr(model, "mtp", None)
-    return list(model.model.layers) + (list(mtp.layers) if mtp is not None else [])
+    inner = getattr(model, "model", model)
+    return list(inner.layers) + (list(mtp.layers) if mtp is not None else [])
 
 
 def store_frozen_in_compute_dtype(units: list[FsdpUnit]) -> int:
@@ -129,6 +133,25 @@ def apply_fsdp(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no AVG/PREMUL_SUM)
     return model
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[nn.Module]:
+    """Every FSDP unit of ``model`` (sharded by :func:`apply_fsdp`) holds its whole parameters for the duration, so
+    code may call its submodules and read its parameters directly (decoding with the DSpark drafter's Markov head,
+    one token at a time); afterwards each unit is sharded again, the blocks resharding after forward and the root
+    not, as :func:`apply_fsdp` leaves them. Every rank of the units' meshes must enter and leave together. A model
+    without FSDP units is left as it is."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield model
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(unit is not model, recurse=False)
 
 
 def offload_policy(offload: bool) -> OffloadPolicy:

@@ -2,9 +2,13 @@
 
 Output folder (``output_dir``)::
 
-    shard_00000.safetensors   per document d: "<d>.hidden_states" [len, len(layer_ids) * hidden]
-                              and "<d>.last_hidden_state" [len, hidden] (d = global document id)
+    shard_00000.safetensors   per document d: "<d>.hidden_states" [len, len(layer_ids) * hidden],
+                              "<d>.last_hidden_state" [len, hidden] (d = global document id), and what drafter
+                              training reads with them: "<d>.input_ids" [len] int64, "<d>.loss_mask" [len] bool
+                              (the supervised tokens, all True without a mask)
     shard_00000.json          the shard's index: documents (document_id, length, source), layer_ids, dtype
+    target.safetensors        the target's "embed.weight" [V, hidden] and "head.weight" [V, hidden] (fp32): what a
+                              drafter trained offline copies (written once, by the first rank)
     index.json                written when every shard exists: the shard indexes merged + totals
 
 Documents are numbered in corpus order and cut into shards of ``docs_per_shard``; shard ``k`` belongs to dp rank
@@ -42,28 +46,14 @@ def shard_name(k: int) -> str:
 
 
 def build_target(job: dict):
-    """The frozen target of ``job`` (its config, seeded init, ``checkpoint`` loaded; eval mode, no gradients)."""
+    """The frozen target of ``job`` (:func:`dsv4.speculative.target.build_frozen_target`: its config, seeded init,
+    ``checkpoint`` loaded, a quantised one kept as stored)."""
     from dsv4.config import DSV4Config, config_class
-    from dsv4.model import build_causal_lm
+    from dsv4.speculative.target import build_frozen_target
 
     config = config_class(job.get("model_type", DSV4Config.model_type)).from_dict(job["model"])
-    torch.manual_seed(job["seed"])
-    model = build_causal_lm(config)
-    if getattr(config, "engram_layer_ids", None):  # V4.1: Engram hashes through the job's tokenizer
-        from dsv4.data.tokenizers import build_tokenizer
-
-        model.set_engram_tokenizer(build_tokenizer(job["data"].get("tokenizer", "byte")))
-    checkpoint = job.get("checkpoint")
-    if checkpoint and Path(checkpoint).is_dir():  # a Hugging Face-format DSV4 checkpoint (FP8/FP4 or exported)
-        from dsv4.checkpoint import load_hf_checkpoint
-
-        # the capture reads backbone layers only: MTP depths the checkpoint lacks are never run, so never refused
-        load_hf_checkpoint(model, checkpoint, init_missing_mtp=True)
-    elif checkpoint:  # a safetensors file holding the dsv4 state dict
-        from safetensors.torch import load_file
-
-        model.load_state_dict(load_file(checkpoint), strict=True)
-    return model.eval().requires_grad_(False)
+    return build_frozen_target(config, checkpoint=job.get("checkpoint"),
+                               tokenizer=job["data"].get("tokenizer", "byte"), seed=job["seed"])
 
 
 def job_documents(job: dict):
@@ -94,6 +84,19 @@ def _write_shard(out: Path, k: int, tensors: dict, entries: list[dict], job: dic
     tmp = out / f"{name}.json.tmp"
     tmp.write_text(json.dumps(index, indent=1))
     os.replace(tmp, out / f"{name}.json")  # last: the shard counts as finished from here on
+
+
+TARGET_FILE = "target.safetensors"
+
+
+def _write_target_weights(out: Path, model) -> None:
+    """The target's embedding and head, fp32, in ``target.safetensors`` (atomically)."""
+    from safetensors.torch import save_file
+
+    tmp = out / f"{TARGET_FILE}.tmp"
+    save_file({"embed.weight": model.model.embed_tokens.weight.detach().float().contiguous(),
+               "head.weight": model.lm_head.weight.detach().float().contiguous()}, str(tmp))
+    os.replace(tmp, out / TARGET_FILE)
 
 
 def _cp_context(rank: int, world: int, cp: int):
@@ -128,9 +131,14 @@ def capture_rank(rank: int, world: int, job: dict) -> dict:
     if job.get("max_shards_this_run") is not None:
         mine = mine[: job["max_shards_this_run"]]
     cp = _cp_context(rank, world, cp_size)  # after every rank listed its shards: none is written yet
-    if not mine:
+    weights_missing = rank == 0 and not (out / TARGET_FILE).exists()
+    if not mine and not weights_missing:
         return {"shards": [], "tokens": 0, "seconds": 0.0}
     model = build_target(job)
+    if weights_missing:
+        _write_target_weights(out, model)
+    if not mine:
+        return {"shards": [], "tokens": 0, "seconds": 0.0}
     dtype, multiple = _DTYPES[job["dtype"]], model.config.shard_multiple
     tokens, start = 0, time.perf_counter()
     bar = tqdm(mine, desc=f"capture rank {rank}", position=rank, file=sys.stderr, unit="shard",
@@ -157,6 +165,10 @@ def capture_rank(rank: int, world: int, job: dict) -> dict:
                 d = batch[doc["row"]][doc["column"]]
                 tensors[f"{d}.hidden_states"] = doc["hidden_states"].to(dtype).contiguous()
                 tensors[f"{d}.last_hidden_state"] = doc["last_hidden_state"].to(dtype).contiguous()
+                tensors[f"{d}.input_ids"] = torch.tensor(list(docs[d].ids), dtype=torch.long)
+                mask = docs[d].loss_mask
+                tensors[f"{d}.loss_mask"] = (torch.ones(len(docs[d]), dtype=torch.bool) if mask is None
+                                             else torch.tensor(list(mask), dtype=torch.bool))
                 entries.append({"document_id": d, "length": len(docs[d]), "source": docs[d].source})
                 tokens += len(docs[d])
         entries.sort(key=lambda e: e["document_id"])

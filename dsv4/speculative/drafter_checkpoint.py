@@ -37,7 +37,7 @@ from dsv4.checkpoint.load import LoadReport, load_hf_checkpoint
 from dsv4.model.v41.drafter import DSparkDrafter
 
 FROZEN_COPIES = ("embed_tokens.weight", "lm_head.weight")  # the target's, already in a target's directory
-_DRAFTER_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_nextn_predict_layers", "sliding_window",
+DRAFTER_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_nextn_predict_layers", "sliding_window",
                    "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
                    "dspark_n_routed_experts", "dspark_num_experts_per_tok", "moe_intermediate_size",
                    "num_attention_heads", "head_dim", "qk_rope_head_dim", "rope_theta", "hc_mult")
@@ -60,7 +60,7 @@ def load_dspark_drafter_into(drafter: DSparkDrafter, path: str) -> LoadReport:
 
 def _check_same_drafter(drafter: DSparkDrafter, path: str) -> None:
     held = config_from_hf(path)
-    diffs = [(f, getattr(held, f), getattr(drafter.config, f)) for f in _DRAFTER_FIELDS
+    diffs = [(f, getattr(held, f), getattr(drafter.config, f)) for f in DRAFTER_FIELDS
              if getattr(held, f, None) != getattr(drafter.config, f)]
     if diffs:
         raise ValueError(f"{path}: its config.json describes another drafter than the one exported: "

@@ -19,7 +19,8 @@ loss by the world size instead, because its reduction averages.
 The vocabulary-sized work (teacher logits, both softmaxes) runs in chunks of ``chunk_rows`` slots, each recomputed
 in backward, so no ``[B, N, K, V]`` temporary beyond the draft logits themselves is kept.
 
-Estimates (no gradient; sums in ``terms["sums"]`` so steps and ranks aggregate exactly):
+Estimates (no gradient; sums in ``terms["sums"]``, with each term's weighted sum, so micro-batches, steps and ranks
+aggregate exactly):
 ``accept_rate`` ``[K]``: the mean of ``alpha`` over the supervised slots of each position; ``tau``: the expected
 accepted length per block, ``1 + sum_k prod_{j <= k} alpha_j m_j``, averaged over blocks with a supervised slot;
 ``confidence_abs_error`` / ``confidence_bias``: ``sigmoid(confidence) - alpha`` (absolute / signed), weighted by
@@ -91,7 +92,9 @@ def dspark_loss(out, input_ids: Tensor, anchors: Tensor, target_last_hidden_stat
         chunk_rows: slots per vocabulary-sized chunk.
     Returns:
         ``{"loss", "ce", "l1", "confidence", "accept_rate" [K], "tau", "confidence_abs_error", "confidence_bias",
-        "sums": {...}}``; ``loss`` carries the gradient, the rest is detached.
+        "numerator", "weight", "sums": {...}}``; ``loss`` and ``numerator`` (``loss`` times the global weight sum:
+        what a step accumulating several micro-batches backpropagates before dividing by the step's weight sum)
+        carry the gradient; ``weight`` is this call's weight sum; the rest is detached.
     """
     if group == "default":
         group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
@@ -118,13 +121,15 @@ def dspark_loss(out, input_ids: Tensor, anchors: Tensor, target_last_hidden_stat
     alpha = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
     confidence = F.binary_cross_entropy_with_logits(out.confidence_logits.float(), alpha, reduction="none")
 
-    ce_term = (ce * weight).sum() / denominator
-    l1_term = (l1 * weight).sum() / denominator if l1_alpha > 0 else ce_term.new_zeros(())
-    confidence_term = (confidence * weight).sum() / denominator
-    loss = ce_alpha * ce_term + l1_alpha * l1_term + confidence_alpha * confidence_term
-    sums = acceptance_sums(alpha, mask, weight, blocks.keep, out.confidence_logits.detach())
-    return {"loss": loss, "ce": ce_term.detach(), "l1": l1_term.detach(), "confidence": confidence_term.detach(),
-            **estimates(sums), "sums": sums}
+    ce_sum = (ce * weight).sum()
+    l1_sum = (l1 * weight).sum() if l1_alpha > 0 else ce_sum.new_zeros(())
+    confidence_sum = (confidence * weight).sum()
+    numerator = ce_alpha * ce_sum + l1_alpha * l1_sum + confidence_alpha * confidence_sum
+    sums = {**acceptance_sums(alpha, mask, weight, blocks.keep, out.confidence_logits.detach()),
+            "ce_num": ce_sum.detach(), "l1_num": l1_sum.detach(), "confidence_num": confidence_sum.detach()}
+    return {"loss": numerator / denominator, "ce": ce_sum.detach() / denominator, "l1": l1_sum.detach() / denominator,
+            "confidence": confidence_sum.detach() / denominator, **estimates(sums), "numerator": numerator,
+            "weight": weight.sum().detach(), "sums": sums}
 
 
 def _gather_positions(values: Tensor, index: Tensor) -> Tensor:

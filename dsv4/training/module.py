@@ -337,10 +337,8 @@ class DSV4LightningModule(L.LightningModule):
             for module in self.model.modules():
                 if isinstance(module, MoEGate) and module.expert_load is not None:
                     module.expert_load.zero_()
-        # every router sees different tokens: sum the expert loads of all ranks, apply the same update everywhere
-        elif self.lora is None and not self.in_indexer_warmup:  # LoRA and the indexer warm-up keep the routers as they are
-            update_load_balancing_bias(self.model, self.spec.bias_update_rate,
-                                       reduce=all_reduce_sum if is_initialized() else None)
+        else:
+            self.update_router_biases()
         totals, self._batch_stats = self._batch_stats, None  # every micro-batch of the step
         if parallel.dp_group is not None:
             totals = all_reduce_sum(totals, parallel.dp_group)
@@ -356,6 +354,14 @@ class DSV4LightningModule(L.LightningModule):
         step = self.trainer.global_step + 1
         if self.val_data is not None and validation_due(step, self.spec.validation.every_n_steps, self.spec.max_steps):
             self.validate(step)
+
+    def update_router_biases(self) -> None:
+        """The MoE load-balancing bias update after an applied optimizer step. Every router sees different tokens:
+        the expert loads of all ranks are summed and the same update applied everywhere. LoRA and the indexer
+        warm-up keep the routers as they are."""
+        if self.lora is None and not self.in_indexer_warmup:
+            update_load_balancing_bias(self.model, self.spec.bias_update_rate,
+                                       reduce=all_reduce_sum if is_initialized() else None)
 
     def validate(self, step: int) -> ValidationResult:
         """Evaluate the held-out rows after optimizer step ``step`` (see the module docstring); log ``val/loss``."""

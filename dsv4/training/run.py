@@ -19,8 +19,9 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from omegaconf import DictConfig
 
@@ -139,18 +140,52 @@ def _wait_for_local_ranks(trainer) -> None:
         child.wait()
 
 
-def run_finetune(cfg: DictConfig, output_dir: str | Path, script: str | Path | None = None) -> float | None:
+@dataclass(frozen=True)
+class TrainingRecipe:
+    """What a training recipe of the framework brings to :func:`run_finetune`: how its config resolves into a
+    :class:`~dsv4.training.spec.RunSpec`, its data module, its LightningModule, and whether the memory plan
+    covers it. Everything else (sweeps, launchers, the Trainer, checkpoints, resume, preemption, loggers,
+    callbacks) is shared."""
+
+    build_spec: Callable[[DictConfig], RunSpec]
+    build_data: Callable[[RunSpec], Any]
+    build_module: Callable[[RunSpec, Any], Any]
+    plans_memory: bool = True
+
+
+def _finetune_data(spec: RunSpec):
+    from dsv4.data.datamodule import DSV4DataModule
+
+    return DSV4DataModule.from_spec(spec)
+
+
+def _finetune_module(spec: RunSpec, data):
+    from dsv4.training.module import DSV4LightningModule
+
+    return DSV4LightningModule(spec, val_data=data.validation_dataloader if data.has_validation else None)
+
+
+FINETUNE = TrainingRecipe(build_run_spec, _finetune_data, _finetune_module)
+
+
+def run_finetune(cfg: DictConfig, output_dir: str | Path, script: str | Path | None = None,
+                 recipe: TrainingRecipe = FINETUNE) -> float | None:
     """Resolve the run, then train; returns the objective (the last ``spec.objective``) for sweepers. ``script``:
-    the recipe file that runs each job of a ``-m`` sweep (:func:`run_sweep_job`)."""
+    the recipe file that runs each job of a ``-m`` sweep (:func:`run_sweep_job`); ``recipe``: what is trained
+    (fine-tuning by default; :data:`dsv4.training.dspark_run.TRAIN_DSPARK` the DSpark drafter)."""
     output_dir = Path(output_dir)
-    spec = build_run_spec(cfg)
+    spec = recipe.build_spec(cfg)
     check_slurm_layout(spec.trainer, os.environ)
     if is_multirun_job() and not os.environ.get("DSV4_SWEEP_CHILD"):
         if script is None:
             raise ValueError("a -m sweep job runs the recipe once per job: run_finetune(..., script=<the recipe "
                              "file>) is needed")
         return run_sweep_job(output_dir, script, spec.preemption.signals)
-    if check_memory(spec, output_dir, cfg):  # plan only
+    if not recipe.plans_memory:
+        if spec.plan.only:
+            raise ValueError("`plan`: the memory plan does not cover this recipe yet (plan=true / plan.only)")
+        log.info("memory plan: not computed for this recipe (it covers fine-tuning)")
+    elif check_memory(spec, output_dir, cfg):  # plan only
         return None
 
     import lightning as L
@@ -159,15 +194,13 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, script: str | Path | N
     from omegaconf import OmegaConf
 
     from dsv4.callbacks.preemption import Preemption
-    from dsv4.data.datamodule import DSV4DataModule
     from dsv4.training.checkpointing import StepCheckpoint, checkpoint_step
-    from dsv4.training.module import DSV4LightningModule
     from dsv4.training.strategy import DSV4Strategy
 
     ckpt_dir = output_dir / "checkpoints"
     resume = _resume_path(spec, ckpt_dir)
     L.seed_everything(spec.seed, workers=True, verbose=False)
-    data = DSV4DataModule.from_spec(spec)
+    data = recipe.build_data(spec)
     dataset = data.build_dataset()  # tokenizes and packs (or maps the prepared copy): bad data fails here, before
     # any rank starts; Lightning's ranks re-run this and map the copy the launching process prepared
     log.info("%s", dataset.stats.summary())
@@ -207,7 +240,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, script: str | Path | N
         OmegaConf.save(OmegaConf.create(dict(spec.resolved)), output_dir / "resolved_config.yaml")
     if logger:
         logger.log_hyperparams(dict(spec.resolved))
-    module = DSV4LightningModule(spec, val_data=data.validation_dataloader if data.has_validation else None)
+    module = recipe.build_module(spec, data)
     trainer.fit(module, datamodule=data, ckpt_path=resume)
     if preemption is not None and preemption.stopped_at is not None:
         _wait_for_local_ranks(trainer)

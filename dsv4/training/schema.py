@@ -1,5 +1,5 @@
 """Typed schemas of ``conf/finetune.yaml`` and ``conf/capture_dspark.yaml`` (Hydra ConfigStore entries
-``finetune_schema``, ``capture_schema`` and ``eval_dspark_schema``).
+``finetune_schema``, ``train_dspark_schema``, ``capture_schema`` and ``eval_dspark_schema``).
 
 Typos and wrong types fail while Hydra composes the config, before any process starts: ``cp=three`` -> "Value
 'three' ... could not be converted to Integer / full_key: cp"; ``cpp=4`` -> "Key 'cpp' not in 'FinetuneConfig'";
@@ -203,6 +203,32 @@ class FinetuneConfig:
 
 
 @dataclass
+class DrafterTrainConfig:
+    """The ``drafter`` group of ``recipes/train_dspark.py`` (:mod:`dsv4.training.options.dspark`)."""
+
+    init: str = "auto"
+    checkpoint: Optional[str] = None
+    num_anchors: int = 64
+    gamma: Optional[float] = 4.0
+    ce_alpha: float = 0.1
+    l1_alpha: float = 0.9
+    confidence_alpha: float = 1.0
+    eval_every_n_steps: Optional[int] = None
+    eval_prompts: int = 4
+    eval_prompt_tokens: int = 64
+    eval_new_tokens: int = 32
+
+
+@dataclass
+class TrainDSparkConfig(FinetuneConfig):
+    """``recipes/train_dspark.py``: the fine-tuning run's keys, ``mode``, ``features`` and ``drafter``."""
+
+    mode: str = "online"
+    features: Optional[str] = None
+    drafter: DrafterTrainConfig = field(default_factory=DrafterTrainConfig)
+
+
+@dataclass
 class CaptureConfig:
     """``recipes/capture_dspark.py`` (:func:`dsv4.speculative.capture_job.run_capture`)."""
 
@@ -264,4 +290,5 @@ def register_schema() -> None:
     store.store(name="finetune_schema", node=FinetuneConfig)
     store.store(name="capture_schema", node=CaptureConfig)
     store.store(name="eval_dspark_schema", node=EvalDSparkConfig)
+    store.store(name="train_dspark_schema", node=TrainDSparkConfig)
     OmegaConf.register_new_resolver("dsv4.world", cpu_world_size, replace=True)

@@ -122,6 +122,8 @@ class RunSpec:
     preemption: PreemptionSpec = field(default_factory=PreemptionSpec)
     validation: ValidationSpec = field(default_factory=ValidationSpec)
     objective: str = "train/loss"  # the metric a sweep job reports (options.validation.OBJECTIVES)
+    # drafter training (recipes/train_dspark.py): options.dspark.DSparkSpec; None for fine-tuning
+    dspark: Any = None
     # the composed config with every model value spelled out (for the record)
     resolved: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
@@ -149,6 +151,28 @@ def accumulation_steps(global_batch_size: int | None, micro_batch_size: int, dp:
     return global_batch_size // per_step
 
 
+def build_dspark_run_spec(cfg: DictConfig) -> RunSpec:
+    """The run of ``recipes/train_dspark.py``: :func:`build_run_spec` plus the drafter's keys
+    (:func:`~dsv4.training.options.dspark.dspark_spec`); no LoRA (the drafter trains whole, the target is frozen)."""
+    from dsv4.data.tokenizers import build_tokenizer
+    from dsv4.training.options.dspark import dspark_spec
+
+    if cfg.peft.get("name", "none") not in (None, "none") or lora_config(cfg.peft) is not None:
+        raise ValueError("`peft`: drafter training trains the whole drafter and freezes the target; use peft=none")
+    spec = build_run_spec(cfg, export_beside=True)
+    vocab = build_tokenizer(spec.data["tokenizer"]).vocab_size
+    dspark = dspark_spec(OmegaConf.to_container(cfg, resolve=True), spec.model, spec.model_checkpoint,
+                         vocab if vocab < spec.model.vocab_size else None)
+    if spec.export.hf_dir:
+        from dsv4.training.options.dspark import check_export_beside
+
+        check_export_beside(spec.export.hf_dir, spec.model, spec.export.overwrite)
+    if spec.parallel.cp > 1:
+        raise ValueError(f"`cp`={spec.parallel.cp}: drafter training under context parallelism is not built yet; "
+                         "use cp=1")
+    return replace(spec, dspark=dspark)
+
+
 def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> None:
     dp = None  # known here only when the trainer config fixes the world size
     if world is not None:
@@ -172,8 +196,9 @@ def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> N
         accumulation_steps(gbs, cfg.micro_batch_size, dp)
 
 
-def build_run_spec(cfg: DictConfig) -> RunSpec:
-    """Resolve and validate the composed config (see the module docstring); nothing is written."""
+def build_run_spec(cfg: DictConfig, export_beside: bool = False) -> RunSpec:
+    """Resolve and validate the composed config (see the module docstring); nothing is written.
+    ``export_beside``: ``export.hf_dir`` may hold a checkpoint to add to (the DSpark drafter's export)."""
     from dsv4.model.attention_backend import resolve_attention_backend
     from dsv4.parallel.dispatch import check_dispatcher_available, resolve_dispatcher
 
@@ -206,7 +231,7 @@ def build_run_spec(cfg: DictConfig) -> RunSpec:
     adapter = cfg.peft.get("adapter")
     if adapter and (lora is None or not os.path.isdir(adapter)):
         raise ValueError(f"`peft.adapter`={adapter!r} " + ("needs peft=lora" if lora is None else "is not a directory"))
-    export = export_spec(cfg, lora)
+    export = export_spec(cfg, lora, beside=export_beside)
     data = OmegaConf.to_container(cfg.data, resolve=True)
     overlong = data.pop("overlong", "split")
     checkpoint_spec(cfg.checkpoint)  # validated before any other work

@@ -19,7 +19,7 @@ def test_capture_writes_reloadable_shards_and_resumes(tmp_path):
     out = tmp_path / "features"
     args = ARGS + [f"output_dir={out}"]
     run_recipe(args + ["max_shards_this_run=1"], tmp_path / "run1", script=SCRIPT)  # a job cut short
-    assert sorted(p.name for p in out.iterdir()) == ["shard_00000.json", "shard_00000.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["shard_00000.json", "shard_00000.safetensors", "target.safetensors"]
     first = (out / "shard_00000.safetensors").stat()
     # what a SIGKILL in the middle of shard 1 leaves behind: a half-written temp file and a shard without its .json
     (out / "shard_00001.safetensors.tmp").write_bytes(b"\x00" * 17)
@@ -31,7 +31,9 @@ def test_capture_writes_reloadable_shards_and_resumes(tmp_path):
     assert index["layer_ids"] == [0, 3] and index["dtype"] == "float32"
     assert index["shards"] == [f"shard_{k:05d}.safetensors" for k in range(3)]
     assert [d["document_id"] for d in index["documents"]] == list(range(5))
-    assert len(load_file(str(out / "shard_00001.safetensors"))) == 4  # the unfinished shard was redone (2 docs x 2)
+    redone = load_file(str(out / "shard_00001.safetensors"))
+    assert len(redone) == 8  # the unfinished shard was redone (2 documents x features, final hidden, ids, mask)
+    assert redone["2.input_ids"].dtype == torch.long and redone["2.loss_mask"].all()
 
     # the stored features equal a direct per-document forward of the same seeded model
     from dsv4.config import DSV4Config

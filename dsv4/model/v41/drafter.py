@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -69,9 +70,26 @@ def drafter_moe_config(config):
                                num_experts_per_tok=config.dspark_num_experts_per_tok)
 
 
+class StageOutput(NamedTuple):
+    """What a stage hands on: the streams ``[B, T, hc, d]``, the ``carry`` ``[B, T, hc]``, the projected
+    ``context`` ``[B, S, d]``; the last stage adds its final-norm output ``hidden [B, T, d]`` and, given previous
+    tokens, the Markov bias ``[B, T, V]``, its embedding ``[B, T, r]`` and the confidence logits ``[B, T]``."""
+
+    streams: Tensor
+    carry: Tensor
+    context: Tensor
+    hidden: Tensor | None = None
+    markov_bias: Tensor | None = None
+    markov_embedding: Tensor | None = None
+    confidence: Tensor | None = None
+
+
 class DSparkStage(nn.Module):
-    """Stage ``stage`` of the drafter: ``forward(X [B, T, hc, d], carry [B, T, hc], context [B, S, d], layout) ->
-    (X, carry)``; stage 0 also holds the feature projection, the last stage the final norm and the heads."""
+    """Stage ``stage`` of the drafter: ``forward(X [B, T, hc, d], carry [B, T, hc], context, layout, previous=None)
+    -> StageOutput``. Stage 0 also holds the feature projection (its ``context`` input is the raw features ``[B, S,
+    n * d]``, its output the projected ``[B, S, d]``), the last stage the final norm and the heads (applied to
+    ``previous [B, T]`` when given). Each stage's own tensors are used inside its forward only, so a stage can be a
+    unit of its own under FSDP."""
 
     def __init__(self, config, stage: int, last: bool) -> None:
         super().__init__()
@@ -91,14 +109,23 @@ class DSparkStage(nn.Module):
             self.markov_head = MarkovHead(config.vocab_size, config.dspark_markov_rank)
             self.confidence_head = ConfidenceHead(d, config.dspark_markov_rank)
 
-    def forward(self, x: Tensor, carry: Tensor, context: Tensor, layout: DraftAttentionLayout
-                ) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, carry: Tensor, context: Tensor, layout: DraftAttentionLayout,
+                previous: Tensor | None = None) -> StageOutput:
+        if hasattr(self, "main_proj"):
+            context = self.main_norm(self.main_proj(context.detach()))
         mix_a = self.attn_hc(x)
         y = self.self_attn(self.input_layernorm(self.attn_hc.collapse(x, carry)), context, layout)
         x = self.attn_hc.expand(x, y, mix_a.post, mix_a.comb)
         mix_f = self.ffn_hc(x)
         y = self.mlp(self.post_attention_layernorm(self.ffn_hc.collapse(x, mix_a.pre)))
-        return self.ffn_hc.expand(x, y, mix_f.post, mix_f.comb), mix_f.pre
+        x, carry = self.ffn_hc.expand(x, y, mix_f.post, mix_f.comb), mix_f.pre
+        if not hasattr(self, "norm"):
+            return StageOutput(x, carry, context)
+        hidden = self.norm(SinglePassHyperConnection.collapse(x, carry))
+        if previous is None:
+            return StageOutput(x, carry, context, hidden)
+        bias, embedding = self.markov_head(previous)
+        return StageOutput(x, carry, context, hidden, bias, embedding, self.confidence_head(hidden, embedding))
 
 
 def check_drafter_config(config) -> None:
@@ -180,23 +207,30 @@ class DSparkDrafter(nn.Module):
                              f"{list(input_ids.shape)}; {len(self.config.dspark_target_layer_ids)} feature streams x "
                              f"hidden {self.config.hidden_size}), got {list(target_hidden_states.shape)}")
 
-    def draft_hidden(self, input_ids: Tensor, target_hidden_states: Tensor, blocks: DraftBlocks,
-                     position_ids: Tensor | None = None, packed_seq_ids: Tensor | None = None) -> Tensor:
-        """The last stage's final-norm output of every slot, ``[B, N, K, d]`` (the target features are detached)."""
+    def _stages(self, input_ids: Tensor, target_hidden_states: Tensor, blocks: DraftBlocks,
+                position_ids: Tensor | None, packed_seq_ids: Tensor | None, previous: Tensor | None) -> StageOutput:
+        """Every stage over the blocks; the last stage's output (``previous [B, N, K]``: its heads' input)."""
         self._check_inputs(input_ids, target_hidden_states)
         b, s = input_ids.shape
         n, k = blocks.anchors.shape[1], blocks.block_size
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
         layout = DraftAttentionLayout.build(self.config, blocks, position_ids, packed_seq_ids)
-        first = self.layers[0]
-        context = first.main_norm(first.main_proj(target_hidden_states.detach()))
         h = self.embed_tokens(blocks.input_tokens(input_ids, self.config.dspark_noise_token_id))  # [B, N*K, d]
         x = h.unsqueeze(-2).expand(b, n * k, self.config.hc_mult, h.shape[-1])
-        carry = first_carry(x)
-        for stage in self.layers:
-            x, carry = stage(x, carry, context, layout)
-        return self.last.norm(SinglePassHyperConnection.collapse(x, carry)).view(b, n, k, -1)
+        out = StageOutput(x, first_carry(x), target_hidden_states)
+        for i, stage in enumerate(self.layers):
+            last = i == len(self.layers) - 1
+            out = stage(out.streams, out.carry, out.context, layout,
+                        previous.view(b, n * k) if last and previous is not None else None)
+        return out
+
+    def draft_hidden(self, input_ids: Tensor, target_hidden_states: Tensor, blocks: DraftBlocks,
+                     position_ids: Tensor | None = None, packed_seq_ids: Tensor | None = None) -> Tensor:
+        """The last stage's final-norm output of every slot, ``[B, N, K, d]`` (the target features are detached)."""
+        out = self._stages(input_ids, target_hidden_states, blocks, position_ids, packed_seq_ids, None)
+        b, n = blocks.anchors.shape
+        return out.hidden.view(b, n, blocks.block_size, -1)
 
     def base_logits(self, hidden: Tensor) -> Tensor:
         """The frozen head over ``hidden [..., d]`` in fp32 -> ``[..., V]``."""
@@ -216,11 +250,13 @@ class DSparkDrafter(nn.Module):
             packed_seq_ids: ``[B, S]`` document ids of packed rows: a block's context stays in its anchor's document.
         """
         blocks = DraftBlocks.from_anchors(anchors, self.block_size, input_ids.shape[1])
-        hidden = self.draft_hidden(input_ids, target_hidden_states, blocks, position_ids, packed_seq_ids)
-        bias, embedding = self.last.markov_head(blocks.previous_tokens(input_ids))
+        out = self._stages(input_ids, target_hidden_states, blocks, position_ids, packed_seq_ids,
+                           blocks.previous_tokens(input_ids))
+        b, n, k = *blocks.anchors.shape, blocks.block_size
+        hidden = out.hidden.view(b, n, k, -1)
         return DSparkOutput(
-            draft_logits=self.base_logits(hidden) + bias.float(),
-            confidence_logits=self.last.confidence_head(hidden, embedding),
+            draft_logits=self.base_logits(hidden) + out.markov_bias.float().view(b, n, k, -1),
+            confidence_logits=out.confidence.view(b, n, k),
             hidden=hidden,
             blocks=blocks,
             head_weight=self.lm_head.weight,

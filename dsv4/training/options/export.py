@@ -23,10 +23,12 @@ class ExportSpec:
     overwrite: bool = False
 
 
-def export_spec(cfg: DictConfig, lora: LoRAConfig | None) -> ExportSpec:
+def export_spec(cfg: DictConfig, lora: LoRAConfig | None, beside: bool = False) -> ExportSpec:
     """The ``export`` group as an :class:`ExportSpec`: the keys that need (or exclude) ``peft=lora``, the export
     dtype, and the directories (absent or empty, or ``export.overwrite=true`` and holding files only; the two not
-    one inside the other) are checked, so nothing is refused after training."""
+    one inside the other) are checked, so nothing is refused after training. ``beside`` (a DSpark drafter): an
+    ``export.hf_dir`` holding a checkpoint (its index) is accepted, the drafter goes beside it (the drafter
+    recipe checks the rest: :func:`dsv4.training.options.dspark.check_export_beside`)."""
     export = ExportSpec(hf_dir=cfg.export.hf_dir, dtype=cfg.export.dtype, adapter_dir=cfg.export.adapter_dir,
                         merge=bool(cfg.export.merge), overwrite=bool(cfg.export.get("overwrite", False)))
     if lora is None and (export.adapter_dir or export.merge):
@@ -46,9 +48,11 @@ def export_spec(cfg: DictConfig, lora: LoRAConfig | None) -> ExportSpec:
                          "merged model and the adapter go to two separate directories, neither inside the other")
     from dsv4.checkpoint.export_dir import check_export_dir
 
+    from dsv4.checkpoint.hf_config import INDEX_FILE
+
     for key in ("hf_dir", "adapter_dir"):
         path = getattr(export, key)
-        if path:
+        if path and not (beside and key == "hf_dir" and os.path.isfile(os.path.join(path, INDEX_FILE))):
             check_export_dir(path, key=f"export.{key}", overwrite=export.overwrite, flag="export.overwrite=true")
     return export
 
