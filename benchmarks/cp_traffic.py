@@ -9,7 +9,11 @@ window, CSA and HCA layers, MTP) and ``v41_tiny`` (DeepSeek-V4.1: window, Full, 
 * ``starts_and_padding``: one row where chunk 1 continues a document, chunk 2 starts one and chunk 3 starts with
   padding (as far as the row reaches);
 * ``two_rows``: ``one_document`` and ``short_documents`` in one batch (each row needs its own, not the union);
-* ``one_document_balanced``: ``one_document`` with ``cp_balance=full`` (head-tail chunks).
+* ``one_document_balanced``: ``one_document`` with ``cp_balance=full`` (head-tail chunks);
+* ``late_starts``: one row whose documents begin a few tokens before the chunk boundaries: chunk ``v`` (``v >= 1``)
+  continues a document that began ``2^(v-1)`` shard multiples before it (v41_tiny, multiple 2: 2, 4 and 8 tokens),
+  so its queries read fewer earlier tokens than the window (and Engram's n-grams) could reach;
+* ``late_starts_window16``: ``late_starts`` with ``sliding_window = 16`` (the preset's otherwise).
 
 Every exchange counts its bytes in the ``CPContext`` traffic counter; every kind it reports must be one this script
 classifies (an unknown kind fails). Independently of the counters, a wire tap (:class:`WireTap`) counts the bytes
@@ -54,7 +58,10 @@ DeepSeek-V4.1 differs in what its attention reads (the same continuing rows, per
 
 Per model, layout and rank one JSON object per measurement: received bytes by category (``payload``,
 ``backward``, ``metadata``) and their bounds, the wire tap's bytes (``wire``) beside the counters' total
-(``counted``), and ``ratio`` = total received / total bound.
+(``counted``), and ``ratio`` = total received / total bound; per model and layout, over all ranks, that ratio
+(``ratio_all_ranks``) and its forward (payload and metadata received) and backward (gradients returned) parts
+(``forward_ratio_all_ranks``, ``backward_ratio_all_ranks``; 1.0 where both sides are 0). Every shape names the
+``sliding_window`` it ran with.
 
     python benchmarks/cp_traffic.py                     # S = 16384, CP = 4, both models
     python benchmarks/cp_traffic.py --seq-len 4096 --cp 2 --layouts one_document --models v41_tiny
@@ -63,6 +70,7 @@ Per model, layout and rank one JSON object per measurement: received bytes by ca
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 
@@ -73,7 +81,9 @@ ELEM = 4  # the tiny presets train in fp32
 ID_BYTES = 4  # a token id (int32: any vocabulary fits)
 PAYLOAD = ("halo", "compressor_halo", "index_compressor_halo", "compressed_gather", "index_key_gather", "engram_ids")
 METADATA = ("metadata", "metadata_halo", "mtp_metadata")
-LAYOUTS = ("one_document", "short_documents", "starts_and_padding", "two_rows", "one_document_balanced")
+LAYOUTS = ("one_document", "short_documents", "starts_and_padding", "two_rows", "one_document_balanced", "late_starts",
+           "late_starts_window16")
+WINDOWS = {"late_starts_window16": 16}  # a layout's sliding window when not the preset's
 MODELS = ("tiny", "v41_tiny")
 
 
@@ -129,8 +139,9 @@ def category(kind: str) -> str:
     raise KeyError(f"cp_traffic: unknown exchange kind {kind!r}; classify it in benchmarks/cp_traffic.py")
 
 
-def _rows(layout: str, seq_len: int, l: int):
-    """``(seq_ids, positions)`` ``[B, S]`` of a layout (padding = id 0, documents on multiples of 128)."""
+def _rows(layout: str, seq_len: int, l: int, multiple: int):
+    """``(seq_ids, positions)`` ``[B, S]`` of a layout (padding = id 0, documents on multiples of ``multiple``,
+    128 except in ``late_starts``)."""
     def row(docs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         seq, pos = torch.zeros(seq_len, dtype=torch.long), torch.zeros(seq_len, dtype=torch.long)
         col = 0
@@ -148,15 +159,18 @@ def _rows(layout: str, seq_len: int, l: int):
         # chunk 3 starts with 256 padding, then a document (cut where the row ends)
         "starts_and_padding": [[l + l // 2, -(l // 2), l - 128, -128, -256, l - 256]],
         "two_rows": [[seq_len], short],
-    }[layout]
+    }.get(layout)
+    if layout.startswith("late_starts"):  # a document begins 1, 2, 4, ... multiples before chunk 1, 2, 3, ...
+        begins = [0] + [v * l - 2 ** (v - 1) * multiple for v in range(1, seq_len // l)] + [seq_len]
+        rows = [[b - a for a, b in itertools.pairwise(begins)]]
     built = [row(docs) for docs in rows]
     return torch.stack([s for s, _ in built]), torch.stack([p for _, p in built])
 
 
-def _config(model: str = "tiny"):
+def _config(model: str = "tiny", layout: str = ""):
     from dsv4.config import DSV4Config
 
-    return DSV4Config.preset(model)
+    return DSV4Config.preset(model, **({"sliding_window": WINDOWS[layout]} if layout in WINDOWS else {}))
 
 
 def _rank_body(rank: int, world_size: int, layout: str, seq_len: int, model_name: str = "tiny") -> dict:
@@ -170,12 +184,12 @@ def _rank_body(rank: int, world_size: int, layout: str, seq_len: int, model_name
     from dsv4.training.step import forward_outputs
 
     torch.manual_seed(0)
-    config = _config(model_name)
+    config = _config(model_name, layout)
     v41 = config.model_type == "deepseek_v41"
     model = build_causal_lm(config, tokenizer=ByteTokenizer()) if v41 else build_causal_lm(config)
     balance = "full" if layout.endswith("balanced") else "none"
     chunks = world_size * (2 if balance == "full" else 1)
-    seq, pos = _rows(layout, seq_len, seq_len // chunks)
+    seq, pos = _rows(layout, seq_len, seq_len // chunks, config.shard_multiple)
     vocab = min(config.vocab_size, ByteTokenizer.vocab_size) if v41 else config.vocab_size  # Engram's class map
     ids = torch.randint(1, vocab, seq.shape, generator=torch.Generator().manual_seed(1)) * (seq > 0)
     labels = torch.where((seq > 0) & (torch.roll(seq, -1, 1) == seq), torch.roll(ids, -1, 1), -100)
@@ -194,11 +208,11 @@ def lower_bound(layout: str, seq_len: int, world_size: int, model: str = "tiny")
     """Per rank, the minimum bytes received by category (see the module docstring)."""
     from dsv4.parallel.cp.layout import CPLayout
 
-    config = _config(model)
+    config = _config(model, layout)
     v41 = config.model_type == "deepseek_v41"
     cut = CPLayout(world_size, "full" if layout.endswith("balanced") else "none")
     l = seq_len // cut.num_chunks
-    seq, pos = _rows(layout, seq_len, l)
+    seq, pos = _rows(layout, seq_len, l, config.shard_multiple)
     depths = 0 if v41 else config.num_nextn_predict_layers  # V4.1's DSpark layers are not backbone depths
     layers = range(config.num_hidden_layers + depths)
     ratios = [config.ratio_for_layer(i) for i in layers]
@@ -260,8 +274,9 @@ def main() -> None:
         for layout in args.layouts:
             results = run_on_ranks(_rank_body, args.cp, args=(layout, args.seq_len, model))
             bounds = lower_bound(layout, args.seq_len, args.cp, model)
-            shape = {"layout": layout, "seq_len": args.seq_len, "cp": args.cp, "preset": model, "dtype": "float32"}
-            totals = [0, 0]
+            shape = {"layout": layout, "seq_len": args.seq_len, "cp": args.cp, "preset": model, "dtype": "float32",
+                     "sliding_window": _config(model, layout).sliding_window}
+            totals = {"all": [0, 0], "forward": [0, 0], "backward": [0, 0]}
             for rank, (result, bound) in enumerate(zip(results, bounds)):
                 received = {"payload": 0, "backward": 0, "metadata": 0}
                 for kind, record in result["traffic"].items():
@@ -273,9 +288,23 @@ def main() -> None:
                 got, least = sum(received.values()), sum(bound.values())
                 emit("cp_traffic.counted", rank_shape, got, "bytes")
                 emit("cp_traffic.wire", rank_shape, result["wire"], "bytes")
-                totals[0], totals[1] = totals[0] + got, totals[1] + least
-                emit("cp_traffic.ratio", rank_shape, round(got / least, 3) if least else None, "x")
-            emit("cp_traffic.ratio_all_ranks", shape, round(totals[0] / totals[1], 3) if totals[1] else None, "x")
+                emit("cp_traffic.ratio", rank_shape, _ratio(got, least), "x")
+                forward = (received["payload"] + received["metadata"], bound["payload"] + bound["metadata"])
+                for key, (g, b) in (("all", (got, least)), ("forward", forward),
+                                    ("backward", (received["backward"], bound["backward"]))):
+                    totals[key][0] += g
+                    totals[key][1] += b
+            emit("cp_traffic.ratio_all_ranks", shape, _ratio(*totals["all"]), "x")
+            # forward: payload and metadata received; backward: gradients returned to their owners
+            emit("cp_traffic.forward_ratio_all_ranks", shape, _ratio(*totals["forward"]), "x")
+            emit("cp_traffic.backward_ratio_all_ranks", shape, _ratio(*totals["backward"]), "x")
+
+
+def _ratio(got: int, least: int) -> float | None:
+    """received / bound, rounded to 3 places: 1.0 when both are 0, None when bytes arrived against a bound of 0."""
+    if least:
+        return round(got / least, 3)
+    return 1.0 if got == 0 else None
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ travel where is planned by ``cp.plan_routes`` from the document runs resolved he
   the row's token metadata. (Multi-token prediction receives the ids and labels it shifts in, ``mtp_metadata``.)
 * Window keys: ``halo = sliding_window - 1`` K/V rows of chunk ``v - 1`` precede each local row (``kv_*`` fields are
   ``[k B, halo + l]``); they travel only to a row whose first token continues a document from chunk ``v - 1``
-  (``routes.halo``), the others get zeros marked as padding.
+  (``routes.halo``), and only that document's rows: a document that began ``d < halo`` columns before the chunk
+  sends its ``d`` (right-aligned). The slots nothing fills are zeros marked as padding.
 * Compressed keys: local row ``(b, v)`` needs only the earlier windows of the document its first token belongs to
   (documents are contiguous, so no other earlier window is visible to any of its queries): global windows
   ``[start, v l / ratio)``, received point to point (``routes.preceding[ratio]``), then its own. Rows needing fewer are
@@ -180,8 +181,11 @@ def build_attention_metadata(
     kv_seq, kv_pad = seq_ids, padding
     if parallel:
         need = {ratio: [[runs.need(b, v, ratio) for v in range(chunks)] for b in range(batch)] for ratio in ratios}
-        routes = cp.plan_routes(batch, length, [[runs.continues(b, v) for v in range(chunks)] for b in range(batch)],
-                                need)
+        # per chunk, how many columns of the document its first token continues precede it (0: it starts fresh): no
+        # halo carries more rows than that, since no query reads an earlier document's rows or padding
+        depths = [[0 if runs.start[b][v] is None else v * length - runs.start[b][v] for v in range(chunks)]
+                  for b in range(batch)]
+        routes = cp.plan_routes(batch, length, depths, need)
         # per local row, the column where the document its first token continues began (-1: it starts fresh)
         continued_from = torch.tensor([-1 if runs.start[b][v] is None else runs.start[b][v] for b, v in local],
                                       dtype=torch.long, device=device)

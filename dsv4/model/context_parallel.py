@@ -44,7 +44,8 @@ class CPRoutes:
     runs; identical on every rank of the group.
 
     ``halo``: each local row whose first token continues a document from the previous chunk receives that chunk's
-    last rows (the window keys, the compressor boundary, the halo's metadata); ``next``: the reverse direction (a
+    last rows (the window keys, the compressor boundary, the halo's metadata, Engram's token ids), at most as many as
+    that document has there (right-aligned, zeros before); ``next``: the reverse direction (a
     chunk's first rows to the chunk it continues: what multi-token prediction shifts in); ``continues_next``: the
     local rows whose document continues into the next chunk (they receive through ``next``); ``preceding[ratio]``:
     this rank's part of the causal gather of compressed rows, whose result is ``preceding_width[ratio]`` rows long
@@ -88,17 +89,19 @@ class ContextParallel(Protocol):
         (not differentiable)."""
         ...
 
-    def plan_routes(self, batch: int, length: int, continues: Sequence[Sequence[bool]],
+    def plan_routes(self, batch: int, length: int, continues: Sequence[Sequence[int]],
                     need: Mapping[int, Sequence[Sequence[int]]]) -> CPRoutes:
         """The routes of a batch of ``batch`` whole rows of ``num_chunks`` chunks of ``length`` columns:
-        ``continues[b][v]``: chunk ``v`` of row ``b`` starts inside a document continued from chunk ``v - 1``;
+        ``continues[b][v]``: how many columns of the document chunk ``v``'s first token continues lie before it (an
+        int; 0: the chunk starts a document or padding), so its halo carries no more rows than that;
         ``need[ratio][b][v]``: the first global compressed row (of ``l / ratio`` per chunk) that chunk needs."""
         ...
 
     def halo_exchange(self, tensor: Tensor, rows: int, dim: int = 1, kind: str = "halo",
                       route: Any = None) -> Tensor:
         """The last ``rows`` rows along ``dim`` of the chunk each local row continues (``route``:
-        :attr:`CPRoutes.halo`, or :attr:`CPRoutes.next` for the first rows of the next chunk); zeros where none."""
+        :attr:`CPRoutes.halo`, or :attr:`CPRoutes.next` for the first rows of the next chunk); zeros where none,
+        and before the continued document's first row."""
         ...
 
     def start_halo_exchange(self, tensor: Tensor, rows: int, dim: int = 1, kind: str = "halo",

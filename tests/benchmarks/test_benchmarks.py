@@ -148,20 +148,26 @@ def test_packed_attention_benchmark_compares_a_packed_row_with_its_documents():
 
 @pytest.mark.e2e
 def test_cp_traffic_counts_every_kind_against_the_layout_bound():
-    """Two small layouts on 2 ranks, DeepSeek-V4 (tiny) and V4.1 (v41_tiny): every exchange kind is classified, the
-    bytes the wire tap sees at the torch.distributed calls equal the counters' on every rank, and each rank receives
-    within 1.25x of the first-principles bound (payload, backward and metadata together); the V4.1 bound worked out
-    by hand; an unknown kind fails."""
+    """Three small layouts on 2 ranks, DeepSeek-V4 (tiny) and V4.1 (v41_tiny): every exchange kind is classified, the
+    bytes the wire tap sees at the torch.distributed calls equal the counters' on every rank, each rank receives
+    within 1.25x of the first-principles bound (payload, backward and metadata together), and over all ranks the
+    forward and the backward bytes equal their bounds (1.00), a document beginning 2 tokens before the rank boundary
+    under a 16-token window included; the V4.1 bounds worked out by hand; an unknown kind fails."""
     from cp_traffic import category, lower_bound
 
-    rows = _run("cp_traffic.py", "--seq-len", "1024", "--cp", "2", "--layouts", "starts_and_padding", "two_rows",
-                "--models", "tiny", "v41_tiny")
+    layouts = ("starts_and_padding", "two_rows", "late_starts_window16")
+    rows = _run("cp_traffic.py", "--seq-len", "1024", "--cp", "2", "--layouts", *layouts, "--models", "tiny", "v41_tiny")
     ratios = [r for r in rows if r["name"] == "cp_traffic.ratio"]
-    assert len(ratios) == 8 and all(r["value"] is not None and r["value"] <= 1.25 for r in ratios), ratios
+    assert len(ratios) == 12 and all(r["value"] is not None and r["value"] <= 1.25 for r in ratios), ratios
     assert {r["shape"]["preset"] for r in ratios} == {"tiny", "v41_tiny"}
+    for part in ("forward", "backward"):
+        totals = [r for r in rows if r["name"] == f"cp_traffic.{part}_ratio_all_ranks"]
+        assert len(totals) == 6 and all(r["value"] == 1.0 for r in totals), totals
+    windows = {(r["shape"]["preset"], r["shape"]["layout"]): r["shape"]["sliding_window"] for r in ratios}
+    assert windows[("v41_tiny", "late_starts_window16")] == 16 and windows[("v41_tiny", "two_rows")] == 4
     counted = {json.dumps(r["shape"]): r["value"] for r in rows if r["name"] == "cp_traffic.counted"}
     wire = {json.dumps(r["shape"]): r["value"] for r in rows if r["name"] == "cp_traffic.wire"}
-    assert len(wire) == 8 and wire == counted and all(v > 0 for v in wire.values())
+    assert len(wire) == 12 and wire == counted and all(v > 0 for v in wire.values())
     bounds = lower_bound("two_rows", 1024, 2)  # row 0 continues into rank 1: payload only there, backward to rank 0
     assert bounds[0]["payload"] == 0 < bounds[1]["payload"] and 0 < bounds[0]["backward"] <= bounds[1]["payload"]
     # metadata: two int32 from the other chunk per row; rank 0 also reads row 0's next MTP id and label from rank 1
@@ -174,6 +180,13 @@ def test_cp_traffic_counts_every_kind_against_the_layout_bound():
     halo, rows_of = 12 * 3 * 32 * 4, (256 + 256 + 512) * 32 * 4
     assert v41[1] == {"payload": halo + 2 * rows_of + 3 * 4, "backward": 0, "metadata": 2 * 8}
     assert v41[0] == {"payload": 0, "backward": halo + rows_of, "metadata": 2 * 8}
+    # window 16, and rank 1's document began 2 tokens before it (column 510): its queries read those 2 of the 15 keys
+    # the window could reach in each layer, 1 + 1 + 2 earlier windows' rows and keys, and 2 of Engram's 3 token ids;
+    # one row: two int32 of metadata from the other chunk
+    late = lower_bound("late_starts_window16", 1024, 2, "v41_tiny")
+    halo, rows_of = 12 * 2 * 32 * 4, (1 + 1 + 2) * 32 * 4
+    assert late[1] == {"payload": halo + 2 * rows_of + 2 * 4, "backward": 0, "metadata": 8}
+    assert late[0] == {"payload": 0, "backward": halo + rows_of, "metadata": 8}
     assert category("halo.backward") == "backward" and category("metadata") == "metadata"
     assert category("engram_ids") == "payload"
     with pytest.raises(KeyError, match="unknown exchange kind 'all_gather'"):

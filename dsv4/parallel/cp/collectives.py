@@ -289,10 +289,20 @@ def exchange_rows(
 @dataclass(frozen=True)
 class HaloRoute:
     """Who sends its last rows to whom in a halo exchange: ``(src_rank, src_row, dst_rank, dst_row)`` pairs, in the
-    same order on every rank (the receiving chunk ascending, then the batch row)."""
+    same order on every rank (the receiving chunk ascending, then the batch row).
+
+    ``depths`` (None: no limit): per pair, how many of the source row's last rows the receiver can read at most,
+    i.e. how many columns of the document the receiving chunk's first token continues lie before it (rows of an
+    earlier document or padding are read by no query, so they do not travel). A pair moves ``min(rows, depth)``
+    rows and the receiver's earlier slots stay zeros."""
 
     pairs: tuple[tuple[int, int, int, int], ...]
     first: bool = False  # send the FIRST rows instead of the last (a chunk's head to its predecessor)
+    depths: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.depths is not None and len(self.depths) != len(self.pairs):
+            raise ValueError(f"HaloRoute: {len(self.depths)} depths for {len(self.pairs)} pairs")
 
     @staticmethod
     def contiguous(size: int, rows: int) -> "HaloRoute":
@@ -301,9 +311,14 @@ class HaloRoute:
 
     def plan(self, rank: int, out_rows: int, length: int, rows: int) -> RowPlan:
         """The :class:`RowPlan` moving the last (``first``: the first) ``rows`` of ``length`` along the halo dim to
-        offset 0."""
-        lo = 0 if self.first else length - rows
-        return row_plan([Transfer(s, i, lo, lo + rows, d, j, 0) for s, i, d, j in self.pairs], rank, out_rows, rows)
+        offset 0, each pair at most its depth: the last rows right-aligned (the slots before them stay zeros), the
+        first rows left-aligned."""
+        transfers = []
+        for k, (s, i, d, j) in enumerate(self.pairs):
+            n = rows if self.depths is None else max(min(rows, self.depths[k]), 0)
+            lo, offset = (0, 0) if self.first else (length - n, rows - n)
+            transfers.append(Transfer(s, i, lo, lo + n, d, j, offset))
+        return row_plan(transfers, rank, out_rows, rows)
 
 
 def start_halo_exchange(
@@ -321,8 +336,9 @@ def start_halo_exchange(
 
     Shapes: ``tensor`` has ``L >= rows`` rows along ``dim``; the result has the same shape with ``rows`` rows
     along ``dim``. The gradient of the received rows is returned to their owner and added to the gradient of its
-    last ``rows`` rows. ``route`` (:class:`HaloRoute`, built by the attention metadata from the CP layout and the
-    documents) says which local row of which rank feeds which; rows not fed receive zeros. None: the contiguous
+    last ``rows`` rows. ``route`` (:class:`HaloRoute`, planned by :mod:`dsv4.parallel.cp.routes` from the CP layout
+    and the documents) says which local row of which rank feeds which, and at most how many rows each (those of the
+    document the receiver continues); rows not fed receive zeros. None: the contiguous
     split, every batch row (dim 0) of rank ``r - 1`` feeds the same row of rank ``r``, rank 0 receives zeros. A
     pair of ranks with nothing to exchange sends no message at all.
     """

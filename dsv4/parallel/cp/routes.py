@@ -4,8 +4,10 @@ Pure arithmetic on the layout and on integers every rank holds identically (the 
 rank plans the same global exchanges and keeps its own part. Nothing here runs a collective.
 
 * The halo route: chunk ``v - 1`` of whole row ``b`` sends its last rows to chunk ``v`` only when ``v``'s first
-  token continues a document from it; the multi-token prediction's route is the same pairs reversed (a chunk's first
-  rows to its predecessor).
+  token continues a document from it, and only the rows of that document: at most the ``depth`` columns of it
+  that precede ``v`` (a document that began a few tokens before the boundary sends those few, whatever the halo's
+  length: the window keys, Engram's token ids and the halo's metadata alike); the multi-token prediction's route is
+  the same pairs reversed (a chunk's first rows to its predecessor).
 * The causal gather of compressed rows (one per active ratio): chunk ``v`` of row ``b`` receives global rows
   ``[need, v n)`` (``n = l / ratio`` per chunk) from their owners, right-aligned before its own ``n`` rows in a result
   as long as the rank's longest need.
@@ -70,24 +72,30 @@ class PlannedLayout:
         """``(whole row, chunk)`` of each of this rank's local rows for ``batch`` whole rows."""
         return self.layout.local_rows(self.rank, batch)
 
-    def plan_routes(self, batch: int, length: int, continues: Sequence[Sequence[bool]],
+    def plan_routes(self, batch: int, length: int, continues: Sequence[Sequence[int]],
                     need: Mapping[int, Sequence[Sequence[int]]]) -> CPRoutes:
         """This rank's routes of one forward (:func:`plan_routes`)."""
         return plan_routes(self.layout, self.rank, batch, length, continues, need)
 
 
-def plan_routes(layout: CPLayout, rank: int, batch: int, length: int, continues: Sequence[Sequence[bool]],
+def plan_routes(layout: CPLayout, rank: int, batch: int, length: int, continues: Sequence[Sequence[int]],
                 need: Mapping[int, Sequence[Sequence[int]]]) -> CPRoutes:
     """Rank ``rank``'s :class:`~dsv4.model.context_parallel.CPRoutes` for ``batch`` whole rows of
     ``layout.num_chunks`` chunks of ``length`` columns (see
-    :meth:`~dsv4.model.context_parallel.ContextParallel.plan_routes` for ``continues`` and ``need``)."""
+    :meth:`~dsv4.model.context_parallel.ContextParallel.plan_routes` for ``continues``, the depth of the continued
+    document before each chunk, and ``need``)."""
     chunks = layout.num_chunks
     if len(continues) != batch or any(len(row) != chunks for row in continues):
         raise ValueError(f"plan_routes: continues must be [{batch}][{chunks}] (rows x chunks)")
-    halo = HaloRoute(tuple(
-        (*local_row(layout, v - 1, b, batch), *local_row(layout, v, b, batch))
-        for v in range(1, chunks) for b in range(batch) if continues[b][v]
-    ))
+    for b, row in enumerate(continues):
+        for v, d in enumerate(row):
+            if isinstance(d, bool) or not 0 <= d <= v * length:
+                raise ValueError(f"plan_routes: continues[{b}][{v}] = {d!r}; it is how many columns of the document "
+                                 f"chunk {v}'s first token continues precede it, an int in [0, {v * length}] (0: the "
+                                 "chunk starts a document or padding)")
+    pairs = [(v, b) for v in range(1, chunks) for b in range(batch) if continues[b][v]]
+    halo = HaloRoute(tuple((*local_row(layout, v - 1, b, batch), *local_row(layout, v, b, batch)) for v, b in pairs),
+                     depths=tuple(continues[b][v] for v, b in pairs))
     following = HaloRoute(tuple((d, j, s, i) for s, i, d, j in halo.pairs), first=True)
     continues_next = tuple(sorted({i for s, i, _, _ in halo.pairs if s == rank}))
     owners = [layout.owner(v) for v in range(chunks)]
