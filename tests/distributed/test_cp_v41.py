@@ -266,6 +266,6 @@ def test_capture_recipe_at_cp2_writes_the_features_of_cp1(run, captures):
     assert one["layer_ids"] == [9, 10, 11] and [d["length"] for d in one["documents"]] == [11, 11, 11]
     for shard in one["shards"]:
         a, b = (load_file(str(Path(captures[cp]["output_dir"]) / shard)) for cp in (1, 2))
-        assert a.keys() == b.keys() and len(a) == 6
+        assert a.keys() == b.keys() and len(a) == 12  # 3 documents: features, final hidden, token ids, mask
         for key in a:
             torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0, msg=key)
