@@ -97,6 +97,13 @@ class ContextParallel(Protocol):
         ``need[ratio][b][v]``: the first global compressed row (of ``l / ratio`` per chunk) that chunk needs."""
         ...
 
+    def plan_halos(self, batch: int, before: Sequence[Sequence[int]], after: Sequence[Sequence[int]]
+                   ) -> tuple[Any, Any]:
+        """Two halo routes of exact row counts for ``batch`` whole rows: chunk ``v`` of row ``b`` receives the last
+        ``before[b][v]`` rows of chunk ``v - 1`` and the first ``after[b][v]`` rows of chunk ``v + 1`` (for
+        :meth:`halo_exchange`: the previous route right-aligns, the next one left-aligns)."""
+        ...
+
     def halo_exchange(self, tensor: Tensor, rows: int, dim: int = 1, kind: str = "halo",
                       route: Any = None) -> Tensor:
         """The last ``rows`` rows along ``dim`` of the chunk each local row continues (``route``:

@@ -82,6 +82,25 @@ def drafter_terms(drafter: torch.nn.Module, batch: TokenBatch, features: Tensor,
                        packed_seq_ids=batch.seq_ids, group=group)
 
 
+def drafter_terms_cp(drafter: torch.nn.Module, batch: TokenBatch, features: Tensor, last_hidden: Tensor,
+                     options: LossOptions, cp, *, seed: int, step: int, group=None) -> dict:
+    """:func:`drafter_terms` of this CP rank (the target's ``features`` / ``last_hidden`` of its chunk of the whole
+    rows ``batch``): the same anchors, the blocks of its chunk, their context and teachers across the chunk edges
+    received (:func:`dsv4.parallel.dspark_cp.draft_chunk`)."""
+    from dsv4.parallel.dspark_cp import draft_chunk
+
+    loss_mask = supervised_tokens(batch.labels, batch.seq_ids)
+    anchors = sample_anchors(loss_mask, batch.seq_ids, batch.input_ids, options.num_anchors, seed=seed, step=step)
+    config = drafter.config
+    chunk = draft_chunk(batch.input_ids, batch.seq_ids, batch.positions, loss_mask, anchors, features, last_hidden, cp,
+                        config.sliding_window, config.dspark_block_size)
+    out = drafter(chunk.input_ids, chunk.features, chunk.anchors, position_ids=chunk.positions,
+                  packed_seq_ids=chunk.seq_ids, context_halo=chunk.halo)
+    return dspark_loss(out, chunk.input_ids, chunk.anchors, chunk.last_hidden, chunk.loss_mask, gamma=options.gamma,
+                       ce_alpha=options.ce_alpha, l1_alpha=options.l1_alpha, confidence_alpha=options.confidence_alpha,
+                       packed_seq_ids=chunk.seq_ids, group=group)
+
+
 TERM_SUMS = ("ce_num", "l1_num", "confidence_num", "tau_num", "tau_den", "confidence_abs_num", "confidence_den")
 
 

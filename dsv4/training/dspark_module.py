@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from dsv4.distributed import all_reduce_sum
-from dsv4.speculative.dspark_step import (FeatureBatch, LossOptions, drafter_terms, target_features, term_metrics,
-                                          term_vector)
+from dsv4.speculative.dspark_step import (FeatureBatch, LossOptions, drafter_terms, drafter_terms_cp,
+                                          target_features, term_metrics, term_vector)
 from dsv4.training.module import DSV4LightningModule
 from dsv4.training.spec import RunSpec
 from dsv4.training.validation import batch_limit
@@ -130,19 +130,24 @@ class DSparkLightningModule(DSV4LightningModule):
             self.target.to(self.device)
 
     # ------------------------------------------------------------------ step
-    def _features(self, batch):
-        """``(rows, features, last_hidden)`` of a micro-batch: captured (offline) or from the target (online)."""
-        if isinstance(batch, FeatureBatch):
-            return batch.tokens, batch.features, batch.last_hidden
-        features, last = target_features(self.target, batch, self.config.dspark_target_layer_ids)
-        return batch, features, last
-
     def _terms_of(self, batch, step: int) -> dict:
-        tokens, features, last = self._features(batch)
-        if self.parallel.cp_size > 1:
-            raise NotImplementedError("DSpark drafter training under context parallelism (cp > 1)")
-        return drafter_terms(self.model, tokens, features, last, self.loss_options, seed=self.spec.seed, step=step,
-                             group=None)
+        """The drafter's terms on a micro-batch of whole rows: captured features (offline) or the target's on this
+        rank's chunk (online; under CP the drafter's blocks of that chunk, :func:`drafter_terms_cp`)."""
+        parallel = self.parallel
+        if isinstance(batch, FeatureBatch):
+            tokens, features, last = batch.tokens, batch.features, batch.last_hidden
+            if parallel.cp_size > 1:
+                local = slice(parallel.cp_rank * tokens.width // parallel.cp_size,
+                              (parallel.cp_rank + 1) * tokens.width // parallel.cp_size)
+                features, last = features[:, local], last[:, local]
+        else:
+            tokens = batch
+            local = batch.cut(parallel.cp_rank, parallel.cp_size, self.config.shard_multiple)
+            features, last = target_features(self.target, local, self.config.dspark_target_layer_ids, cp=parallel.cp)
+        if parallel.cp_size > 1:
+            return drafter_terms_cp(self.model, tokens, features, last, self.loss_options, parallel.cp,
+                                    seed=self.spec.seed, step=step)
+        return drafter_terms(self.model, tokens, features, last, self.loss_options, seed=self.spec.seed, step=step)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         from dsv4.training.stats import batch_statistics

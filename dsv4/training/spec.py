@@ -167,9 +167,9 @@ def build_dspark_run_spec(cfg: DictConfig) -> RunSpec:
         from dsv4.training.options.dspark import check_export_beside
 
         check_export_beside(spec.export.hf_dir, spec.model, spec.export.overwrite)
-    if spec.parallel.cp > 1:
-        raise ValueError(f"`cp`={spec.parallel.cp}: drafter training under context parallelism is not built yet; "
-                         "use cp=1")
+    if spec.parallel.cp > 1 and spec.parallel.cp_balance != "none":
+        raise ValueError(f"`cp_balance`={spec.parallel.cp_balance!r}: drafter training under CP splits rows "
+                         "contiguously (cp_balance=none)")
     return replace(spec, dspark=dspark)
 
 

@@ -3,9 +3,10 @@
 One module-scoped set of runs over the same 24 short documents (a JSONL file, the byte tokenizer) and the same
 target (a seeded ``v41_tiny`` exported in float32, ``model.checkpoint``), 4 optimizer steps of 2 rows each:
 online on one process (its drafter exported beside a copy of the target), offline from a capture of the same
-documents, online on 2 data-parallel ranks with the drafter's experts expert-parallel over both (``ep=2``), and the
-online run killed after its step-2 checkpoint and run again. Asserted: offline equals online and the 2-rank
-expert-parallel run equals the one-replica run (per-step losses within 1e-4 relative), the resumed run continues the
+documents, online on 2 data-parallel ranks with the drafter's experts expert-parallel over both (``ep=2``), online
+on 2 context-parallel ranks (``cp=2``), and the online run killed after its step-2 checkpoint and run again.
+Asserted: offline equals online, and the 2-rank expert-parallel run and the 2-rank context-parallel run equal the
+one-process run (per-step losses within 1e-4 relative), the resumed run continues the
 uninterrupted trajectory (1e-5), the run logs the drafter's terms and the real accepted length, and the exported
 drafter loads and decodes through ``recipes/eval_dspark.py``.
 """
@@ -60,6 +61,7 @@ def runs(tmp_path_factory):
     run_recipe([*common, *TRAIN, "mode=offline", f"features={base / 'features'}"], base / "offline", script=SCRIPT)
     run_recipe([*common, *TRAIN, "dp=2", "micro_batch_size=1", "ep=2", "dispatcher=alltoall"], base / "dp2_ep2",
                script=SCRIPT)
+    run_recipe([*common, *TRAIN, "cp=2"], base / "cp2", script=SCRIPT)
     return {"base": base, "common": common}
 
 
@@ -89,6 +91,12 @@ def test_two_ranks_with_expert_parallel_drafter_equal_one_replica(runs):
     """dp=2 (one row each) with ep=2 (each rank holds half of every stage's routed experts, alltoall dispatch)
     against one replica taking both rows: the same global batch."""
     _close(losses(runs["base"] / "dp2_ep2"), losses(runs["base"] / "online"), 1e-4)
+
+
+def test_context_parallel_equals_one_rank(runs):
+    """cp=2: the target runs each row in two chunks, each rank trains the blocks anchored in its chunk, the context
+    before a chunk and the teachers after it travel (tests/distributed/test_drafter_cp.py counts them)."""
+    _close(losses(runs["base"] / "cp2"), losses(runs["base"] / "online"), 1e-4)
 
 
 def test_kill_and_resume_continues_the_same_trajectory(runs, tmp_path):

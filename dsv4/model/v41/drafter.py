@@ -208,14 +208,15 @@ class DSparkDrafter(nn.Module):
                              f"hidden {self.config.hidden_size}), got {list(target_hidden_states.shape)}")
 
     def _stages(self, input_ids: Tensor, target_hidden_states: Tensor, blocks: DraftBlocks,
-                position_ids: Tensor | None, packed_seq_ids: Tensor | None, previous: Tensor | None) -> StageOutput:
+                position_ids: Tensor | None, packed_seq_ids: Tensor | None, previous: Tensor | None,
+                context_halo=None) -> StageOutput:
         """Every stage over the blocks; the last stage's output (``previous [B, N, K]``: its heads' input)."""
         self._check_inputs(input_ids, target_hidden_states)
         b, s = input_ids.shape
         n, k = blocks.anchors.shape[1], blocks.block_size
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
-        layout = DraftAttentionLayout.build(self.config, blocks, position_ids, packed_seq_ids)
+        layout = DraftAttentionLayout.build(self.config, blocks, position_ids, packed_seq_ids, context_halo)
         h = self.embed_tokens(blocks.input_tokens(input_ids, self.config.dspark_noise_token_id))  # [B, N*K, d]
         x = h.unsqueeze(-2).expand(b, n * k, self.config.hc_mult, h.shape[-1])
         out = StageOutput(x, first_carry(x), target_hidden_states)
@@ -237,7 +238,8 @@ class DSparkDrafter(nn.Module):
         return F.linear(hidden.float(), self.lm_head.weight.float())
 
     def forward(self, input_ids: Tensor, target_hidden_states: Tensor, anchors: Tensor, *,
-                position_ids: Tensor | None = None, packed_seq_ids: Tensor | None = None) -> DSparkOutput:
+                position_ids: Tensor | None = None, packed_seq_ids: Tensor | None = None,
+                context_halo=None) -> DSparkOutput:
         """Teacher-forced drafts of the blocks at ``anchors`` (:mod:`dsv4.model.v41.draft_blocks`).
 
         Args:
@@ -248,10 +250,13 @@ class DSparkDrafter(nn.Module):
             position_ids: ``[B, S]`` positions of the target tokens (default ``arange(S)``; packed rows:
                 document-local).
             packed_seq_ids: ``[B, S]`` document ids of packed rows: a block's context stays in its anchor's document.
+            context_halo: under context parallelism, the rows are this rank's chunk extended on both sides and the
+                :class:`~dsv4.model.v41.drafter_attention.ContextHalo` completes the context before it
+                (:mod:`dsv4.parallel.dspark_cp` builds both); None on one rank.
         """
         blocks = DraftBlocks.from_anchors(anchors, self.block_size, input_ids.shape[1])
         out = self._stages(input_ids, target_hidden_states, blocks, position_ids, packed_seq_ids,
-                           blocks.previous_tokens(input_ids))
+                           blocks.previous_tokens(input_ids), context_halo)
         b, n, k = *blocks.anchors.shape, blocks.block_size
         hidden = out.hidden.view(b, n, k, -1)
         return DSparkOutput(

@@ -17,11 +17,16 @@ kernel's window (``W`` rows, then ``K`` padding rows so every slot's band covers
 block's own slots are the kernel's HCA compressed rows under ratio 1 with one window id and position 0, which every
 slot sees. Nothing of size ``[N*K, S]`` is built: the largest tensors are the gathered windows ``[B*N, W + K, D]``
 and the scores ``[B*N, K, H, W + K + K + 1]``.
+
+Context parallelism (:class:`ContextHalo`): the rows are a chunk extended by slots before (and after) it; the
+context K = V of the slots before it are the previous chunk's, RoPE'd and FP8-rounded there and received row by row,
+only as many per row as its blocks read (the route's counts); their gradients return to their owner.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,6 +35,19 @@ from dsv4.model.attention_backend import attention_kernel
 from dsv4.model.rope import RopeTable, rope_inv_freq, rope_table
 from dsv4.model.v41.attention import CSA2Attention
 from dsv4.model.v41.draft_blocks import DraftBlocks
+
+
+@dataclass(frozen=True)
+class ContextHalo:
+    """Context parallelism as the drafter sees it: its rows are a chunk extended by ``rows`` slots before it (and
+    some after it); the context K = V rows of those ``rows`` slots are the previous chunk's last ones, received
+    through ``cp`` (:class:`~dsv4.model.context_parallel.ContextParallel`) along ``route`` (exact counts per row:
+    only what the blocks read), then their gradients go back. ``local`` is the chunk's own length."""
+
+    cp: Any
+    route: Any
+    rows: int
+    local: int
 
 
 @dataclass(frozen=True)
@@ -49,10 +67,11 @@ class DraftAttentionLayout:
     blocks: int
     block_size: int
     window: int
+    halo: ContextHalo | None = None
 
     @classmethod
-    def build(cls, config, blocks: DraftBlocks, position_ids: Tensor, packed_seq_ids: Tensor | None = None
-              ) -> "DraftAttentionLayout":
+    def build(cls, config, blocks: DraftBlocks, position_ids: Tensor, packed_seq_ids: Tensor | None = None,
+              halo: ContextHalo | None = None) -> "DraftAttentionLayout":
         """The layout of ``blocks`` over rows with ``position_ids [B, S]`` (and, for packed rows, document ids
         ``packed_seq_ids [B, S]``: a block sees only context rows of its anchor's document)."""
         window, k = config.sliding_window, blocks.block_size
@@ -67,7 +86,7 @@ class DraftAttentionLayout:
         padding = torch.zeros(b * n, window + k, dtype=torch.bool, device=rows.device)
         padding[:, window:] = True
         return cls(rope_table(position_ids, inv_freq), rope_table(blocks.slot_positions(position_ids), inv_freq),
-                   rows, seq, padding, n, k, window)
+                   rows, seq, padding, n, k, window, halo)
 
 
 class DSparkAttention(CSA2Attention):
@@ -87,6 +106,11 @@ class DSparkAttention(CSA2Attention):
         n, k, w = layout.blocks, layout.block_size, layout.window
         heads, d = self.n_heads, self.head_dim
         context_kv = self.project_kv(context, layout.context_rope)  # [B, S, D]
+        if layout.halo is not None:  # the slots before the chunk: the previous chunk's own rows
+            h = layout.halo
+            received = h.cp.halo_exchange(context_kv[:, h.rows:h.rows + h.local], h.rows, dim=1,
+                                          kind="dspark_context", route=h.route)
+            context_kv = torch.cat((received, context_kv[:, h.rows:]), dim=1)
         slot_kv = self.project_kv(x, layout.slot_rope)  # [B, N*K, D]
         _, q = self.project_queries(x, layout.slot_rope)  # [B, N*K, H, D]
         windows = context_kv.gather(1, layout.window_rows.view(b, n * w, 1).expand(-1, -1, d)).view(b * n, w, d)

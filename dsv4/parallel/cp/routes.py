@@ -8,6 +8,8 @@ rank plans the same global exchanges and keeps its own part. Nothing here runs a
   that precede ``v`` (a document that began a few tokens before the boundary sends those few, whatever the halo's
   length: the window keys, Engram's token ids and the halo's metadata alike); the multi-token prediction's route is
   the same pairs reversed (a chunk's first rows to its predecessor).
+* Exact halos (:func:`plan_halos`, the DSpark drafter's): per chunk, exactly the rows its queries read of the chunk
+  before and of the chunk after, counts the caller computed from what every rank holds.
 * The causal gather of compressed rows (one per active ratio): chunk ``v`` of row ``b`` receives global rows
   ``[need, v n)`` (``n = l / ratio`` per chunk) from their owners, right-aligned before its own ``n`` rows in a result
   as long as the rank's longest need.
@@ -76,6 +78,29 @@ class PlannedLayout:
                     need: Mapping[int, Sequence[Sequence[int]]]) -> CPRoutes:
         """This rank's routes of one forward (:func:`plan_routes`)."""
         return plan_routes(self.layout, self.rank, batch, length, continues, need)
+
+    def plan_halos(self, batch: int, before: Sequence[Sequence[int]], after: Sequence[Sequence[int]]
+                   ) -> tuple[HaloRoute, HaloRoute]:
+        """This rank's two halo routes of exact row counts (:func:`plan_halos`)."""
+        return plan_halos(self.layout, batch, before, after)
+
+
+def plan_halos(layout: CPLayout, batch: int, before: Sequence[Sequence[int]], after: Sequence[Sequence[int]]
+               ) -> tuple[HaloRoute, HaloRoute]:
+    """``(previous, next)`` halo routes for ``batch`` whole rows of ``layout.num_chunks`` chunks: chunk ``v`` of row
+    ``b`` receives the last ``before[b][v]`` rows of chunk ``v - 1`` (right-aligned in the halo, zeros before) and
+    the first ``after[b][v]`` rows of chunk ``v + 1`` (left-aligned); a zero count moves nothing. Counts are the
+    receiver's exact needs (what its queries read), computed identically on every rank."""
+    chunks = layout.num_chunks
+    for name, counts in (("before", before), ("after", after)):
+        if len(counts) != batch or any(len(row) != chunks or min(row, default=0) < 0 for row in counts):
+            raise ValueError(f"plan_halos: {name} must be [{batch}][{chunks}] non-negative row counts")
+    prev = [(v, b) for v in range(1, chunks) for b in range(batch) if before[b][v]]
+    nxt = [(v, b) for v in range(chunks - 1) for b in range(batch) if after[b][v]]
+    return (HaloRoute(tuple((*local_row(layout, v - 1, b, batch), *local_row(layout, v, b, batch)) for v, b in prev),
+                      depths=tuple(before[b][v] for v, b in prev)),
+            HaloRoute(tuple((*local_row(layout, v + 1, b, batch), *local_row(layout, v, b, batch)) for v, b in nxt),
+                      first=True, depths=tuple(after[b][v] for v, b in nxt)))
 
 
 def plan_routes(layout: CPLayout, rank: int, batch: int, length: int, continues: Sequence[Sequence[int]],

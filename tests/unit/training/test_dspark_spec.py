@@ -38,7 +38,7 @@ def test_defaults_resolve(tmp_path):
     (["drafter.num_anchors=0"], "`drafter.num_anchors` must be >= 1"),
     (["drafter.l1_alpha=-1"], "`drafter.l1_alpha` must be >= 0"),
     (["drafter.gamma=-2"], "`drafter.gamma` must be >= 0 or null"),
-    (["cp=2", "trainer.devices=2"], "`cp`=2: drafter training under context parallelism"),
+    (["cp=2", "cp_balance=full"], "`cp_balance`='full': drafter training under CP splits rows contiguously"),
     (["peft=lora"], "`peft`: drafter training trains the whole drafter"),
 ])
 def test_refusals_name_the_key(tmp_path, overrides, match):
