@@ -8,7 +8,7 @@ resolved into a :class:`DSparkSpec` (every check raises ``ValueError`` naming th
 * ``drafter.checkpoint``: where the released drafter is read from (default: ``model.checkpoint``).
 * ``drafter.num_anchors``, ``gamma``, ``ce_alpha``, ``l1_alpha``, ``confidence_alpha``: the objective
   (:func:`dsv4.speculative.dspark_loss`); ``eval_every_n_steps`` / ``eval_prompts`` / ``eval_prompt_tokens`` /
-  ``eval_new_tokens``: the decoding evaluation (always at the end of the run when there are prompts).
+  ``eval_new_tokens``: the decoding evaluation (always at the end of the run when there are prompts; 0 prompts: none).
 """
 
 from __future__ import annotations
@@ -86,9 +86,11 @@ def dspark_spec(c: dict[str, Any], config, model_checkpoint: str | None, vocab_l
         raise ValueError(f"`drafter.init`=release: {source!r} holds no mtp.* tensors (set drafter.checkpoint to a V4.1 "
                          "release or a directory an exported drafter was written to, or drafter.init=random)")
     resolved = "release" if init == "release" or (init == "auto" and held) else "random"
-    for key in ("num_anchors", "eval_prompts", "eval_prompt_tokens", "eval_new_tokens"):
+    for key in ("num_anchors", "eval_prompt_tokens", "eval_new_tokens"):
         if int(d.get(key, 1)) < 1:
             raise ValueError(f"`drafter.{key}` must be >= 1, got {d.get(key)}")
+    if int(d.get("eval_prompts", 4)) < 0:
+        raise ValueError(f"`drafter.eval_prompts` must be >= 0 (0: no decoding evaluation), got {d['eval_prompts']}")
     for key in ("ce_alpha", "l1_alpha", "confidence_alpha"):
         if float(d.get(key, 0.0)) < 0:
             raise ValueError(f"`drafter.{key}` must be >= 0, got {d.get(key)}")
