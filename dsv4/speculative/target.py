@@ -30,8 +30,12 @@ def stores_quantized_weights(path: str) -> bool:
 
 
 def build_frozen_target(config, *, checkpoint: str | None = None, tokenizer="byte", seed: int = 0,
-                        keep_quantized: bool = True) -> torch.nn.Module:
-    """The frozen target (module docstring); ``keep_quantized=False`` dequantises a quantised checkpoint instead."""
+                        keep_quantized: bool = True, before_load=None, ep_rank: int | None = None,
+                        ep_size: int | None = None) -> torch.nn.Module:
+    """The frozen target (module docstring); ``keep_quantized=False`` dequantises a quantised checkpoint instead.
+    ``before_load(model)`` runs before the checkpoint is read (a run's Engram row sharding: each rank then reads
+    its rows); ``ep_rank`` / ``ep_size``: read only that expert-parallel rank's routed experts (the caller shards
+    them next)."""
     from dsv4.model import build_causal_lm
 
     torch.manual_seed(seed)
@@ -50,10 +54,14 @@ def build_frozen_target(config, *, checkpoint: str | None = None, tokenizer="byt
             counts = keep_base_quantized(model)
             log.info("target: the FP8 / FP4 weights of %s kept as stored (%d linears, %d expert groups)", checkpoint,
                      counts["kept"], counts["experts"])
+        if before_load is not None:
+            before_load(model)
         keep_engram_tables_as_stored(model, checkpoint)
-        load_hf_checkpoint(model, checkpoint, init_missing_mtp=True)  # MTP depths never run for a DSpark target
+        load_hf_checkpoint(model, checkpoint, init_missing_mtp=True, ep_rank=ep_rank, ep_size=ep_size)
     elif checkpoint:  # a safetensors file holding the dsv4 state dict
         from safetensors.torch import load_file
 
         model.load_state_dict(load_file(checkpoint), strict=True)
+    elif before_load is not None:
+        before_load(model)
     return model.eval().requires_grad_(False)

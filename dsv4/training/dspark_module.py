@@ -112,10 +112,25 @@ class DSparkLightningModule(DSV4LightningModule):
             strategy.parallelize(self.model)
 
     def _build_target(self) -> torch.nn.Module:
+        """The frozen target, parallel as the run is: Engram tables row-sharded over every rank (each reads its
+        rows) and routed experts over the expert-parallel ranks (each reads its experts), as fine-tuning holds the
+        model; no FSDP (nothing of it trains)."""
+        from dsv4.parallel.expert_shard import apply_expert_parallel
         from dsv4.speculative.target import build_frozen_target
+        from dsv4.training.strategy import DSV4Strategy
 
-        return build_frozen_target(self.config, checkpoint=self.spec.model_checkpoint,
-                                   tokenizer=self.spec.data.get("tokenizer", "byte"), seed=self.spec.seed)
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        parallel = isinstance(strategy, DSV4Strategy)
+        ep = parallel and strategy.ep_size > 1
+        target = build_frozen_target(self.config, checkpoint=self.spec.model_checkpoint,
+                                     tokenizer=self.spec.data.get("tokenizer", "byte"), seed=self.spec.seed,
+                                     before_load=strategy.shard_engram_tables if parallel else None,
+                                     ep_rank=self.parallel.ep_rank if ep else None,
+                                     ep_size=self.parallel.ep_size if ep else None)
+        if parallel and (ep or strategy.dispatcher != "local"):
+            apply_expert_parallel(target, strategy.dispatcher, strategy.meshes.ep.get_group(),
+                                  strategy.root_device.type)
+        return target
 
     @property
     def target(self) -> torch.nn.Module:
