@@ -15,12 +15,23 @@ attention metadata (built once per forward, kept all step), the phases of the st
 of ``s``) and ``M + R_s + B_s + H`` (backward of ``s``), where ``H`` is the root unit's lm_head gradient, held
 until the end of backward (FSDP reduces the root last). Blocks of the same kind (compress ratio, hash routing, the
 first block's broadcast input) share one trace. Tests check the composition against a trace of the whole step.
+
+Each trace also records the bytes the traced rank's CP exchanges and EP dispatches move in that segment's forward,
+recomputed forward and backward (:attr:`SegmentTrace.traffic`, counted by the stand-ins: :mod:`dsv4.plan.stand_ins`),
+and the metadata exchanges of building the attention metadata once per forward
+(:attr:`ActivationPlan.metadata_traffic`); :func:`ActivationPlan.traffic` sums them over the step. And how often the
+segment calls each FSDP unit (``unit_modules``) in forward, and how many of those calls backward reaches
+(:attr:`SegmentTrace.unit_calls`): FSDP2 gathers a unit resharded after forward at each forward call and again when
+backward reaches a call's output (a forward recomputed in backward finds it gathered), which is what the plan's
+all-gather bytes count (:mod:`dsv4.plan.comm`). A unit is called more than once where the model calls it so: under
+CP an overlap compressor runs a second time on its last window (the boundary its successor receives).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -33,6 +44,7 @@ from dsv4.model.indexer import Indexer
 from dsv4.model.model import DSV4ForCausalLM
 from dsv4.model.moe import GroupedExperts, MoE, set_dispatcher
 from dsv4.model.mtp import MTPLayer
+from dsv4.parallel.cp.traffic import TrafficCounter
 from dsv4.plan.stand_ins import PlanCP, PlanDispatcher, plan_metadata
 from dsv4.plan.states import table_tensors
 from dsv4.plan.trace import AllocationTracer
@@ -65,6 +77,12 @@ class SegmentTrace:
     held_gradients: int = 0
     saved_by_component: dict[str, int] = field(default_factory=dict)
     backward_peak_by_component: dict[str, int] = field(default_factory=dict)
+    # bytes this segment's CP exchanges and EP dispatches move per step: {kind: {"calls", "bytes_sent",
+    # "bytes_received"}} (dsv4.parallel.cp.traffic.TrafficCounter.as_dict)
+    traffic: dict[str, dict[str, int]] = field(default_factory=dict)
+    # FSDP units called in this segment, by name relative to the traced module (a block; the model otherwise):
+    # [forward calls (not the recomputed ones), calls whose output's gradient backward computed]
+    unit_calls: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -89,6 +107,18 @@ class ActivationPlan:
     phases: list[Phase]
     top_name: str = "top (head, MTP, loss)"
     per_forward: dict[str, int] = field(default_factory=dict)  # V4.1: the parts of ``metadata`` and the shared state
+    metadata_traffic: dict[str, dict[str, int]] = field(default_factory=dict)  # building the metadata, once a step
+
+    def traffic(self) -> dict[str, dict[str, int]]:
+        """The traced rank's CP and EP bytes of one step by kind: every segment's (each block of a kind counted once
+        per block) and the metadata's, ``{kind: {"calls", "bytes_sent", "bytes_received"}}``."""
+        total: dict[str, dict[str, int]] = {}
+        for record in (self.metadata_traffic, *(seg.traffic for seg in self.segments)):
+            for kind, counts in record.items():
+                into = total.setdefault(kind, {"calls": 0, "bytes_sent": 0, "bytes_received": 0})
+                for key in into:
+                    into[key] += counts[key]
+        return dict(sorted(total.items()))
 
     @property
     def peak(self) -> int:
@@ -163,24 +193,72 @@ class StepTracer:
 
     def __init__(self, model: DSV4ForCausalLM, rows: int, local_len: int, cp_size: int,
                  expert_parallel: bool, return_logits: bool = False, root_parameters: set | frozenset = frozenset(),
-                 cp_balance: str = "none") -> None:
+                 cp_balance: str = "none", ep: int = 1, dispatcher: str = "alltoall",
+                 unit_modules: Sequence[nn.Module] = ()) -> None:
         self.model, self.config = model, model.config
         self.root_parameters = root_parameters
+        self.unit_modules = list(unit_modules)
         self.cp = PlanCP(0 if cp_balance == "full" else cp_size - 1, cp_size, cp_balance)
         k = self.cp.layout.chunks_per_rank
         rows, local_len = rows * k, local_len // k
         self.rows, self.local_len = rows, local_len
         self.return_logits = return_logits
         self.cp_arg = self.cp if cp_size > 1 else None
-        set_dispatcher(model, PlanDispatcher(expert_parallel))
+        self.dispatcher = PlanDispatcher(expert_parallel, ep, dispatcher)
+        set_dispatcher(model, self.dispatcher)
         model.eval()  # no expert-load statistics (a bincount over routed ids, which meta tensors do not have)
-        self.meta = plan_metadata(self.config, rows, local_len, self.cp)
+        with self._counting() as counter:  # the model builds its metadata once per forward
+            self.meta = plan_metadata(self.config, rows, local_len, self.cp)
+        self.metadata_traffic = counter.as_dict()
         self.ids = torch.zeros(rows, local_len, dtype=torch.long, device="meta")
         dtype, hc, d = model.model.embed_tokens.weight.dtype, self.config.hc_mult, self.config.hidden_size
         # a block's input streams; the first block's are the embedding broadcast over hc (one [B, L, d] storage)
         self.streams = _leaf((rows, local_len, hc, d), dtype, lambda x: x)
         self.embedded = _leaf((rows, local_len, d), dtype,
                               lambda h: h.unsqueeze(-2).expand(rows, local_len, hc, d))
+
+    @contextmanager
+    def _counting(self) -> Iterator[TrafficCounter]:
+        """A fresh byte counter on the CP and EP stand-ins for the duration."""
+        counter = TrafficCounter()
+        self.cp.traffic = self.dispatcher.traffic = counter
+        try:
+            yield counter
+        finally:
+            self.cp.traffic = self.dispatcher.traffic = None
+
+    def _trace(self, *args, scope: nn.Module | None = None, **kwargs) -> SegmentTrace:
+        """:func:`trace_segment`, with the bytes the segment's exchanges move (:attr:`SegmentTrace.traffic`) and its
+        calls of the FSDP units inside ``scope`` (the model when None; :attr:`SegmentTrace.unit_calls`)."""
+        names = {m: n for n, m in (scope if scope is not None else self.model).named_modules()}
+        calls: dict[str, list[int]] = {}
+
+        def called(module, _args, output) -> None:
+            if torch._C._current_graph_task_id() != -1:  # a forward recomputed in backward: the unit is gathered
+                return
+            record = calls.setdefault(names[module], [0, 0])
+            record[0] += 1
+            outputs = [t for t in _tensors(output) if t.requires_grad]
+            reached: list[bool] = []
+
+            def backward_reached(_grad) -> None:  # FSDP's pre-backward hook fires on the same gradients
+                if not reached:
+                    reached.append(True)
+                    record[1] += 1
+
+            for t in outputs:
+                t.register_hook(backward_reached)
+
+        handles = [m.register_forward_hook(called) for m in self.unit_modules if m in names]
+        try:
+            with self._counting() as counter:
+                trace = trace_segment(*args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        trace.traffic = counter.as_dict()
+        trace.unit_calls = calls
+        return trace
 
     def metadata_bytes(self) -> int:
         seen, total = set(), 0
@@ -193,7 +271,8 @@ class StepTracer:
 
     def embed(self) -> SegmentTrace:
         model = self.model.model
-        return trace_segment("embedding", "embedding", lambda _: model.embed(self.ids), None, model.embed_tokens, {}, "embedding")
+        return self._trace("embedding", "embedding", lambda _: model.embed(self.ids), None, model.embed_tokens, {},
+                           "embedding")
 
     top_name = "top (head, MTP, loss)"
 
@@ -215,10 +294,10 @@ class StepTracer:
     def block(self, index: int) -> SegmentTrace:
         layer = self.model.model.layers[index]
         kind = f"ratio {layer.compress_ratio}{', hash' if layer.mlp.gate.is_hash else ''}{', first' if index == 0 else ''}"
-        return trace_segment(f"block {index} ({kind})", kind,
-                             lambda x: layer(x, self.ids, self.meta, self.cp_arg),
-                             self.embedded if index == 0 else self.streams, layer, BLOCK_COMPONENTS, "block input",
-                             regions=BLOCK_REGIONS)
+        return self._trace(f"block {index} ({kind})", kind,
+                           lambda x: layer(x, self.ids, self.meta, self.cp_arg),
+                           self.embedded if index == 0 else self.streams, layer, BLOCK_COMPONENTS, "block input",
+                           regions=BLOCK_REGIONS, scope=layer)
 
     def top(self) -> SegmentTrace:
         model, labels = self.model, self.ids
@@ -234,8 +313,8 @@ class StepTracer:
             return out.loss_sum
 
         top_modules = nn.ModuleList([model.model.hc_head, model.model.norm, model.mtp, model.lm_head])
-        trace = trace_segment("top (head, MTP, loss)", "top", run, self.streams, top_modules, TOP_COMPONENTS,
-                              "head and loss", held=self.root_parameters, regions=TOP_REGIONS)
+        trace = self._trace("top (head, MTP, loss)", "top", run, self.streams, top_modules, TOP_COMPONENTS,
+                            "head and loss", held=self.root_parameters, regions=TOP_REGIONS)
         outputs.clear()
         return trace
 
@@ -310,7 +389,7 @@ def plan_activations(tracer: "StepTracer | V41StepTracer") -> ActivationPlan:
         extra = 0 if i == len(segments) - 1 else held
         phases.append(Phase(f"backward of {names[i]}", metadata + before + seg.backward_peak + extra, i))
     return ActivationPlan(metadata=metadata, segments=segments, phases=phases, top_name=tracer.top_name,
-                          per_forward=tracer.per_forward())
+                          per_forward=tracer.per_forward(), metadata_traffic=tracer.metadata_traffic)
 
 
 # V4.1 (dsv4.model.v41): labels of its block parts; the Engram update counts as "engram".
@@ -357,8 +436,10 @@ class V41StepTracer(StepTracer):
 
     def __init__(self, model, rows: int, local_len: int, cp_size: int, expert_parallel: bool,
                  return_logits: bool = False, root_parameters: set | frozenset = frozenset(),
-                 cp_balance: str = "none") -> None:
-        super().__init__(model, rows, local_len, cp_size, expert_parallel, return_logits, root_parameters, cp_balance)
+                 cp_balance: str = "none", ep: int = 1, dispatcher: str = "alltoall",
+                 unit_modules: Sequence[nn.Module] = ()) -> None:
+        super().__init__(model, rows, local_len, cp_size, expert_parallel, return_logits, root_parameters, cp_balance,
+                         ep, dispatcher, unit_modules)
         c = self.config
         buckets = (c.engram_max_ngram_size - 1) * c.engram_n_heads
         self.engram_inputs = None if not c.engram_layer_ids else (
@@ -377,8 +458,8 @@ class V41StepTracer(StepTracer):
 
     def embed(self) -> SegmentTrace:
         model = self.model.model
-        return trace_segment("embedding", "embedding", lambda _: model.embed_tokens(self.ids), None,
-                             model.embed_tokens, {}, "embedding")
+        return self._trace("embedding", "embedding", lambda _: model.embed_tokens(self.ids), None,
+                           model.embed_tokens, {}, "embedding")
 
     def _kind(self, index: int) -> tuple:
         c, layer = self.config, self.model.model.layers[index]
@@ -422,8 +503,8 @@ class V41StepTracer(StepTracer):
             held.append((carry, out_state))
             return y
 
-        trace = trace_segment(f"block {index} ({kind})", kind, run, self.embedded if index == 0 else self.streams,
-                              layer, _v41_labels(), "block input", regions=BLOCK_REGIONS)
+        trace = self._trace(f"block {index} ({kind})", kind, run, self.embedded if index == 0 else self.streams,
+                            layer, _v41_labels(), "block input", regions=BLOCK_REGIONS, scope=layer)
         held.clear()
         self.carry.grad = None
         return trace
@@ -440,8 +521,8 @@ class V41StepTracer(StepTracer):
             return out.loss_sum
 
         top_modules = nn.ModuleList([model.model.norm, model.lm_head])
-        trace = trace_segment(self.top_name, "top", run, self.streams, top_modules, {}, "head and loss",
-                              held=self.root_parameters)
+        trace = self._trace(self.top_name, "top", run, self.streams, top_modules, {}, "head and loss",
+                            held=self.root_parameters)
         outputs.clear()
         self.carry.grad = None
         return trace
