@@ -13,8 +13,8 @@ the device holds for it, briefly (:attr:`OffloadBytes.device_staging`):
   largest unit's.
 
 Traffic between host and device per optimizer step (one micro-batch): every unit's shards host -> device once per
-all-gather (twice for a unit resharded after forward: forward and backward; the root once), every gradient shard
-device -> host once.
+all-gather (twice for a unit resharded after forward: forward and backward; the root once; ``gathers``: each unit's
+traced count, :func:`dsv4.plan.comm.unit_gathers`), every gradient shard device -> host once.
 """
 
 from __future__ import annotations
@@ -55,10 +55,11 @@ class OffloadBytes:
 
 
 def offload_bytes(units: list[FsdpUnit], owners: dict[nn.Parameter, FsdpUnit], mesh_size: dict[str, int],
-                  states: StateBytes) -> OffloadBytes:
+                  states: StateBytes, gathers: dict[int, int] | None = None) -> OffloadBytes:
     """The offloaded terms of a model sharded like ``units`` (parameters on ``meta`` in their stored dtype;
     ``owners`` from :func:`~dsv4.plan.states.parameter_owners`); gradients, optimizer state and the step's
-    temporary are ``states``' own terms, all of which move to the host."""
+    temporary are ``states``' own terms, all of which move to the host. ``gathers``: how often each unit (by ``id``)
+    is gathered per step (None: twice, the root once)."""
     shard = {id(u): 0 for u in units}  # stored bytes of each unit's shards
     staged = {id(u): 0 for u in units}  # what a unit's all-gather copies to the device (with the compute-dtype cast)
     cast = {id(u): 0 for u in units}  # the compute-dtype cast copies alone
@@ -70,7 +71,8 @@ def offload_bytes(units: list[FsdpUnit], owners: dict[nn.Parameter, FsdpUnit], m
         staged[id(unit)] += local * p.element_size()
         if p.requires_grad:
             grads[id(unit)] += local * 4
-    gathers = {id(u): 1 if u is units[-1] or not u.reshard_after_forward else 2 for u in units}
+    if gathers is None:
+        gathers = {id(u): 1 if u is units[-1] or not u.reshard_after_forward else 2 for u in units}
     return OffloadBytes(
         parameters=sum(shard.values()),
         gradients=states.gradients - states.table_gradients,  # a trainable Engram table's stay on the device

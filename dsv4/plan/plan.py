@@ -21,6 +21,13 @@ their gradients and the optimizer state move to the host (:attr:`MemoryPlan.host
 total like the staging copy), the optimizer step and its temporary with them; the device keeps the buffers and
 gains FSDP's staging copies (in ``communication``).
 
+The verdict: the plan fits when its total is at most the device memory less ``reserve_bytes``, the reserve for what
+it does not trace (the CUDA context, NCCL's buffers, allocator fragmentation, kernel workspaces; the recipe's
+``plan.reserve_gib``, default :data:`DEFAULT_RESERVE_GIB`).
+
+Communication (:mod:`dsv4.plan.comm`, :attr:`MemoryPlan.comm`): the bytes the rank sends and receives per step by
+kind (FSDP, EP, CP, Engram lookups, PP, host copies), their time at ``links`` and the step's compute time.
+
 ``MemoryPlan.as_dict()`` is what ``memory_plan.json`` holds; ``report()`` the table the recipe prints.
 """
 
@@ -42,18 +49,25 @@ from dsv4.parallel.wrap import OFFLOAD, fsdp_units, model_blocks, store_frozen_i
 from dsv4.peft.apply import apply_lora
 from dsv4.peft.config import LoRAConfig
 from dsv4.plan.activations import ActivationPlan, Phase, cast_for_compute, plan_activations, step_tracer
+from dsv4.plan.comm import CommPlan, LinkSpeeds, comm_plan, unit_gathers
 from dsv4.plan.offload import OffloadBytes, offload_bytes
+from dsv4.plan.stand_ins import DISPATCHER_TRAFFIC
 from dsv4.plan.states import (OptimizerProfile, StateBytes, engram_table_bytes, gradient_shard_bytes,
                               parameter_owners, state_bytes)
 
 GIB = 2**30
 TERMS = ("parameters", "gradients", "optimizer", "activations", "communication")
+# The recipe's default reserve (plan.reserve_gib) for what the plan does not trace, per GPU: the CUDA context
+# (0.5-1 GiB), NCCL's buffers (about 1 GiB), kernel workspaces and allocator fragmentation (docs/memory.md).
+DEFAULT_RESERVE_GIB = 4.0
 
 
 @dataclass(frozen=True)
 class PlanSetup:
     """What the plan is for: the model, the step shape, the parallel layout, the optimizer's state (its bytes per
-    trainable shard, :class:`~dsv4.plan.states.OptimizerProfile`) and the device memory judged against."""
+    trainable shard, :class:`~dsv4.plan.states.OptimizerProfile`), the device memory judged against less
+    ``reserve_bytes`` (what the plan does not trace; 0 here, the recipe's ``plan.reserve_gib`` otherwise), the MoE
+    ``dispatcher`` (for its bytes, with ``ep > 1``) and the speeds communication and compute are timed at."""
 
     config: DSV4Config
     seq_len: int
@@ -70,6 +84,9 @@ class PlanSetup:
     async_checkpoint: bool = True  # checkpoint.async_save: a host staging copy of the rank's checkpoint share
     offload: str = "none"  # trainer.offload: "optimizer" = shards, gradients, optimizer state in host memory
     engram_fp8: bool = False  # V4.1: frozen Engram tables kept in the release's FP8 form (a checkpoint storing them so)
+    reserve_bytes: int = 0  # kept free of the plan's total: the CUDA context, NCCL buffers, fragmentation
+    dispatcher: str = "alltoall"  # the MoE dispatcher with ep > 1 (alltoall | allgather | deepep)
+    links: LinkSpeeds = LinkSpeeds()  # link speeds and the compute rate of the communication table
 
     @property
     def world(self) -> int:
@@ -94,6 +111,17 @@ class PlanSetup:
             raise ValueError(f"memory plan: `offload`={self.offload!r} must be one of {', '.join(OFFLOAD)}")
         if self.device_memory_bytes <= 0:
             raise ValueError(f"memory plan: the device memory must be positive, got {self.device_memory_bytes} bytes")
+        if not isinstance(self.reserve_bytes, int) or self.reserve_bytes < 0:
+            raise ValueError(f"memory plan: the reserve must be a number of bytes >= 0, got {self.reserve_bytes!r}")
+        if self.dispatcher not in DISPATCHER_TRAFFIC:
+            raise ValueError(f"memory plan: `dispatcher`={self.dispatcher!r} must be one of "
+                             f"{', '.join(DISPATCHER_TRAFFIC)}")
+        self.links.check()
+
+    @property
+    def usable_memory_bytes(self) -> int:
+        """What the plan's total must fit: the device memory less the reserve (0 when the reserve takes it all)."""
+        return max(self.device_memory_bytes - self.reserve_bytes, 0)
 
 
 @dataclass
@@ -121,6 +149,7 @@ class MemoryPlan:
     segment_gradients: list[int]
     offload: OffloadBytes | None = None
     engram_table_bytes: int = 0  # V4.1: this rank's rows of the Engram tables (inside ``parameters``)
+    comm: CommPlan | None = None  # bytes moved per step by kind, their time, the compute time (dsv4.plan.comm)
     per_rank_bytes: dict[str, int] = field(init=False)
     peak_phase: str = field(init=False)
     phase_bytes: dict[str, int] = field(init=False)  # device bytes of each phase; ``total`` is the largest
@@ -190,7 +219,16 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.setup.device_memory_bytes
+        """The total is at most the device memory less the reserve."""
+        return self.total <= self.setup.usable_memory_bytes
+
+    def _against(self) -> str:
+        """``of <device>`` and the reserve kept free of it."""
+        setup = self.setup
+        if not setup.reserve_bytes:
+            return f"of {_size(setup.device_memory_bytes)}"
+        return (f"of {_size(setup.device_memory_bytes)} less a {_size(setup.reserve_bytes)} reserve "
+                f"({_size(setup.usable_memory_bytes)})")
 
     @property
     def biggest_term(self) -> str:
@@ -201,8 +239,9 @@ class MemoryPlan:
         terms = ", ".join(f"{t} {_size(self.per_rank_bytes[t])}" for t in TERMS)
         verdict = "fits" if self.fits else f"DOES NOT FIT (biggest term: {self.biggest_term})"
         host = "" if self.offload is None else f"; host offload {_size(self.host_offload_bytes)} per rank"
-        return (f"memory plan: {_size(self.total)} per rank at its peak ({self.peak_phase}) of "
-                f"{_size(self.setup.device_memory_bytes)} ({terms}): {verdict}{host}")
+        step = "" if self.comm is None else f"; {self.comm.summary()}"
+        return (f"memory plan: {_size(self.total)} per rank at its peak ({self.peak_phase}) {self._against()} "
+                f"({terms}): {verdict}{host}{step}")
 
     def report(self) -> str:
         """The per-rank table: each term, the activations per block kind by component, the total and verdict."""
@@ -261,8 +300,7 @@ class MemoryPlan:
                           f"two gathered units {_size(s.gathered)} (largest: {s.largest_unit}), root kept gathered "
                           f"{_size(s.root_gathered)}, fp32 gradient reduce {_size(s.reduce_buffer)}{staging}"))
         verdict = "fits" if self.fits else f"DOES NOT FIT; biggest term: {self.biggest_term}"
-        lines.append(_row("total", self.total, f"at the peak ({self.peak_phase}) of "
-                                               f"{_size(setup.device_memory_bytes)}: {verdict}"))
+        lines.append(_row("total", self.total, f"at the peak ({self.peak_phase}) {self._against()}: {verdict}"))
         lines.append(_row("checkpoint", self.checkpoint_bytes,
                           f"written per rank per save; about {_size(self.checkpoint_bytes * setup.world)} on disk "
                           "per checkpoint" + (f"; host staging {_size(self.host_staging_bytes)} while an "
@@ -275,6 +313,8 @@ class MemoryPlan:
                               f"{_size(o.gradients)}, optimizer {_size(o.optimizer)}; the step runs on the host and "
                               f"allocates {_size(o.step_temporary)} there; per step {_size(o.host_to_device)} host -> "
                               f"device, {_size(o.device_to_host)} device -> host"))
+        if self.comm is not None:
+            lines.append(self.comm.report())
         return "\n".join(lines)
 
     def _offloaded_state_rows(self) -> list[str]:
@@ -295,6 +335,8 @@ class MemoryPlan:
             "peak_phase": self.peak_phase,
             "engram_table_bytes": self.engram_table_bytes,
             "device_memory_bytes": setup.device_memory_bytes,
+            "reserve_bytes": setup.reserve_bytes,
+            "usable_memory_bytes": setup.usable_memory_bytes,
             "biggest_term": self.biggest_term,
             "setup": {"seq_len": setup.seq_len, "micro_batch_size": setup.micro_batch_size, "cp": setup.cp,
                       "dp": setup.dp, "ep": setup.ep, "world": setup.world,
@@ -305,6 +347,7 @@ class MemoryPlan:
                       "optimizer_state_dtype": setup.optimizer.state_dtype,
                       "optimizer_state_bytes_per_element": setup.optimizer.state_bytes,
                       "optimizer_step_temporary": setup.optimizer.step_temporary, "offload": setup.offload,
+                      "dispatcher": setup.dispatcher,
                       "lora": None if setup.lora is None else setup.lora.as_dict()},
             "checkpoint_bytes": {"per_rank": self.checkpoint_bytes, "disk": self.checkpoint_bytes * setup.world,
                                  "host_staging_per_rank": self.host_staging_bytes},
@@ -316,6 +359,7 @@ class MemoryPlan:
                 "device_to_host_per_step": self.offload.device_to_host},
             "communication_bytes": {"gathered": self.states.gathered, "root_gathered": self.states.root_gathered,
                                     "reduce_buffer": self.states.reduce_buffer},
+            "communication_per_step": None if self.comm is None else self.comm.as_dict(),
             "activations": {
                 "peak_phase": self.activations.phase,
                 "metadata_bytes": self.activations.metadata,
@@ -347,7 +391,6 @@ def memory_plan(setup: PlanSetup, activations: ActivationPlan | None = None) -> 
     units = fsdp_units(model, setup.compute_dtype)
     owners = parameter_owners(model, units)
     mesh_size = {"dp_cp": setup.world, "edp": setup.world // setup.ep}
-    offload = None if setup.offload == "none" else offload_bytes(units, owners, mesh_size, states)
     # the embedding is the root unit's (reduced when backward ends); blocks and MTP depths reduce after their backward
     # (a V4.1 model's top segment reduces nothing of its own: its norm and head are the root's)
     mtp = getattr(model, "mtp", None)
@@ -357,9 +400,14 @@ def memory_plan(setup: PlanSetup, activations: ActivationPlan | None = None) -> 
     cast_for_compute(model, {p: unit.param_dtype for p, unit in owners.items()})
     root = {p for p, unit in owners.items() if unit is units[-1]}
     tracer = step_tracer(model, setup.micro_batch_size, setup.seq_len // setup.cp, setup.cp, setup.ep > 1,
-                        return_logits=not setup.chunked_loss, root_parameters=root, cp_balance=setup.cp_balance)
+                        return_logits=not setup.chunked_loss, root_parameters=root, cp_balance=setup.cp_balance,
+                        ep=setup.ep, dispatcher=setup.dispatcher, unit_modules=[u.module for u in units[:-1]])
     activations = plan_activations(tracer) if activations is None else activations
-    return MemoryPlan(setup, states, activations, segment_gradients, offload, engram)
+    gathers = unit_gathers(model, units, activations.segments)
+    # ``owners`` holds the parameters as stored (cast_for_compute made new ones for the trace)
+    offload = None if setup.offload == "none" else offload_bytes(units, owners, mesh_size, states, gathers)
+    comm = comm_plan(setup, units, owners, mesh_size, activations.traffic(), offload, gathers)
+    return MemoryPlan(setup, states, activations, segment_gradients, offload, engram, comm)
 
 
 def _parts(by_component: dict[str, int]) -> str:

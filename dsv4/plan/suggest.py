@@ -9,7 +9,12 @@ changes from distinct groups, at most ``max_changes`` of them.
 **Order ("cheapest").** Candidates are ranked by the sum of their changes' costs, then by the number of changes,
 then by the per-rank total of their plan (lower first). :func:`search` walks the candidates in that order (the
 total breaks ties among the ones found) and stops once it has ``count`` suggestions and the next candidate ranks
-lower than the last one found.
+lower than the last one found. With ``rank_by="step_time"`` it walks every candidate within its bounds instead and
+keeps the ``count`` fits with the shortest estimated step (:attr:`Planned.seconds`, the plan's
+:attr:`~dsv4.plan.comm.CommPlan.step_seconds`; then the cheapest).
+
+**Fits.** A plan fits when its total is at most the planner's ``device_memory_bytes``: for :class:`SetupPlanner`
+the device memory less the plan's reserve (:attr:`~dsv4.plan.plan.PlanSetup.usable_memory_bytes`).
 
 **What is suggested.** A candidate is suggested only when its own plan fits: ``planner.plan`` (a full memory plan
 of that candidate's setup) returns a per-rank total at most the device memory. Never an extrapolation: an estimate
@@ -35,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, Sequence
 
 from dsv4.plan.activations import ActivationPlan
+from dsv4.plan.comm import LinkSpeeds
 from dsv4.plan.plan import GIB, MemoryPlan, PlanSetup, memory_plan
 from dsv4.plan.states import OptimizerProfile
 
@@ -76,18 +82,24 @@ class NotPlanned(Exception):
     """The candidate was not planned: it needs a new trace and the trace cap is reached."""
 
 
+RANK_BY = ("cost", "step_time")
+
+
 @dataclass(frozen=True)
 class Planned:
-    """A candidate's plan: its per-rank ``total`` and a ``note`` for the report (e.g. host memory)."""
+    """A candidate's plan: its per-rank ``total``, a ``note`` for the report (e.g. host memory) and its estimated
+    step time in seconds (``seconds``; None: not estimated)."""
 
     total: int
     note: str = ""
+    seconds: float | None = field(default=None, compare=False)
 
 
 class CandidatePlanner(Protocol):
-    """What :func:`search` plans with. ``estimate``: a lower estimate of the candidate's per-rank total (cheap; it
-    decides only whether to plan), or its :class:`Planned` plan when planning it is as cheap; ``plan``: the
-    candidate's plan. Both raise :class:`Refused`; ``plan`` may raise :class:`NotPlanned`."""
+    """What :func:`search` plans with. ``device_memory_bytes``: what a plan's total must fit (a planner may also name
+    ``reserve_bytes``, kept free beside it, for the report). ``estimate``: a lower estimate of the candidate's
+    per-rank total (cheap; it decides only whether to plan), or its :class:`Planned` plan when planning it is as
+    cheap; ``plan``: the candidate's plan. Both raise :class:`Refused`; ``plan`` may raise :class:`NotPlanned`."""
 
     device_memory_bytes: int
 
@@ -103,6 +115,7 @@ class Suggestion:
     changes: tuple[Change, ...]
     total: int
     note: str = ""
+    seconds: float | None = None  # the estimated step time (dsv4.plan.comm), None when not estimated
 
     @property
     def overrides(self) -> list[str]:
@@ -115,13 +128,19 @@ class Suggestion:
     def rank(self) -> tuple[int, int, int]:
         return (self.cost, len(self.changes), self.total)
 
+    def time_rank(self) -> tuple:
+        """The order of ``rank_by="step_time"``: the shortest estimated step first (unestimated last), then
+        :meth:`rank`."""
+        return (self.seconds is None, self.seconds or 0.0, *self.rank())
+
     def line(self) -> str:
         note = f"  ({self.note})" if self.note else ""
-        return f"  fits with: {' '.join(self.overrides)}  -> {_gib(self.total)}{note}"
+        step = "" if self.seconds is None else f", step about {_time(self.seconds)}"
+        return f"  fits with: {' '.join(self.overrides)}  -> {_gib(self.total)}{step}{note}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"overrides": self.overrides, "per_rank_total_bytes": self.total, "cost": self.cost,
-                "changes": len(self.changes), "note": self.note}
+                "changes": len(self.changes), "note": self.note, "step_seconds": self.seconds}
 
 
 @dataclass
@@ -135,13 +154,19 @@ class SearchResult:
     outcomes: Counter = field(default_factory=Counter)
     refusals: list[str] = field(default_factory=list)
     traced: int = 0
+    reserve_bytes: int = 0  # kept free beside device_memory_bytes (the plan's reserve), for the report
+    rank_by: str = "cost"
 
     def report(self) -> str:
         """The lines ``plan=true`` prints after the plan."""
         device = _gib(self.device_memory_bytes)
+        if self.reserve_bytes:
+            device += f" ({_gib(self.device_memory_bytes + self.reserve_bytes)} less the {_gib(self.reserve_bytes)} reserve)"
         if self.suggestions:
-            lines = [f"what would fit {device} per rank (cheapest first: summed throughput cost, then fewest changes, "
-                     "then the lowest total; each one planned):"]
+            order = ("cheapest first: summed throughput cost, then fewest changes, then the lowest total"
+                     if self.rank_by == "cost" else
+                     "fastest first: the estimated step time, then the cheapest")
+            lines = [f"what would fit {device} per rank ({order}; each one planned):"]
             lines += [s.line() for s in self.suggestions]
         else:
             lines = [f"what would fit {device} per rank: no candidate of at most {self.max_changes} changes was "
@@ -154,7 +179,8 @@ class SearchResult:
 
     def as_dict(self) -> dict[str, Any]:
         """``memory_plan.json``'s ``suggestions``."""
-        return {"device_memory_bytes": self.device_memory_bytes, "max_changes": self.max_changes,
+        return {"device_memory_bytes": self.device_memory_bytes, "reserve_bytes": self.reserve_bytes,
+                "max_changes": self.max_changes, "rank_by": self.rank_by,
                 "fits_with": [s.as_dict() for s in self.suggestions], "outcomes": dict(self.outcomes),
                 "refusals": list(self.refusals), "new_traces": self.traced}
 
@@ -173,8 +199,9 @@ def candidates(changes: Sequence[Change], max_changes: int) -> list[tuple[Change
 
 
 def search(changes: Sequence[Change], planner: CandidatePlanner, *, count: int = 3, max_changes: int = 3,
-           max_candidates: int = 64) -> SearchResult:
-    """The cheapest (module docstring) ``count`` candidates whose plan fits ``planner.device_memory_bytes``.
+           max_candidates: int = 64, rank_by: str = "cost") -> SearchResult:
+    """The cheapest (module docstring) ``count`` candidates whose plan fits ``planner.device_memory_bytes``; with
+    ``rank_by="step_time"`` the ``count`` fits with the shortest estimated step among every candidate walked.
 
     Invariants: every suggestion's ``total`` is what ``planner.plan`` returned for exactly its changes, and is at
     most the device memory; every candidate one step less than a suggestion (a change left out, or replaced by the
@@ -182,6 +209,8 @@ def search(changes: Sequence[Change], planner: CandidatePlanner, *, count: int =
     if count < 1 or max_changes < 1 or max_candidates < 1:
         raise ValueError(f"search: count, max_changes and max_candidates must be >= 1, got {count}, {max_changes}, "
                          f"{max_candidates}")
+    if rank_by not in RANK_BY:
+        raise ValueError(f"search: rank_by must be one of {', '.join(RANK_BY)}, got {rank_by!r}")
     for i, c in enumerate(changes):
         if any(p.group == c.group and p.cost > c.cost for p in changes[:i]):
             raise ValueError(f"search: the changes of group {c.group!r} must be listed lightest (cheapest) first: "
@@ -190,13 +219,14 @@ def search(changes: Sequence[Change], planner: CandidatePlanner, *, count: int =
     lighter = {c: next((p for p in reversed(changes[:i]) if p.group == c.group), None) for i, c in enumerate(changes)}
     status: dict[frozenset[Change], str] = {}
     found: list[Suggestion] = []
-    result = SearchResult(found, device, max_changes)
+    result = SearchResult(found, device, max_changes, reserve_bytes=getattr(planner, "reserve_bytes", 0),
+                          rank_by=rank_by)
     evaluated = 0
     last_found: tuple[int, int] | None = None
     walk = candidates(changes, max_changes)
     for n, cand in enumerate(walk):
         rank = (sum(c.cost for c in cand), len(cand))
-        if len(found) >= count and rank != last_found:
+        if rank_by == "cost" and len(found) >= count and rank != last_found:
             break
         ids = frozenset(cand)
         # one step less: a change left out, or replaced by the lighter alternative of its group (none: the base)
@@ -214,7 +244,7 @@ def search(changes: Sequence[Change], planner: CandidatePlanner, *, count: int =
         log.debug("what would fit: %s: %s", " ".join(o for c in cand for o in c.overrides), outcome)
         status[ids] = outcome
         result.outcomes[outcome] += 1
-    found.sort(key=Suggestion.rank)
+    found.sort(key=Suggestion.rank if rank_by == "cost" else Suggestion.time_rank)
     del found[count:]
     return result
 
@@ -237,16 +267,17 @@ def _evaluate(cand: tuple[Change, ...], planner: CandidatePlanner, device: int, 
         return NOT_PLANNED
     if planned.total > device:
         return OVER
-    result.suggestions.append(Suggestion(cand, planned.total, planned.note))
+    result.suggestions.append(Suggestion(cand, planned.total, planned.note, planned.seconds))
     return FITS
 
 
 def activation_key(setup: PlanSetup) -> str:
     """What the traced activations of ``setup`` depend on: the setup less the fields :func:`memory_plan` does not pass
-    to the tracer (``dp``, the optimizer, the device memory, the checkpoint staging, host offload). Setups with equal
+    to the tracer (``dp``, the optimizer, the device memory and its reserve, the checkpoint staging, host offload, the
+    link speeds). Setups with equal
     keys have equal :class:`~dsv4.plan.activations.ActivationPlan`, so one trace serves them all."""
     return repr(replace(setup, dp=1, optimizer=OptimizerProfile(), device_memory_bytes=GIB, async_checkpoint=True,
-                        offload="none"))
+                        offload="none", reserve_bytes=0, links=LinkSpeeds()))
 
 
 def optimistic_activations(base: MemoryPlan, setup: PlanSetup) -> ActivationPlan:
@@ -291,7 +322,8 @@ class SetupPlanner:
     def __init__(self, base: MemoryPlan, setup_of: Callable[[tuple[Change, ...]], PlanSetup], max_traces: int = 3,
                  note: Callable[[PlanSetup, MemoryPlan], str] | None = None) -> None:
         self.base, self.setup_of, self.max_traces, self.note = base, setup_of, max_traces, note
-        self.device_memory_bytes = base.setup.device_memory_bytes
+        self.device_memory_bytes = base.setup.usable_memory_bytes  # what a candidate's total must fit
+        self.reserve_bytes = base.setup.reserve_bytes
         self.traces: dict[str, ActivationPlan] = {activation_key(base.setup): base.activations}
         self.traced = 0
         self._setups: dict[tuple[Change, ...], PlanSetup] = {}
@@ -299,8 +331,9 @@ class SetupPlanner:
 
     def setup(self, changes: tuple[Change, ...]) -> PlanSetup:
         if changes not in self._setups:
-            setup = replace(self.setup_of(changes), device_memory_bytes=self.device_memory_bytes)
             base = self.base.setup
+            setup = replace(self.setup_of(changes), device_memory_bytes=base.device_memory_bytes,
+                            reserve_bytes=base.reserve_bytes, links=base.links)
             if setup == base:
                 raise Refused("changes nothing the memory plan reads")
             if setup.world != base.world:
@@ -327,9 +360,13 @@ class SetupPlanner:
             note = self.note(setup, plan) if self.note is not None else ""
             if plan.host_offload_bytes:
                 note = ", ".join(n for n in (note, f"host offload {_gib(plan.host_offload_bytes)} per rank") if n)
-            self._plans[changes] = Planned(plan.total, note)
+            self._plans[changes] = Planned(plan.total, note, plan.comm.step_seconds if plan.comm else None)
         return self._plans[changes]
 
 
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"

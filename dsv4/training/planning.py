@@ -8,10 +8,17 @@
 * ``plan.device_memory_gib``: the memory judged against. Default: on a GPU run (``trainer.accelerator`` gpu) the
   GPU's memory, 80 GiB when this process sees no GPU (a login node); on a CPU run the host's memory shared by the
   node's ranks; a plan-only run with the CPU trainer is judged against 80 GiB (it plans for GPUs).
+* ``plan.reserve_gib`` (default 4): kept free of that memory for what the plan does not trace (the CUDA context,
+  NCCL's buffers, allocator fragmentation, kernel workspaces); the plan fits when its total is at most the device
+  memory less the reserve, and ``plan.suggest`` searches for that.
 * ``plan.suggest``: when the plan does not fit (plan only, or a start that ``plan.enforce`` refuses), plan changes
   of the run's existing options (:func:`plan_changes`, each candidate checked by the recipe's own validation,
   :func:`dsv4.training.spec.build_run_spec`) and print the cheapest that fit (:mod:`dsv4.plan.suggest`), at most
-  that many (0: no search); ``memory_plan.json`` gets them as ``suggestions``.
+  that many (0: no search); ``memory_plan.json`` gets them as ``suggestions``. ``plan.rank_by=step_time`` orders
+  what fits by the estimated step time instead (:mod:`dsv4.plan.comm`).
+* The plan's communication table (bytes per rank and step by kind, their time, the compute time; printed by
+  ``plan=true``, ``communication_per_step`` in ``memory_plan.json``) is timed at ``plan.nvlink_gb_s``,
+  ``plan.infiniband_gb_s``, ``plan.pcie_gb_s``, ``plan.gpus_per_node`` and ``plan.tflops``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from dsv4.training.spec import RunSpec
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from dsv4.plan.comm import LinkSpeeds
     from dsv4.plan.plan import MemoryPlan, PlanSetup
     from dsv4.plan.suggest import Change, SearchResult
 
@@ -95,8 +103,18 @@ def plan_setup(spec: RunSpec, device_memory: int) -> PlanSetup:
         micro_batch_size=spec.micro_batch_size, cp=cp, dp=dp, ep=spec.parallel.ep, compute_dtype=spec.compute_dtype,
         optimizer=optimizer_profile(spec.optimizer), device_memory_bytes=device_memory, lora=spec.lora,
         cp_balance=spec.parallel.cp_balance, async_checkpoint=spec.checkpoint.async_save, offload=spec.offload,
-        engram_fp8=_engram_kept_fp8(spec),
+        engram_fp8=_engram_kept_fp8(spec), reserve_bytes=int(spec.plan.reserve_gib * GIB), dispatcher=spec.dispatcher,
+        links=link_speeds(spec.plan),
     )
+
+
+def link_speeds(options) -> LinkSpeeds:
+    """The :class:`~dsv4.plan.comm.LinkSpeeds` of the ``plan`` options."""
+    from dsv4.plan.comm import LinkSpeeds
+
+    return LinkSpeeds(nvlink_gb_s=float(options.nvlink_gb_s), infiniband_gb_s=float(options.infiniband_gb_s),
+                      pcie_gb_s=float(options.pcie_gb_s), gpus_per_node=int(options.gpus_per_node),
+                      tflops=float(options.tflops))
 
 
 def check_memory(spec: RunSpec, output_dir: Path, cfg: DictConfig | None = None) -> bool:
@@ -116,8 +134,9 @@ def check_memory(spec: RunSpec, output_dir: Path, cfg: DictConfig | None = None)
         print(plan.report(), flush=True)
     fits = None
     if not plan.fits and cfg is not None and options.suggest and (options.only or options.enforce):
-        log.info("memory plan: %.2f GiB per rank does not fit %.2f GiB; planning what would (plan.suggest=0 skips "
-                 "this)", plan.total / GIB, plan.setup.device_memory_bytes / GIB)
+        log.info("memory plan: %.2f GiB per rank does not fit %.2f GiB (%.2f GiB less the %.2f GiB reserve); planning "
+                 "what would (plan.suggest=0 skips this)", plan.total / GIB, plan.setup.usable_memory_bytes / GIB,
+                 plan.setup.device_memory_bytes / GIB, plan.setup.reserve_bytes / GIB)
         fits = suggest_fits(cfg, spec, plan, options.suggest)
         record["suggestions"] = fits.as_dict()
         (output_dir / PLAN_FILE).write_text(json.dumps(record, indent=2))
@@ -232,7 +251,8 @@ def suggest_fits(cfg: DictConfig, spec: RunSpec, plan: MemoryPlan, count: int) -
     known_world = spec.parallel.world_size is not None or os.environ.get("WORLD_SIZE", "").isdigit()
     changes = plan_changes(cfg, base, base.world if known_world else None)
     planner = SetupPlanner(plan, setup_of, max_traces=MAX_TRACES, note=note)
-    result = search(changes, planner, count=count, max_changes=MAX_CHANGES, max_candidates=MAX_CANDIDATES)
+    result = search(changes, planner, count=count, max_changes=MAX_CHANGES, max_candidates=MAX_CANDIDATES,
+                    rank_by=spec.plan.rank_by)
     result.traced = planner.traced
     return result
 

@@ -9,17 +9,33 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 
+RANK_BY = ("cost", "step_time")  # plan.rank_by: how plan.suggest orders what fits
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """``enabled``: plan at all; ``only``: plan and stop; ``enforce``: refuse to launch what does not fit;
-    ``device_memory_gib``: the memory judged against (None: see :mod:`dsv4.training.planning`); ``suggest``: when
-    the plan does not fit, print at most this many changes of the existing options that the plan fits (0: none)."""
+    ``device_memory_gib``: the memory judged against (None: see :mod:`dsv4.training.planning`); ``reserve_gib``: kept
+    free of it for what the plan does not trace (the CUDA context, NCCL's buffers, allocator fragmentation: the plan
+    fits when its total is at most the device memory less this; :data:`dsv4.plan.plan.DEFAULT_RESERVE_GIB`);
+    ``suggest``: when the plan does not fit, print at most this many changes of the existing options that the plan
+    fits (0: none); ``rank_by``: ``cost`` (the cheapest changes first) or ``step_time`` (the fastest estimated step
+    first, :mod:`dsv4.plan.comm`). The speeds the communication table times the step at
+    (:class:`dsv4.plan.comm.LinkSpeeds`, the same defaults): ``nvlink_gb_s``, ``infiniband_gb_s``, ``pcie_gb_s``
+    (GB/s per GPU and direction), ``gpus_per_node`` and ``tflops`` (the compute rate a GPU reaches)."""
 
     enabled: bool = True
     only: bool = False
     enforce: bool = True
     device_memory_gib: float | None = None
+    reserve_gib: float = 4.0
     suggest: int = 3
+    rank_by: str = "cost"
+    nvlink_gb_s: float = 450.0
+    infiniband_gb_s: float = 50.0
+    pcie_gb_s: float = 64.0
+    gpus_per_node: int = 8
+    tflops: float = 400.0
 
 
 def plan_options(value: Any) -> PlanOptions:
@@ -43,4 +59,16 @@ def plan_options(value: Any) -> PlanOptions:
     gib = values.get("device_memory_gib")
     if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib <= 0):
         raise ValueError(f"`plan.device_memory_gib` must be a positive number of GiB, got {gib!r}")
+    reserve = values.get("reserve_gib", 4.0)
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0:
+        raise ValueError(f"`plan.reserve_gib` must be a number of GiB >= 0, got {reserve!r}")
+    for name in ("nvlink_gb_s", "infiniband_gb_s", "pcie_gb_s", "tflops"):
+        value = values.get(name, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"`plan.{name}` must be a positive number, got {value!r}")
+    nodes = values.get("gpus_per_node", 8)
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"`plan.gpus_per_node` must be a positive integer, got {nodes!r}")
+    if values.get("rank_by", "cost") not in RANK_BY:
+        raise ValueError(f"`plan.rank_by` must be one of {', '.join(RANK_BY)}, got {values['rank_by']!r}")
     return PlanOptions(**values)

@@ -71,7 +71,7 @@ def test_a_start_that_does_not_fit_is_refused_naming_the_biggest_term(tmp_path):
     """... and what would fit: here nothing (1 MiB), which the message and memory_plan.json say."""
     run = tmp_path / "run"
     with pytest.raises(ValueError, match=r"DOES NOT FIT \(biggest term: activations\).*plan.enforce=false") as info:
-        run_finetune(_compose(["plan.device_memory_gib=0.001", "dry_run=true"]), run)
+        run_finetune(_compose(["plan.device_memory_gib=0.001", "plan.reserve_gib=0", "dry_run=true"]), run)
     assert "what would fit 1.0 MiB per rank: no candidate of at most 3 changes was planned to fit" in str(info.value)
     plan = json.loads((run / PLAN_FILE).read_text())
     assert plan["fits"] is False and plan["suggestions"]["fits_with"] == []
@@ -100,7 +100,7 @@ def test_what_would_fit_v41_through_the_recipe_checks():
     from dsv4.training.planning import candidate_setup, plan_setup, suggest_fits
     from dsv4.training.spec import build_run_spec
 
-    base_overrides = ["model=v41_tiny", "dp=2", "plan=true"]
+    base_overrides = ["model=v41_tiny", "dp=2", "plan.only=true", "plan.reserve_gib=0"]  # a device of under 1 GiB
     cfg = _compose(base_overrides)
     spec = build_run_spec(cfg)
     base = memory_plan(plan_setup(spec, 2**40))
