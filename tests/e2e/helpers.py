@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -144,6 +145,21 @@ def run_recipe(args: list[str], run_dir: Path | None = None, timeout: float = 18
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def kill_after(args: list[str], run_dir: Path, marker: Path, script: str = "recipes/finetune.py") -> None:
+    """Start ``script`` with ``args`` into ``run_dir`` (a fresh interpreter, its own session) and SIGKILL its whole
+    process group as soon as ``marker`` exists (e.g. a checkpoint's ``meta.pt``); AssertionError if it never does."""
+    cmd = [sys.executable, str(REPO / script), *args, f"hydra.run.dir={run_dir}"]
+    with reserved_port() as port:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=recipe_env(port), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + 1800  # a safety net against a hang, not a performance check
+        while not marker.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert marker.exists(), f"{script} never wrote {marker}"
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -16,7 +16,7 @@ import pytest
 
 from dsv4.training.checkpointing import checkpoint_step, complete_checkpoints
 from dsv4.training.run import read_objective
-from tests.e2e.helpers import FAST, REPO, losses, recipe_env, reserved_port, run_recipe
+from tests.e2e.helpers import FAST, REPO, kill_after, losses, recipe_env, reserved_port, run_recipe
 
 pytestmark = pytest.mark.e2e
 
@@ -76,18 +76,8 @@ def test_alltoall_expert_parallel_matches_local(runs, tmp_path):
 
 def test_kill_and_resume_continues_the_same_trajectory(runs, tmp_path):
     """SIGKILL the job after its step-2 checkpoint, rerun the same command: steps 3-4 match the uninterrupted run."""
-    cmd = [sys.executable, str(REPO / "recipes/finetune.py"), *FAST, "cp=2", "trainer.max_steps=4",
-           "checkpoint.every_n_steps=2", f"hydra.run.dir={tmp_path}"]
-    marker = tmp_path / "checkpoints" / "step2.ckpt" / "meta.pt"
-    with reserved_port() as port:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=recipe_env(port), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.time() + 1800  # a safety net against a hang, not a performance check
-        while not marker.exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert marker.exists(), "the job never wrote its step-2 checkpoint"
+    kill_after([*FAST, "cp=2", "trainer.max_steps=4", "checkpoint.every_n_steps=2"], tmp_path,
+               tmp_path / "checkpoints" / "step2.ckpt" / "meta.pt")
     run_recipe([*FAST, "cp=2", "trainer.max_steps=4", "checkpoint.every_n_steps=2"], tmp_path)
     resumed, reference = losses(tmp_path), losses(runs["cp2"])
     for step in (2, 3):

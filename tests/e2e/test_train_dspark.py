@@ -14,18 +14,13 @@ drafter loads and decodes through ``recipes/eval_dspark.py``.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
-from tests.e2e.helpers import REPO, losses, recipe_env, reserved_port, run_recipe
+from tests.e2e.helpers import kill_after, losses, run_recipe
 
 pytestmark = pytest.mark.e2e
 
@@ -102,17 +97,7 @@ def test_context_parallel_equals_one_rank(runs):
 def test_kill_and_resume_continues_the_same_trajectory(runs, tmp_path):
     """SIGKILL the online run after its step-2 checkpoint, rerun the same command: steps 2-3 as uninterrupted."""
     args = [*runs["common"], *TRAIN]
-    cmd = [sys.executable, str(REPO / SCRIPT), *args, f"hydra.run.dir={tmp_path}"]
-    marker = tmp_path / "checkpoints" / "step2.ckpt" / "meta.pt"
-    with reserved_port() as port:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=recipe_env(port), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.time() + 1800  # a safety net against a hang, not a performance check
-        while not marker.exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert marker.exists(), "the run never wrote its step-2 checkpoint"
+    kill_after(args, tmp_path, tmp_path / "checkpoints" / "step2.ckpt" / "meta.pt", script=SCRIPT)
     run_recipe(args, tmp_path, script=SCRIPT)
     resumed, reference = losses(tmp_path), losses(runs["base"] / "online")
     for step in (2, 3):
