@@ -63,6 +63,8 @@ import torch
 from torch import nn
 
 from dsv4.config import DSV4Config
+from dsv4.model.chunk_summary import LIMIT
+from dsv4.parallel.cp.layout import cp_chunks
 from dsv4.parallel.wrap import FsdpUnit
 from dsv4.plan.states import shard_elements
 
@@ -137,8 +139,8 @@ class CommPlan:
     the step's per-rank FLOPs (``flops``: with recompute; ``model_flops``: without) and the speeds."""
 
     traffic: list[Traffic]
-    flops: float
-    model_flops: float
+    flops: float | None  # None: no FLOP model for the family (V4.1); the compute time is then 0
+    model_flops: float | None
     speeds: LinkSpeeds = field(default_factory=LinkSpeeds)
 
     def by_kind(self) -> dict[str, Traffic]:
@@ -146,7 +148,7 @@ class CommPlan:
 
     @property
     def compute_seconds(self) -> float:
-        return self.flops / (self.speeds.tflops * 1e12)
+        return 0.0 if self.flops is None else self.flops / (self.speeds.tflops * 1e12)
 
     def _seconds(self, kinds: tuple[str, ...]) -> float:
         return sum(t.seconds for t in self.traffic if t.kind in kinds)
@@ -182,9 +184,10 @@ class CommPlan:
 
     def summary(self) -> str:
         """One line: the step estimate, compute and the communication that is not hidden."""
-        return (f"step about {_seconds(self.step_seconds)} per micro-batch (compute {_seconds(self.compute_seconds)} "
-                f"at {self.speeds.tflops:g} TFLOP/s; beside it FSDP and host copies {_seconds(self.overlapped_seconds)}"
-                f"; exposed EP / CP / Engram / PP {_seconds(self.exposed_seconds)})")
+        compute = ("compute not estimated" if self.flops is None else
+                   f"compute {_seconds(self.compute_seconds)} at {self.speeds.tflops:g} TFLOP/s")
+        return (f"step about {_seconds(self.step_seconds)} per micro-batch ({compute}; beside it FSDP and host copies "
+                f"{_seconds(self.overlapped_seconds)}; exposed EP / CP / Engram / PP {_seconds(self.exposed_seconds)})")
 
     def report(self) -> str:
         """The communication table ``plan=true`` prints (per rank and step)."""
@@ -196,8 +199,13 @@ class CommPlan:
             link = "-" if t.link == "-" else f"{t.link} ({t.group})" if t.link != "pcie" else "pcie"
             lines.append(f"      {t.kind:<30} {_size(t.sent):>11} {_size(t.received):>11} {t.calls:>6}  {link:<16} "
                          f"{_seconds(t.seconds):>9}  {t.note}")
-        lines.append(f"      {'compute':<30} {self.flops / 1e12:>10.1f}T FLOPs {'':<17} {_seconds(self.compute_seconds):>9}"
-                     f"  at {s.tflops:g} TFLOP/s (model FLOPs {self.model_flops / 1e12:.1f}T, recompute included)")
+        if self.flops is None:
+            lines.append(f"      {'compute':<30} {'not estimated':>24} {'':<17} {'-':>9}  dsv4/flops.py models V4's "
+                         "attention, not V4.1's CSA2: the step estimate is its communication alone")
+        else:
+            lines.append(f"      {'compute':<30} {self.flops / 1e12:>10.1f}T FLOPs {'':<17} "
+                         f"{_seconds(self.compute_seconds):>9}  at {s.tflops:g} TFLOP/s (model FLOPs "
+                         f"{self.model_flops / 1e12:.1f}T, recompute included)")
         lines.append(f"      {'step estimate':<30} {'':>11} {'':>11} {'':>6}  {'':<16} {_seconds(self.step_seconds):>9}"
                      f"  max(compute, FSDP + host copies) + EP + CP + Engram + PP; all in series "
                      f"{_seconds(self.serial_seconds)}")
@@ -297,14 +305,18 @@ def fsdp_traffic(units: list[FsdpUnit], owners: dict[nn.Parameter, FsdpUnit], me
 
 # ------------------------------------------------------------------------------------------------------ FLOPs
 def step_flops(config: DSV4Config, seq_len: int, cp: int, micro_batch_size: int = 1, balance: str = "none",
-               lora: bool = False) -> tuple[float, float]:
-    """``(FLOPs, model FLOPs)`` of one rank's step: the busiest CP rank's share of one causal document of
+               lora: bool = False) -> tuple[float, float] | None:
+    """``(FLOPs, model FLOPs)`` of one rank's step (None for DeepSeek-V4.1: :mod:`dsv4.flops` models V4's attention,
+    and would count V4.1's CSA2 layers, which select their keys, as dense ones): the busiest CP rank's share of one
+    causal document of
     ``seq_len`` tokens (:func:`dsv4.flops.cp_rank_training_flops`, per part), times the micro batch. Training is
     forward + 2 x forward for the gradients of inputs and weights (LoRA: the frozen base's weight gradients are not
     computed, 1 x forward); the frozen indexer forward only. ``FLOPs`` adds the recomputed forward: every part but
     the lm_head for ``block``, the attention and MoE parts for ``selective``."""
     from dsv4.flops import BREAKDOWN_KEYS, INDEXER_KEYS, cp_rank_training_flops
 
+    if getattr(config, "model_type", None) == "deepseek_v41":
+        return None
     forward_only = set() if config.indexer_loss_coeff > 0 else set(INDEXER_KEYS)
     recompute = {"block": set(BREAKDOWN_KEYS) - {"lm_head"},
                  "selective": {"attention_projections", "compressor", "indexer_projections", "indexer_scores",
@@ -383,8 +395,13 @@ def comm_plan(setup: Any, units: list[FsdpUnit], owners: dict[nn.Parameter, Fsdp
     add("ep dispatch + combine", *traced_sum(ep_kinds), "ep",
         f"dispatcher {setup.dispatcher}, uniform routing; forward, recomputed forward, backward")
     exchanges = sorted({k.split(".")[0] for k in cp_kinds})
-    add("cp exchanges", *traced_sum(cp_kinds), "cp",
-        f"{', '.join(exchanges) if exchanges else 'none'}; the last CP rank of one document over the sequence")
+    note = f"{', '.join(exchanges) if exchanges else 'none'}; the last CP rank of one document over the sequence"
+    last_start = setup.seq_len - setup.seq_len // cp_chunks(setup.cp, setup.cp_balance)  # the last chunk's position
+    if setup.cp > 1 and last_start // setup.config.shard_multiple >= LIMIT:
+        note = (f"NOT PLANNED: a document of {setup.seq_len} tokens has chunk positions the CP chunk summaries cannot "
+                f"hold (below {LIMIT * setup.config.shard_multiple} at shard multiple {setup.config.shard_multiple}, "
+                "dsv4/model/chunk_summary.py), so CP has no route for it")
+    add("cp exchanges", *traced_sum(cp_kinds), "cp", note)
     tokens = setup.micro_batch_size * setup.seq_len // setup.cp
     engram, calls = engram_traffic(setup.config, tokens, world, setup.compute_dtype, setup.engram_fp8)
     add("engram lookups", engram, engram, calls, "dp_cp", "V4.1 tables, upper bound (every id distinct)" if engram
@@ -400,9 +417,9 @@ def comm_plan(setup: Any, units: list[FsdpUnit], owners: dict[nn.Parameter, Fsdp
     else:
         add("host -> device", 0, 0, 0, None, "none (trainer.offload=none)")
         add("device -> host", 0, 0, 0, None, "none (trainer.offload=none)")
-    flops, model_flops = step_flops(setup.config, setup.seq_len, setup.cp, setup.micro_batch_size, setup.cp_balance,
-                                    setup.lora is not None)
-    return CommPlan(rows, flops, model_flops, speeds)
+    flops = step_flops(setup.config, setup.seq_len, setup.cp, setup.micro_batch_size, setup.cp_balance,
+                       setup.lora is not None)
+    return CommPlan(rows, *(flops if flops is not None else (None, None)), speeds)
 
 
 def _size(n: float) -> str:

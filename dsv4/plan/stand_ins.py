@@ -37,7 +37,7 @@ import torch
 
 from dsv4.config import DSV4Config
 from dsv4.model.attention_metadata import AttentionMetadata, build_attention_metadata
-from dsv4.model.chunk_summary import FIELD
+from dsv4.model.chunk_summary import FIELD, LIMIT
 from dsv4.model.context_parallel import ReadyRows
 from dsv4.model.dispatch import weighted_sum
 from dsv4.parallel.cp.collectives import HaloRoute, RowPlan
@@ -67,6 +67,7 @@ class PlanCP(PlannedLayout):
         self.rank, self.size, self.halo, self.balance = rank, size, None, balance
         self.layout = CPLayout(size, balance)
         self.traffic: TrafficCounter | None = None  # set while a segment is traced (module docstring)
+        self.chunk_units: int | None = None  # a chunk's length in shard multiples (plan_metadata sets it)
 
     def _count(self, tensor: torch.Tensor, out: torch.Tensor, plan: RowPlan, dim: int, kind: str) -> None:
         """Count a row exchange of ``plan`` on ``tensor`` (pieces along ``dim``), and its backward on ``out``."""
@@ -92,12 +93,18 @@ class PlanCP(PlannedLayout):
             self.traffic.add(kind or "metadata", sent=n, received=n)
         if local.device.type == "meta":
             return local.new_empty((batch, local.shape[1] * self.layout.num_chunks) + tuple(local.shape[2:]))
-        # one document over every chunk: chunk v continues it from position v * l, its last token ends at (v + 1) l
-        chunk = self.layout.chunks(self.rank)[0]
-        units = ((int(local[0, 0]) >> 16) & (FIELD - 1)) // (chunk + 1)  # l in shard multiples, from its tail field
+        # one document over every chunk: chunk v continues it from position v * l, its last token ends at (v + 1) l;
+        # the fields as chunk_summaries writes them: positions in shard multiples, a tail at or past LIMIT left 0 (no
+        # successor can start there), a head at or past it (a chunk the real run refuses as bad input) left 0 here:
+        # no route, and the communication table says so (dsv4.plan.comm)
+        units = self.chunk_units
+        if units is None:  # l in shard multiples, from this chunk's tail field
+            units = ((int(local[0, 0]) >> 16) & (FIELD - 1)) // (self.layout.chunks(self.rank)[0] + 1)
         v = torch.arange(self.layout.num_chunks)
+        head = torch.where((v > 0) & (v * units < LIMIT), v * units + 1, 0)
+        tail = torch.where((v + 1) * units < LIMIT, (v + 1) * units, 0)
         ids = FIELD**2 * (1 + FIELD)  # document 1 first and last
-        rows = (torch.where(v > 0, v * units + 1, 0) + FIELD * (v + 1) * units + ids).to(local.dtype)[None]
+        rows = (head + FIELD * tail + ids).to(local.dtype)[None]
         return rows.expand(batch, -1).clone()
 
     def halo_exchange(self, tensor: torch.Tensor, rows: int, dim: int = 1, kind: str = "halo",
@@ -228,6 +235,7 @@ def plan_metadata(config: DSV4Config, rows: int, local_len: int, cp: PlanCP) -> 
     """The metadata of rank ``cp.rank``'s ``rows`` local rows of ``local_len`` (its chunks of whole rows, each one
     document over all ranks), on ``meta``."""
     local = cp.layout.local_rows(cp.rank, rows // cp.layout.chunks_per_rank)
+    cp.chunk_units = local_len // config.shard_multiple
     positions = torch.stack([torch.arange(v * local_len, (v + 1) * local_len) for _, v in local])
     return _to_meta(build_attention_metadata(config, positions, torch.ones_like(positions), None,
                                              cp if cp.size > 1 else None))

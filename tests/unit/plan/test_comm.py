@@ -250,3 +250,24 @@ def test_suggest_ranks_by_step_time_on_request():
     assert fastest.as_dict()["rank_by"] == "step_time" and fastest.as_dict()["fits_with"][0]["step_seconds"] == 1.0
     with pytest.raises(ValueError, match="rank_by must be one of cost, step_time"):
         search(changes, _Timed(), rank_by="speed")
+
+
+@pytest.mark.parametrize("length,routed", [(32768, True), (65536, False)])
+def test_the_cp_stand_in_summaries_follow_the_real_limits(length, routed):
+    """V4.1 (shard multiple 2), CP 2, one document of 2 x ``length`` tokens: the last rank's chunk starts at
+    ``length``. At 32768 (16384 shard multiples, under the summaries' 32767) it continues the document: a halo and
+    the earlier compressed rows arrive (the stand-in once wrote the last chunk's tail, 32768 multiples, into the
+    field's flag bit, and planned no exchange at 64K tokens). At 65536 the chunk's position is past what a summary
+    holds: the real run refuses it, the stand-in routes nothing."""
+    from dsv4.plan.stand_ins import PlanCP, plan_metadata
+
+    meta = plan_metadata(DSV4Config.preset("v41_tiny"), 1, length, PlanCP(1, 2))
+    received = sum(t.hi - t.lo for plan in meta.routes.preceding.values() for ts in plan.recvs.values() for t in ts)
+    assert (meta.routes.halo.pairs == ((0, 0, 1, 0),)) is routed and (received > 0) is routed
+
+
+def test_v41_compute_is_not_estimated():
+    """dsv4/flops.py counts V4's attention; V4.1's CSA2 layers would count as dense: no compute time for V4.1."""
+    assert step_flops(DSV4Config.preset("v41_tiny"), 256, 1) is None
+    plan = CommPlan([], None, None)
+    assert plan.compute_seconds == 0 and "not estimated" in plan.report() and "compute not estimated" in plan.summary()
