@@ -11,11 +11,10 @@ micro-batch). What one rank moves, per kind (:data:`KINDS`):
   (every unit but the root, which is gathered once and kept) is gathered at each call of its forward and again each
   time backward reaches a call's output, at least once in backward (FSDP's backward prefetch gathers a unit whose
   output takes no gradient too: the frozen indexer's compressor); a forward recomputed in backward finds it
-  gathered. The calls are the
-  traced ones (:attr:`~dsv4.plan.activations.SegmentTrace.unit_calls`: once each, except where the model calls a
-  unit twice, e.g. an overlap compressor's boundary under CP). A rank contributes its padded shard
-  (``ceil(dim0 / mesh)`` rows of each parameter) and receives the other ranks': ``shard x (mesh - 1)`` bytes each way
-  per gather. A one-rank mesh moves nothing.
+  gathered. The calls are the traced ones (:attr:`~dsv4.plan.activations.SegmentTrace.unit_calls`: once each,
+  except where the model calls a unit twice, e.g. an overlap compressor's boundary under CP). A rank contributes its
+  padded shard (``ceil(dim0 / mesh)`` rows of each parameter) and receives the other ranks': ``shard x (mesh - 1)``
+  bytes each way per gather. A one-rank mesh moves nothing.
 * **FSDP reduce-scatters**: each unit with trainable parameters reduces their gradients once per backward, in fp32
   (the reduce dtype): ``trainable shard x 4 x (mesh - 1)`` bytes each way. Frozen parameters (a LoRA base) are
   gathered, never reduced.
@@ -35,8 +34,8 @@ micro-batch). What one rank moves, per kind (:data:`KINDS`):
   shard once.
 
 Not counted: the small all-reduces of a step (the loss and its label count, the gradient norm, the routers' expert
-loads, the step statistics: a few bytes per MoE layer and expert; 0.01 % of the bytes of the tiny model's CPU runs,
-``benchmarks/comm_plan.py``), and the Engram token ids a V4.1 CP rank receives with its halo (``engram_max_ngram_size
+loads, the step statistics: a few bytes per MoE layer and expert; at most 0.01 % of the bytes of the tiny model's CPU
+runs, ``benchmarks/comm_plan.py``), and the Engram token ids a V4.1 CP rank receives with its halo (``engram_max_ngram_size
 - 1`` int32 per continued row).
 
 **Time.** A kind's time is ``max(sent, received) / bandwidth`` of its link (links are full duplex, and the per-rank
@@ -44,7 +43,8 @@ volumes above are what ring all-gathers, reduce-scatters and all-to-alls move on
 group's ranks share a node (``gpus_per_node`` consecutive ranks form a node; CP and EP groups are consecutive ranks,
 the expert FSDP mesh strides by ``ep``), InfiniBand when a group spans nodes (the slowest link of a ring), PCIe for
 the host copies. Compute: the per-rank FLOPs of the step (:mod:`dsv4.flops`, the busiest CP rank, times the micro
-batch; with recompute the recomputed forward too; LoRA: no weight gradients for the frozen base) at ``tflops``. The
+batch; with recompute the recomputed forward too; LoRA: no weight gradients for the frozen base; none for V4.1,
+whose CSA2 attention that model does not describe) at ``tflops``. The
 step estimate overlaps what runs beside compute (FSDP's prefetched all-gathers and its reduce-scatters on their own
 streams, the offload copies) and adds what the model waits for (EP dispatches, CP exchanges, Engram lookups, PP
 sends)::
