@@ -108,24 +108,23 @@ def test_a_nan_loss_at_the_first_step_stops_with_no_checkpoint_yet(tmp_path, one
 
 def test_skip_nonfinite_steps_skips_without_an_update_and_the_run_finishes(tmp_path, one_rank_group, monkeypatch,
                                                                            caplog):
-    import dsv4.training.run as run_lib
+    from dataclasses import replace
+
+    from dsv4.training.run import FINETUNE
 
     snapshots = _Snapshots()
-    build = run_lib.build_run_spec
 
     def with_snapshots(cfg):
-        from dataclasses import replace
-
-        spec = build(cfg)
+        spec = FINETUNE.build_spec(cfg)
         return replace(spec, callbacks=(*spec.callbacks, snapshots))
 
-    monkeypatch.setattr(run_lib, "build_run_spec", with_snapshots)
     _inject_nan_gradient(monkeypatch, {2}, BAD)
     caplog.set_level(logging.WARNING, logger="dsv4")
     run = tmp_path / "run"
     run.mkdir()
     run_finetune(_compose([*FAST, "trainer.max_steps=4", "checkpoint.every_n_steps=0",
-                           "trainer.skip_nonfinite_steps=1"]), run)
+                           "trainer.skip_nonfinite_steps=1"]), run,
+                 recipe=replace(FINETUNE, build_spec=with_snapshots))
     assert "skipping optimizer step 2 (1 of trainer.skip_nonfinite_steps=1)" in caplog.text
     assert f"first non-finite gradient: {BAD} (rank 0)" in caplog.text
     before, skipped, next_ = snapshots.after[1], snapshots.after[2], snapshots.after[3]
