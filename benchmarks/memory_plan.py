@@ -167,7 +167,6 @@ def _document(config, seq_len: int, rank: int, world_size: int):
 
 def _state_bytes(model, optimizer) -> int:
     """Bytes of the parameter shards, buffers and optimizer state that exist between steps."""
-    import torch
     from torch.distributed.tensor import DTensor
 
     def nbytes(t):

@@ -23,7 +23,6 @@ from collections import Counter
 
 from dsv4.checkpoint import keys as K
 from dsv4.checkpoint.hf_config import (
-    SCHEMES,
     checkpoint_family,
     config_from_hf,
     quant_scheme_of,

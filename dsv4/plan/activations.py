@@ -36,7 +36,6 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from dsv4.config import DSV4Config
 from dsv4.model.attention import DSV4Attention
 from dsv4.model.block import DSV4Block
 from dsv4.model.hyper_connections import HyperConnection

@@ -45,7 +45,7 @@ from dsv4.parallel.cp.layout import cp_chunks
 from dsv4.model import build_causal_lm
 from dsv4.model.v41.engram_table import LocalEngramTable
 from dsv4.parallel.expert_shard import shard_experts
-from dsv4.parallel.wrap import OFFLOAD, fsdp_units, model_blocks, store_frozen_in_compute_dtype
+from dsv4.parallel.wrap import OFFLOAD, fsdp_units, store_frozen_in_compute_dtype
 from dsv4.peft.apply import apply_lora
 from dsv4.peft.config import LoRAConfig
 from dsv4.plan.activations import ActivationPlan, Phase, cast_for_compute, plan_activations, step_tracer

@@ -266,7 +266,7 @@ def test_every_tensor_equals_reference_dequantised(release, loaded):
             continue
         assert torch.equal(_value(state, key), value), key
         checked += 1
-    targets = sum(v.shape[0] if isinstance(m := loaded.model.get_submodule(n.rsplit(".", 1)[0]), GroupedExperts)
+    targets = sum(v.shape[0] if isinstance(loaded.model.get_submodule(n.rsplit(".", 1)[0]), GroupedExperts)
                   else 1 for n, v in state.items())
     assert checked == targets  # every model tensor (each expert row) came from the checkpoint
     assert any(".engram.embed." in k for k in release.deq) and any(".attn.indexer.wk." in k for k in release.deq)

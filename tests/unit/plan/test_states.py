@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from dsv4.config import DSV4Config
 from dsv4.model.model import DSV4ForCausalLM

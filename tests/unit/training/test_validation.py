@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import functools
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
