@@ -112,7 +112,8 @@ class DSparkStage(nn.Module):
     def forward(self, x: Tensor, carry: Tensor, context: Tensor, layout: DraftAttentionLayout,
                 previous: Tensor | None = None) -> StageOutput:
         if hasattr(self, "main_proj"):
-            context = self.main_norm(self.main_proj(context.detach()))
+            proj = self.main_proj  # the target's features in the projection's compute dtype (bf16 under FSDP2's
+            context = self.main_norm(proj(context.detach().to(proj.weight.dtype)))  # mixed precision)
         mix_a = self.attn_hc(x)
         y = self.self_attn(self.input_layernorm(self.attn_hc.collapse(x, carry)), context, layout)
         x = self.attn_hc.expand(x, y, mix_a.post, mix_a.comb)

@@ -177,3 +177,18 @@ def test_the_case_is_well_conditioned(case):
     grads = case[None]["grads"]
     worst = max(_rel(grads[n], p.grad.float()) for n, p in double.named_parameters() if p.grad is not None)
     assert worst < GRAD_TOL / 4, worst
+
+
+def test_a_bfloat16_drafter_takes_the_float32_target_features(case):
+    """Under FSDP2 mixed precision the drafter computes in bf16 while the frozen target hands it fp32 features: the
+    projection reads them in its own dtype, as if they had come in bf16."""
+    import copy
+
+    model = copy.deepcopy(case["model"]).to(torch.bfloat16)
+    ids, features, _, _ = case["inputs"]
+    with torch.no_grad():
+        got = model(ids, features, ANCHORS)
+        want = model(ids, features.to(torch.bfloat16), ANCHORS)
+    assert got.draft_logits.dtype == torch.float32
+    assert torch.equal(got.draft_logits, want.draft_logits)
+    assert torch.equal(got.confidence_logits, want.confidence_logits)
