@@ -29,13 +29,25 @@ def stores_quantized_weights(path: str) -> bool:
                for key, info in ckpt.tensors.items() if key.endswith(".weight"))
 
 
+def store_in_compute_dtype(model: torch.nn.Module, compute_dtype: torch.dtype) -> torch.nn.Module:
+    """Store a frozen ``model``'s float parameters as a fine-tuning run under FSDP2 mixed precision computes with
+    them: in ``compute_dtype``, except the modules the release keeps in fp32 (:data:`dsv4.parallel.wrap.FP32_MODULES`)
+    and the Engram tables; kept FP8 / FP4 weights and the buffers stay as they are. In place; returns ``model``."""
+    from dsv4.parallel.wrap import fsdp_units, store_frozen_in_compute_dtype
+
+    if compute_dtype != torch.float32:
+        store_frozen_in_compute_dtype(fsdp_units(model, compute_dtype))
+    return model
+
+
 def build_frozen_target(config, *, checkpoint: str | None = None, tokenizer="byte", seed: int = 0,
                         keep_quantized: bool = True, before_load=None, ep_rank: int | None = None,
-                        ep_size: int | None = None) -> torch.nn.Module:
+                        ep_size: int | None = None, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The frozen target (module docstring); ``keep_quantized=False`` dequantises a quantised checkpoint instead.
     ``before_load(model)`` runs before the checkpoint is read (a run's Engram row sharding: each rank then reads
     its rows); ``ep_rank`` / ``ep_size``: read only that expert-parallel rank's routed experts (the caller shards
-    them next)."""
+    them next); ``compute_dtype``: the float weights stored as a run in that dtype computes
+    (:func:`store_in_compute_dtype`; float32: as loaded)."""
     from dsv4.model import build_causal_lm
 
     torch.manual_seed(seed)
@@ -64,4 +76,5 @@ def build_frozen_target(config, *, checkpoint: str | None = None, tokenizer="byt
         model.load_state_dict(load_file(checkpoint), strict=True)
     elif before_load is not None:
         before_load(model)
-    return model.eval().requires_grad_(False)
+    model.requires_grad_(False)
+    return store_in_compute_dtype(model, compute_dtype).eval()

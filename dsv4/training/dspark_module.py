@@ -114,7 +114,8 @@ class DSparkLightningModule(DSV4LightningModule):
     def _build_target(self) -> torch.nn.Module:
         """The frozen target, parallel as the run is: Engram tables row-sharded over every rank (each reads its
         rows) and routed experts over the expert-parallel ranks (each reads its experts), as fine-tuning holds the
-        model; no FSDP (nothing of it trains)."""
+        model; no FSDP (nothing of it trains); its float weights in the run's compute dtype as FSDP2's mixed
+        precision would cast them (:func:`~dsv4.speculative.target.store_in_compute_dtype`)."""
         from dsv4.parallel.expert_shard import apply_expert_parallel
         from dsv4.speculative.target import build_frozen_target
         from dsv4.training.strategy import DSV4Strategy
@@ -126,7 +127,8 @@ class DSparkLightningModule(DSV4LightningModule):
                                      tokenizer=self.spec.data.get("tokenizer", "byte"), seed=self.spec.seed,
                                      before_load=strategy.shard_engram_tables if parallel else None,
                                      ep_rank=self.parallel.ep_rank if ep else None,
-                                     ep_size=self.parallel.ep_size if ep else None)
+                                     ep_size=self.parallel.ep_size if ep else None,
+                                     compute_dtype=self.spec.compute_dtype)
         if parallel and (ep or strategy.dispatcher != "local"):
             apply_expert_parallel(target, strategy.dispatcher, strategy.meshes.ep.get_group(),
                                   strategy.root_device.type)

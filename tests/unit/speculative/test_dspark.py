@@ -191,3 +191,33 @@ def test_v41_capture_job_defaults_to_the_dspark_targets(tmp_path):
         stored = load_file(str(tmp_path / "features" / entry["shard"]))
         torch.testing.assert_close(stored[f"{d}.hidden_states"], hidden, atol=1e-5, rtol=0)
         torch.testing.assert_close(stored[f"{d}.last_hidden_state"], last, atol=1e-5, rtol=0)
+
+
+def test_a_bf16_target_computes_what_fsdp_mixed_precision_computes(one_rank_group):
+    """``build_frozen_target(compute_dtype=bf16)``: the float weights stored in bf16 except the modules the release
+    keeps in fp32 and the Engram tables, buffers as built; its features equal, bit for bit, those of the same model
+    sharded by ``apply_fsdp`` in bf16 (what a fine-tuning run computes; FSDP2 casts at each all-gather)."""
+    from dsv4.batch import TokenBatch
+    from dsv4.model.v41.engram_table import LocalEngramTable
+    from dsv4.parallel.mesh import ParallelDims, build_meshes
+    from dsv4.parallel.wrap import FP32_MODULES, apply_fsdp
+    from dsv4.speculative.dspark_step import target_features
+    from dsv4.speculative.target import build_frozen_target
+
+    config = DSV4Config.preset("v41_tiny")
+    half = build_frozen_target(config, seed=0, compute_dtype=torch.bfloat16)
+    sharded = build_frozen_target(config, seed=0)
+    fp32 = {f"{n}.{p}" if n else p for n, m in half.named_modules() if isinstance(m, (*FP32_MODULES, LocalEngramTable))
+            for p, _ in m.named_parameters()}
+    assert fp32 and any(".engram." in n for n in fp32)
+    for name, p in half.named_parameters():
+        assert p.dtype == (torch.float32 if name in fp32 else torch.bfloat16), name
+        assert not p.requires_grad
+    assert all(a.dtype == b.dtype for a, b in zip(half.buffers(), sharded.buffers()))
+    apply_fsdp(sharded, build_meshes(ParallelDims(world_size=1), "cpu"), compute_dtype=torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(0))  # byte tokens
+    batch = TokenBatch(ids, ids, torch.ones_like(ids), torch.arange(64).unsqueeze(0))
+    got, got_last = target_features(half, batch, config.dspark_target_layer_ids)
+    want, want_last = target_features(sharded, batch, config.dspark_target_layer_ids)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want) and torch.equal(got_last, want_last)
