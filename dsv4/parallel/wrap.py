@@ -3,7 +3,9 @@
 * Routed experts (``GroupedExperts``) are sharded over the ``edp`` mesh (the replicas of one EP slice); every
   block and the root over the flattened ``dp_cp`` mesh. DeepSeek-V4.1's Engram tables are not FSDP's: they are
   row-sharded over the ``dp_cp`` mesh first (:func:`dsv4.parallel.engram_table.shard_engram_tables`) and passed to
-  every ``fully_shard`` as ignored parameters, so no unit gathers or reduces them. Each element of every parameter
+  every ``fully_shard`` as ignored parameters, so no unit gathers or reduces them; a table held in host memory
+  (``trainer.engram_tables=host``) has its FP8 buffers set apart while ``fully_shard`` runs, which would otherwise
+  move them to the device (:func:`~dsv4.parallel.engram_table.tables_set_apart`). Each element of every parameter
   is then owned by exactly one rank of the world, which :func:`clip_grad_norm_` relies on.
 * Gradients are SUMMED, not averaged, across ranks (``set_gradient_divide_factor(1.0)``): each rank
   backpropagates its share ``loss_sum / global_label_count`` (:mod:`dsv4.training.loss`), so the sum over ranks
@@ -40,7 +42,7 @@ from dsv4.model.hyper_connections import HyperConnection, HyperHead
 from dsv4.model.moe import GroupedExperts
 from dsv4.model.v41.compressor import CSA2Compressor
 from dsv4.model.v41.engram_table import LocalEngramTable
-from dsv4.parallel.engram_table import shard_engram_tables, sharded_table_parameters
+from dsv4.parallel.engram_table import shard_engram_tables, sharded_table_parameters, tables_set_apart
 from dsv4.parallel.mesh import Meshes
 from dsv4.peft.apply import is_lora_model
 
@@ -108,26 +110,28 @@ def store_frozen_in_compute_dtype(units: list[FsdpUnit]) -> int:
 
 def apply_fsdp(
     model: nn.Module, meshes: Meshes, *, compute_dtype: torch.dtype = torch.float32,
-    reshard_after_forward: bool = True, offload: bool = False,
+    reshard_after_forward: bool = True, offload: bool = False, engram_on_host: bool = False,
 ) -> nn.Module:
     """Shard ``model`` (a ``DSV4ForCausalLM``) in place: Engram tables by rows over ``dp_cp`` (when not yet), experts
     over ``edp``, blocks and root over ``dp_cp``, computing in ``compute_dtype``; ``offload``: shards, gradients and
     optimizer state in host memory (see the module docstring and :func:`fsdp_units`). The Engram tables stay where
-    they are (not offloaded; the caller places them with the model)."""
+    they are (not offloaded; the caller places them with the model); ``engram_on_host``: held in host memory
+    (``trainer.engram_tables=host``), where no move of the model or of FSDP's reaches them."""
     # No unit casts its inputs: the embedding output is already in compute_dtype, the fp32 units upcast inside (so
     # the residual streams stay in compute_dtype), and a cast would rebuild the CPContext argument (a dataclass).
-    shard_engram_tables(model, meshes.dp_cp)
+    shard_engram_tables(model, meshes.dp_cp, on_host=engram_on_host)
     ignored = sharded_table_parameters(model)
     units = fsdp_units(model, compute_dtype, reshard_after_forward)
     if is_lora_model(model):
         store_frozen_in_compute_dtype(units)
     host = offload_policy(offload)
-    for unit in units:
-        policy = MixedPrecisionPolicy(param_dtype=None if unit.param_dtype == torch.float32 else unit.param_dtype,
-                                      reduce_dtype=torch.float32, cast_forward_inputs=False)
-        fully_shard(unit.module, mesh=getattr(meshes, unit.mesh), mp_policy=policy,
-                    reshard_after_forward=unit.reshard_after_forward, offload_policy=host,
-                    ignored_params=ignored or None)
+    with tables_set_apart(model):
+        for unit in units:
+            policy = MixedPrecisionPolicy(param_dtype=None if unit.param_dtype == torch.float32 else unit.param_dtype,
+                                          reduce_dtype=torch.float32, cast_forward_inputs=False)
+            fully_shard(unit.module, mesh=getattr(meshes, unit.mesh), mp_policy=policy,
+                        reshard_after_forward=unit.reshard_after_forward, offload_policy=host,
+                        ignored_params=ignored or None)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

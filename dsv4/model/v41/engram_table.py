@@ -18,6 +18,15 @@ float8_e8m0fnu ``[local_rows, ceil(head_dim / 32)]``, one power-of-two scale per
 state-dict names are the checkpoint's (``layers.{i}.engram.embed.weight`` / ``.scale``). Rows of the FP8 form are
 dequantised after the lookup, only the looked-up ones. ``weight`` / ``scale`` may be ``DTensor`` s (a sharded
 table's rows as one global tensor, for distributed checkpoints); rows are always read from the local tensor.
+
+Host memory (:meth:`LocalEngramTable.hold_on_host`, ``trainer.engram_tables=host``): a frozen table's storage stays
+in host memory when the model moves. Invariants: a held table's ``weight`` / ``scale`` are never moved or cast by a
+module move (``.to(device)``, ``.to(dtype)``, ``.cuda()``, ``.float()``: :meth:`LocalEngramTable._apply` leaves them
+as they are, and the state-dict names are unchanged, so a checkpoint load still writes the rows into them); a row
+read (:meth:`~LocalEngramTable.read`, :meth:`~LocalEngramTable.encode`) moves the asked ids to the storage's device,
+gathers (and, for a float table, casts to the asked dtype) there, and returns the rows on the ids' device: the only
+bytes that cross are the ids and the rows asked for. A kept FP8 table is never cast by a dtype move, held or not: it
+follows a move's device only.
 """
 
 from __future__ import annotations
@@ -80,10 +89,58 @@ class LocalEngramTable(nn.Module):
         self.rows, self.head_dim = int(rows), int(head_dim)
         self.row_start, self.local_rows = int(start), int(stop - start)
         self.weight = nn.Parameter(torch.empty(self.local_rows, self.head_dim), requires_grad=bool(trainable))
+        self._on_host = False
 
     def extra_repr(self) -> str:
         held = "" if self.local_rows == self.rows else f", rows [{self.row_start}, {self.row_start + self.local_rows})"
-        return f"{self.rows}, {self.head_dim}{held}, {'fp8' if self.kept_fp8 else str(self.weight.dtype)[6:]}"
+        host = ", in host memory" if self._on_host else ""
+        return f"{self.rows}, {self.head_dim}{held}, {'fp8' if self.kept_fp8 else str(self.weight.dtype)[6:]}{host}"
+
+    @property
+    def held_on_host(self) -> bool:
+        """True when the rows stay in host memory whatever the model's device (:meth:`hold_on_host`)."""
+        return self._on_host
+
+    @torch.no_grad()
+    def hold_on_host(self) -> None:
+        """Keep this frozen table's rows in host memory (module docstring): the storage moves to the CPU now if it is
+        elsewhere, and from now on no module move touches it. A trainable table refuses (``ValueError``): its gradient
+        and optimizer state live with its rows on the device. Idempotent."""
+        if self.weight.requires_grad:
+            raise ValueError(f"Engram table of {self.rows} rows: a trainable table (model.engram_trainable=true) "
+                             "cannot be held in host memory (trainer.engram_tables=host holds frozen tables only)")
+        self._on_host = True
+        for name in ("weight", "scale"):
+            t = getattr(self, name, None)
+            if t is None:
+                continue
+            local = _local(t)
+            if local.device.type in ("cpu", "meta"):
+                continue
+            moved = self._wrap(local.detach().cpu())
+            if name in self._parameters:
+                self._parameters[name] = nn.Parameter(moved, requires_grad=False)
+            else:
+                self._buffers[name] = moved
+
+    def _wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (rows of this table's slice) as the table stores them: as they are here; a sharded table wraps
+        them in a ``DTensor`` of the whole table."""
+        return local
+
+    def _apply(self, fn, recurse: bool = True):
+        """A module move (``to``, ``cuda``, ``float``, ...): a table held on the host stays where and as it is (module
+        docstring); a kept FP8 table follows the move's device, never its dtype; a float table moves as any module."""
+        if self._on_host:
+            return self
+        if not self.kept_fp8:
+            return super()._apply(fn, recurse)
+        for name in ("weight", "scale"):
+            t = self._buffers[name]
+            local = _local(t)
+            target = fn(local.new_empty(0))  # where (and in which dtype) the move would put it
+            self._buffers[name] = fn(t) if target.dtype == local.dtype else t.to(target.device)
+        return self
 
     @property
     def kept_fp8(self) -> bool:
@@ -116,25 +173,29 @@ class LocalEngramTable(nn.Module):
         self._set_storage(q, s)
 
     def _set_storage(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
-        """Replace the float parameter by the FP8 buffers (local tensors; a sharded table wraps them)."""
+        """Replace the float parameter by the FP8 buffers (local tensors, wrapped by :meth:`_wrap`)."""
         del self.weight
-        self.register_buffer("weight", weight)
-        self.register_buffer("scale", scale)
+        self.register_buffer("weight", self._wrap(weight))
+        self.register_buffer("scale", self._wrap(scale))
 
     def read(self, local_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The held rows at positions ``local_ids [n]`` of the slice (global row ``row_start + local_id``),
-        ``[n, head_dim]`` in ``dtype`` (FP8 rows dequantised after the gather; a float table's gather is
-        differentiable)."""
+        ``[n, head_dim]`` in ``dtype`` on ``local_ids``' device (FP8 rows dequantised there after the gather; a float
+        table's rows gathered and cast where the table is, then sent; the gather is differentiable)."""
         if self.kept_fp8:
             return self.decode(self.encode(local_ids), dtype)
-        rows = F.embedding(local_ids, _local(self.weight))
-        return rows if dtype is None else rows.to(dtype)
+        weight = _local(self.weight)
+        rows = F.embedding(local_ids.to(weight.device), weight)
+        rows = rows if dtype is None else rows.to(dtype)
+        return rows.to(local_ids.device)
 
     def encode(self, local_ids: torch.Tensor) -> torch.Tensor:
         """The FP8 rows at ``local_ids [n]`` as they travel: ``uint8 [n, head_dim + scale columns]`` (the e4m3 bytes,
-        then the e8m0 scale bytes)."""
+        then the e8m0 scale bytes), gathered where the table is and returned on ``local_ids``' device."""
         weight, scale = _local(self.weight), _local(self.scale)
-        return torch.cat([weight.view(torch.uint8)[local_ids], scale.view(torch.uint8)[local_ids]], dim=-1)
+        at = local_ids.to(weight.device)
+        payload = torch.cat([weight.view(torch.uint8)[at], scale.view(torch.uint8)[at]], dim=-1)
+        return payload.to(local_ids.device)
 
     def decode(self, payload: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """:meth:`encode` 's bytes -> the dequantised rows ``[n, head_dim]`` in ``dtype`` (bf16 when None)."""
