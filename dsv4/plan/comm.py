@@ -28,7 +28,14 @@ micro-batch). What one rank moves, per kind (:data:`KINDS`):
   rows back (the compute dtype, or the FP8 form's ``head_dim + head_dim / 32`` bytes), the rows' gradients back to
   their owners when the tables train. An upper bound: every id looked up is counted as distinct (``unique`` sends a
   repeated id once) and ``(world - 1) / world`` of them as another rank's.
-* **PP sends**: the hook for pipeline parallelism, 0 without it (``pp = 1``).
+* **Engram host copies** (``engram_on_host``, ``trainer.engram_tables=host``: the frozen tables held in host
+  memory): per Engram layer and lookup (a recomputed block looks up again), the ids the rank's owned rows are asked
+  for go device -> host (int64) and those rows come back host -> device (the FP8 form's ``head_dim + head_dim / 32``
+  bytes, or the float rows cast to the compute dtype on the host), before the rows-back all-to-all. The rows a rank
+  serves are the ids every rank asks of it (its own included): under the uniform spread of the Engram lookups above,
+  as many as it asks itself, ``micro batch x tokens per CP rank x (engram_max_ngram_size - 1) x engram_n_heads`` per
+  layer and lookup. The same upper bound (every id counted as distinct; ``unique`` copies a repeated one once); one
+  rank copies its own lookups. Two copies per lookup (the ids, the rows).
 * **host -> device** and **device -> host** under host offload (:mod:`dsv4.plan.offload`): every unit's stored
   shards each time FSDP gathers it (the copy precedes the all-gather; on a one-rank mesh too), every fp32 gradient
   shard once.
@@ -46,10 +53,10 @@ the host copies. Compute: the per-rank FLOPs of the step (:mod:`dsv4.flops`, the
 batch; with recompute the recomputed forward too; LoRA: no weight gradients for the frozen base; none for V4.1,
 whose CSA2 attention that model does not describe) at ``tflops``. The
 step estimate overlaps what runs beside compute (FSDP's prefetched all-gathers and its reduce-scatters on their own
-streams, the offload copies) and adds what the model waits for (EP dispatches, CP exchanges, Engram lookups, PP
-sends)::
+streams, the offload copies) and adds what the model waits for (EP dispatches, CP exchanges, Engram lookups and
+their host copies, PP sends)::
 
-    step = max(compute, FSDP + max(host -> device, device -> host)) + EP + CP + Engram + PP
+    step = max(compute, FSDP + max(host -> device, device -> host)) + EP + CP + Engram + Engram host copies + PP
 
 a model, not a measurement: no GPU run has checked these times. ``serial`` (compute plus every kind) bounds it above.
 """
@@ -71,10 +78,11 @@ from dsv4.plan.states import shard_elements
 GIB = 2**30
 # The kinds of the communication table, in its order.
 KINDS = ("fsdp all-gather", "fsdp reduce-scatter", "fsdp all-gather, experts", "fsdp reduce-scatter, experts",
-         "ep dispatch + combine", "cp exchanges", "engram lookups", "pp sends", "host -> device", "device -> host")
+         "ep dispatch + combine", "cp exchanges", "engram lookups", "engram host copies", "pp sends", "host -> device",
+         "device -> host")
 OVERLAPPED = ("fsdp all-gather", "fsdp all-gather, experts", "fsdp reduce-scatter", "fsdp reduce-scatter, experts")
 HOST_COPIES = ("host -> device", "device -> host")
-EXPOSED = ("ep dispatch + combine", "cp exchanges", "engram lookups", "pp sends")
+EXPOSED = ("ep dispatch + combine", "cp exchanges", "engram lookups", "engram host copies", "pp sends")
 EP_KINDS = ("ep_dispatch", "ep_combine")  # the dispatcher stand-in's kinds (and their ".backward")
 
 
@@ -161,7 +169,7 @@ class CommPlan:
 
     @property
     def exposed_seconds(self) -> float:
-        """What the model waits for: EP, CP, the Engram lookups, PP."""
+        """What the model waits for: EP, CP, the Engram lookups and their host copies, PP."""
         return self._seconds(EXPOSED)
 
     @property
@@ -355,6 +363,20 @@ def engram_traffic(config: Any, tokens: int, world: int, compute_dtype: torch.dt
     return len(layers) * (passes * per_lookup + backward), calls
 
 
+def engram_host_traffic(config: Any, tokens: int, compute_dtype: torch.dtype, fp8: bool) -> tuple[int, int, int]:
+    """``(ids bytes device -> host, row bytes host -> device, copies)`` per step of one rank whose frozen Engram
+    tables are held in host memory (module docstring; an upper bound), for ``tokens`` tokens per rank (micro batch x
+    tokens per CP rank): the rows it serves, as many as it asks."""
+    layers = list(getattr(config, "engram_layer_ids", None) or [])
+    if not layers:
+        return 0, 0, 0
+    head = int(config.engram_head_dim)
+    ids = tokens * (int(config.engram_max_ngram_size) - 1) * int(config.engram_n_heads)
+    row = head + head // 32 if fp8 else head * compute_dtype.itemsize
+    lookups = len(layers) * (2 if config.activation_checkpointing == "block" else 1)
+    return lookups * ids * 8, lookups * ids * row, lookups * 2
+
+
 # ------------------------------------------------------------------------------------------------------ the table
 def comm_plan(setup: Any, units: list[FsdpUnit], owners: dict[nn.Parameter, FsdpUnit], mesh_size: dict[str, int],
               traced: dict[str, dict[str, int]], offload: Any = None, gathers: dict[int, int] | None = None
@@ -406,6 +428,12 @@ def comm_plan(setup: Any, units: list[FsdpUnit], owners: dict[nn.Parameter, Fsdp
     engram, calls = engram_traffic(setup.config, tokens, world, setup.compute_dtype, setup.engram_fp8)
     add("engram lookups", engram, engram, calls, "dp_cp", "V4.1 tables, upper bound (every id distinct)" if engram
         else "no row-sharded Engram tables" if not getattr(setup.config, "engram_layer_ids", None) else "one rank")
+    if getattr(setup, "engram_on_host", False):
+        ids_out, rows_in, copies = engram_host_traffic(setup.config, tokens, setup.compute_dtype, setup.engram_fp8)
+        add("engram host copies", ids_out, rows_in, copies, None,
+            "ids device -> host, the rows this rank serves host -> device (trainer.engram_tables=host), upper bound")
+    else:
+        add("engram host copies", 0, 0, 0, None, "none (trainer.engram_tables=device)")
     add("pp sends", 0, 0, 0, None, "no pipeline parallelism (pp = 1)")
     if offload is not None:  # the device receives the shards and sends the gradients
         copies = sum((1 if u is units[-1] or not u.reshard_after_forward else 2) if gathers is None

@@ -21,6 +21,12 @@ their gradients and the optimizer state move to the host (:attr:`MemoryPlan.host
 total like the staging copy), the optimizer step and its temporary with them; the device keeps the buffers and
 gains FSDP's staging copies (in ``communication``).
 
+Engram tables in host memory (``engram_on_host``, ``trainer.engram_tables=host``; DeepSeek-V4.1, frozen tables): the
+rank's rows of the tables leave the device's ``parameters`` and are host memory per rank
+(:attr:`MemoryPlan.engram_host_bytes`, outside the device total); the ids a lookup sends to the host and the rows it
+copies back are the communication table's ``engram host copies``. The rows one lookup copies are at most the few
+thousand asked per step, a transient not added to the device total (the looked-up rows themselves are activations).
+
 The verdict: the plan fits when its total is at most the device memory less ``reserve_bytes``, the reserve for what
 it does not trace (the CUDA context, NCCL's buffers, allocator fragmentation, kernel workspaces; the recipe's
 ``plan.reserve_gib``, default :data:`DEFAULT_RESERVE_GIB`).
@@ -84,6 +90,7 @@ class PlanSetup:
     async_checkpoint: bool = True  # checkpoint.async_save: a host staging copy of the rank's checkpoint share
     offload: str = "none"  # trainer.offload: "optimizer" = shards, gradients, optimizer state in host memory
     engram_fp8: bool = False  # V4.1: frozen Engram tables kept in the release's FP8 form (a checkpoint storing them so)
+    engram_on_host: bool = False  # V4.1: frozen Engram tables held in host memory (trainer.engram_tables=host)
     reserve_bytes: int = 0  # kept free of the plan's total: the CUDA context, NCCL buffers, fragmentation
     dispatcher: str = "alltoall"  # the MoE dispatcher with ep > 1 (alltoall | allgather | deepep)
     links: LinkSpeeds = LinkSpeeds()  # link speeds and the compute rate of the communication table
@@ -109,6 +116,9 @@ class PlanSetup:
                              f"{chunks} x {self.config.shard_multiple} (cp={self.cp}, cp_balance={self.cp_balance})")
         if self.offload not in OFFLOAD:
             raise ValueError(f"memory plan: `offload`={self.offload!r} must be one of {', '.join(OFFLOAD)}")
+        if self.engram_on_host and getattr(self.config, "engram_trainable", False):
+            raise ValueError("memory plan: `engram_on_host` holds frozen Engram tables in host memory, but "
+                             "model.engram_trainable=true trains them")
         if self.device_memory_bytes <= 0:
             raise ValueError(f"memory plan: the device memory must be positive, got {self.device_memory_bytes} bytes")
         if not isinstance(self.reserve_bytes, int) or self.reserve_bytes < 0:
@@ -137,7 +147,8 @@ class MemoryPlan:
     ``engram_table_bytes`` (DeepSeek-V4.1): the rank's rows of the Engram tables (row-sharded over the ``dp x cp``
     ranks, never gathered), counted in ``parameters``; frozen (no gradient, no optimizer state) unless
     ``engram_trainable``, then with a dense fp32 gradient and optimizer state over the rank's rows. They stay on the
-    device under host offload.
+    device under host offload. With ``setup.engram_on_host`` they are host memory instead
+    (:attr:`engram_host_bytes`): the device's ``parameters`` is less exactly those bytes.
 
     ``offload`` (host offload, :mod:`dsv4.plan.offload`): the terms are the device's. ``parameters`` is the
     buffers, ``gradients`` and ``optimizer`` are 0, ``communication`` adds FSDP's staging copies; the optimizer step
@@ -165,6 +176,7 @@ class MemoryPlan:
                       "optimizer": s.table_optimizer,
                       "communication": s.communication + o.device_staging}
             step_temporary = 0
+        device["parameters"] -= self.engram_host_bytes  # frozen tables held in host memory
         self.per_rank_bytes = {t: device.get(t, self.activations.peak) for t in TERMS}
         fixed = device["parameters"] + device["optimizer"]
         phases = [("optimizer step", fixed + device["gradients"] + step_temporary)]
@@ -192,14 +204,15 @@ class MemoryPlan:
 
     @property
     def shared_memory_total(self) -> int:
-        """The peak when host and device are one memory (a run on the CPU). Without offload ``total``. With it, each
-        phase's device bytes, less FSDP's staging copies (a copy to the same memory is the shard itself; a cast to
-        the compute dtype stays), plus what the host holds in that phase: the parameter shards, the optimizer state
-        and the gradient shards reduced so far (at the optimizer step every gradient and the step's temporary)."""
+        """The peak when host and device are one memory (a run on the CPU). Without offload ``total`` (plus the Engram
+        tables held in host memory). With it, each phase's device bytes, less FSDP's staging copies (a copy to the
+        same memory is the shard itself; a cast to the compute dtype stays), plus what the host holds in that phase:
+        the parameter shards, the optimizer state, the gradient shards reduced so far (at the optimizer step every
+        gradient and the step's temporary) and the Engram tables held there."""
         o = self.offload
         if o is None:
-            return self.total
-        host = o.parameters + o.optimizer
+            return self.total + self.engram_host_bytes
+        host = o.parameters + o.optimizer + self.engram_host_bytes
         phases = [self.phase_bytes["optimizer step"] + host + o.gradients + o.step_temporary]
         for phase in self.activations.phases:
             phases.append(self.phase_bytes[phase.name] - o.device_staging + o.gather_cast + host
@@ -216,6 +229,18 @@ class MemoryPlan:
         """Host memory host offload holds (0 without it): the sharded parameters, their gradients and the
         optimizer state; the optimizer step adds its temporary there (:attr:`OffloadBytes.step_temporary`)."""
         return 0 if self.offload is None else self.offload.host
+
+    @property
+    def engram_host_bytes(self) -> int:
+        """Host memory the rank's rows of the Engram tables take when held there (``setup.engram_on_host``; 0
+        otherwise): :attr:`engram_table_bytes`, out of the device total."""
+        return self.engram_table_bytes if self.setup.engram_on_host else 0
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory per rank the plan holds outside the device total: host offload's and the Engram tables' (not
+        the asynchronous checkpoint's staging copy, :attr:`host_staging_bytes`)."""
+        return self.host_offload_bytes + self.engram_host_bytes
 
     @property
     def fits(self) -> bool:
@@ -239,6 +264,8 @@ class MemoryPlan:
         terms = ", ".join(f"{t} {_size(self.per_rank_bytes[t])}" for t in TERMS)
         verdict = "fits" if self.fits else f"DOES NOT FIT (biggest term: {self.biggest_term})"
         host = "" if self.offload is None else f"; host offload {_size(self.host_offload_bytes)} per rank"
+        if self.engram_host_bytes:
+            host += f"; Engram tables in host memory {_size(self.engram_host_bytes)} per rank"
         step = "" if self.comm is None else f"; {self.comm.summary()}"
         return (f"memory plan: {_size(self.total)} per rank at its peak ({self.peak_phase}) {self._against()} "
                 f"({terms}): {verdict}{host}{step}")
@@ -265,7 +292,7 @@ class MemoryPlan:
         ]
         if self.offload is not None:  # the device's parameters, gradients and optimizer rows
             lines[1:4] = self._offloaded_state_rows()
-        if self.engram_table_bytes:
+        if self.engram_table_bytes and not self.engram_host_bytes:
             trainable = getattr(c, "engram_trainable", False)
             lines.insert(2, f"      of which Engram tables {_size(self.engram_table_bytes)} (layers "
                             f"{list(c.engram_layer_ids)}, {sum(c.engram_num_embeddings):,} rows of "
@@ -313,6 +340,16 @@ class MemoryPlan:
                               f"{_size(o.gradients)}, optimizer {_size(o.optimizer)}; the step runs on the host and "
                               f"allocates {_size(o.step_temporary)} there; per step {_size(o.host_to_device)} host -> "
                               f"device, {_size(o.device_to_host)} device -> host"))
+        if self.engram_host_bytes:
+            copies = "" if self.comm is None else self.comm.by_kind().get("engram host copies")
+            per_step = "" if not copies else (f"; per step {_size(copies.received)} of rows host -> device, "
+                                              f"{_size(copies.sent)} of ids device -> host")
+            lines.append(_row("host Engram", self.engram_host_bytes,
+                              f"not in the device total: the rank's rows of the Engram tables (layers "
+                              f"{list(c.engram_layer_ids)}, {sum(c.engram_num_embeddings):,} rows of "
+                              f"{c.engram_head_dim}{' in FP8' if setup.engram_fp8 else ''}, row-sharded over the "
+                              f"{setup.world} ranks), frozen, held in host memory (trainer.engram_tables=host); a "
+                              f"lookup copies the rows it reads to the device{per_step}"))
         if self.comm is not None:
             lines.append(self.comm.report())
         return "\n".join(lines)
@@ -334,6 +371,8 @@ class MemoryPlan:
             "fits": self.fits,
             "peak_phase": self.peak_phase,
             "engram_table_bytes": self.engram_table_bytes,
+            "engram_host_bytes": self.engram_host_bytes,
+            "host_bytes_per_rank": self.host_bytes,
             "device_memory_bytes": setup.device_memory_bytes,
             "reserve_bytes": setup.reserve_bytes,
             "usable_memory_bytes": setup.usable_memory_bytes,
@@ -347,6 +386,7 @@ class MemoryPlan:
                       "optimizer_state_dtype": setup.optimizer.state_dtype,
                       "optimizer_state_bytes_per_element": setup.optimizer.state_bytes,
                       "optimizer_step_temporary": setup.optimizer.step_temporary, "offload": setup.offload,
+                      "engram_fp8": setup.engram_fp8, "engram_on_host": setup.engram_on_host,
                       "dispatcher": setup.dispatcher,
                       "lora": None if setup.lora is None else setup.lora.as_dict()},
             "checkpoint_bytes": {"per_rank": self.checkpoint_bytes, "disk": self.checkpoint_bytes * setup.world,

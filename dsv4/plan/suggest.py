@@ -26,7 +26,7 @@ does not need. Candidates that go further than a suggestion are not planned.
 **Bounds.** At most ``max_changes`` changes per candidate and ``max_candidates`` candidates evaluated;
 :class:`SetupPlanner` traces at most ``max_traces`` new activation setups (a trace is the expensive part of a plan:
 about 7 s for V4 Flash at 16K tokens per rank on a CPU). Options that do not change what is traced (the
-optimizer state, host offload, dp) reuse a trace (:func:`activation_key`); a candidate whose activations are not
+optimizer state, host offload, Engram tables in host memory, dp) reuse a trace (:func:`activation_key`); a candidate whose activations are not
 traced yet is first estimated optimistically (:func:`optimistic_activations`), and planned only when that estimate
 fits.
 """
@@ -273,11 +273,11 @@ def _evaluate(cand: tuple[Change, ...], planner: CandidatePlanner, device: int, 
 
 def activation_key(setup: PlanSetup) -> str:
     """What the traced activations of ``setup`` depend on: the setup less the fields :func:`memory_plan` does not pass
-    to the tracer (``dp``, the optimizer, the device memory and its reserve, the checkpoint staging, host offload, the
-    link speeds). Setups with equal
+    to the tracer (``dp``, the optimizer, the device memory and its reserve, the checkpoint staging, host offload,
+    where the Engram tables are held, the link speeds). Setups with equal
     keys have equal :class:`~dsv4.plan.activations.ActivationPlan`, so one trace serves them all."""
     return repr(replace(setup, dp=1, optimizer=OptimizerProfile(), device_memory_bytes=GIB, async_checkpoint=True,
-                        offload="none", reserve_bytes=0, links=LinkSpeeds()))
+                        offload="none", engram_on_host=False, reserve_bytes=0, links=LinkSpeeds()))
 
 
 def optimistic_activations(base: MemoryPlan, setup: PlanSetup) -> ActivationPlan:
@@ -316,8 +316,8 @@ class SetupPlanner:
 
     ``setup_of(changes)``: the candidate's :class:`PlanSetup` (raises :class:`Refused` for a candidate the recipe
     refuses); it must keep the world size of ``base``. Traces are shared by :func:`activation_key` (``base``'s is
-    known); at most ``max_traces`` new ones. ``note(setup, plan)``: the line's note (host memory under host offload
-    otherwise). A candidate whose setup equals ``base``'s is refused: its overrides change nothing the plan reads."""
+    known); at most ``max_traces`` new ones. ``note(setup, plan)``: the line's note (the host memory of host offload
+    and of Engram tables held there is added to it). A candidate whose setup equals ``base``'s is refused: its overrides change nothing the plan reads."""
 
     def __init__(self, base: MemoryPlan, setup_of: Callable[[tuple[Change, ...]], PlanSetup], max_traces: int = 3,
                  note: Callable[[PlanSetup, MemoryPlan], str] | None = None) -> None:
@@ -360,6 +360,9 @@ class SetupPlanner:
             note = self.note(setup, plan) if self.note is not None else ""
             if plan.host_offload_bytes:
                 note = ", ".join(n for n in (note, f"host offload {_gib(plan.host_offload_bytes)} per rank") if n)
+            if plan.engram_host_bytes:
+                note = ", ".join(n for n in (note, f"Engram tables in host memory {_gib(plan.engram_host_bytes)} per "
+                                                   "rank") if n)
             self._plans[changes] = Planned(plan.total, note, plan.comm.step_seconds if plan.comm else None)
         return self._plans[changes]
 

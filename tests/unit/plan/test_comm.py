@@ -271,3 +271,25 @@ def test_v41_compute_is_not_estimated():
     assert step_flops(DSV4Config.preset("v41_tiny"), 256, 1) is None
     plan = CommPlan([], None, None)
     assert plan.compute_seconds == 0 and "not estimated" in plan.report() and "compute not estimated" in plan.summary()
+
+
+@pytest.mark.parametrize("fp8,dtype", [(False, torch.float32), (False, torch.bfloat16), (True, torch.bfloat16)])
+def test_engram_tables_in_host_memory_copy_the_rows_each_rank_serves(fp8, dtype):
+    """``engram_on_host``: per Engram layer and lookup (block recompute: two), the ids go device -> host (int64) and
+    the rows a rank serves (as many as it asks, every id distinct) come back host -> device in the FP8 form's bytes
+    or the compute dtype, counted as their own exposed kind; nothing without the option, or on a V4 model."""
+    v41 = DSV4Config.preset("v41_tiny", activation_checkpointing="block")
+    setup = PlanSetup(v41, seq_len=256, dp=2, compute_dtype=dtype, engram_fp8=fp8)
+    device = memory_plan(setup)
+    host = memory_plan(replace(setup, engram_on_host=True), device.activations)
+    ids = 256 * (v41.engram_max_ngram_size - 1) * v41.engram_n_heads
+    row = 32 + 1 if fp8 else 32 * dtype.itemsize
+    lookups = len(v41.engram_layer_ids) * 2
+    copies = host.comm.by_kind()["engram host copies"]
+    assert (copies.sent, copies.received, copies.calls) == (lookups * ids * 8, lookups * ids * row, lookups * 2)
+    assert copies.link == "pcie" and copies.seconds == pytest.approx(copies.received / (64 * 1e9))
+    assert device.comm.by_kind()["engram host copies"].received == 0
+    assert host.comm.exposed_seconds == pytest.approx(device.comm.exposed_seconds + copies.seconds)
+    others = {k: t for k, t in host.comm.by_kind().items() if k != "engram host copies"}
+    assert others == {k: t for k, t in device.comm.by_kind().items() if k != "engram host copies"}
+    assert f"{copies.received / 2**20:.1f} MiB of rows host -> device" in host.report()

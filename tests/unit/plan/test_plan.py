@@ -189,3 +189,43 @@ def test_v41_plan_counts_the_frozen_engram_tables_and_the_shared_state():
     report = one.report()
     assert "of which Engram tables" in report and "frozen: no gradients, no optimizer state" in report
     assert "CSA2 shared state" in report and "top (head, loss)" in report
+
+
+@pytest.mark.parametrize("offload", ["none", "optimizer"])
+def test_engram_tables_in_host_memory_leave_the_device_total_by_exactly_their_bytes(offload):
+    """``engram_on_host`` (``trainer.engram_tables=host``; v41_tiny on 2 ranks, fp32 and the kept FP8 form, with and
+    without host offload): every device phase, so the total and the ``parameters`` term, is the device-held plan's
+    less exactly the rank's table bytes, which are the host's (report, summary, JSON); the CPU's one-memory peak is
+    the device-held plan's; nothing else changes."""
+    from dataclasses import replace
+
+    for fp8 in (False, True):
+        setup = PlanSetup(DSV4Config.preset("v41_tiny"), seq_len=256, dp=2, offload=offload, engram_fp8=fp8)
+        device = memory_plan(setup)
+        host = memory_plan(replace(setup, engram_on_host=True), device.activations)
+        tables = device.engram_table_bytes
+        row = 32 + 1 if fp8 else 32 * 4  # e4m3 bytes + one e8m0 scale per row, or fp32
+        assert tables == ((384 + 1) // 2 * row + (552 + 1) // 2 * row) and host.engram_table_bytes == tables
+        assert host.engram_host_bytes == tables and device.engram_host_bytes == 0
+        assert host.host_bytes == host.host_offload_bytes + tables
+        assert device.per_rank_bytes["parameters"] - host.per_rank_bytes["parameters"] == tables
+        assert device.total - host.total == tables
+        assert {k: device.phase_bytes[k] - v for k, v in host.phase_bytes.items()} == dict.fromkeys(host.phase_bytes,
+                                                                                                    tables)
+        for term in ("gradients", "optimizer", "activations", "communication"):
+            assert host.per_rank_bytes[term] == device.per_rank_bytes[term], term
+        assert host.shared_memory_total == device.shared_memory_total
+        assert host.checkpoint_bytes == device.checkpoint_bytes  # a full fine-tune saves the tables wherever held
+        data = json.loads(json.dumps(host.as_dict()))
+        assert data["engram_host_bytes"] == tables and data["host_bytes_per_rank"] == host.host_bytes
+        assert data["setup"]["engram_on_host"] is True and data["setup"]["engram_fp8"] is fp8
+        report = host.report()
+        assert "host Engram" in report and "of which Engram tables" not in report
+        assert "of which Engram tables" in device.report() and "host Engram" not in device.report()
+        assert f"Engram tables in host memory {tables / 2**20:.1f} MiB per rank" in host.summary()
+
+
+def test_engram_tables_in_host_memory_are_frozen_tables():
+    with pytest.raises(ValueError, match="`engram_on_host` holds frozen Engram tables in host memory, but "
+                                         "model.engram_trainable=true trains them"):
+        memory_plan(PlanSetup(DSV4Config.preset("v41_tiny", engram_trainable=True), seq_len=256, engram_on_host=True))

@@ -9,7 +9,7 @@ import pytest
 
 from dsv4.config import DSV4Config
 from dsv4.plan.plan import PlanSetup, memory_plan
-from dsv4.plan.suggest import Change, NotPlanned, Planned, Refused, SetupPlanner, candidates, search
+from dsv4.plan.suggest import Change, NotPlanned, Planned, Refused, SetupPlanner, activation_key, candidates, search
 
 # Base 100, device 80. Each change frees `FREES` units, additively, except A and B, which free the same memory (their
 # plan frees max(15, 10)); the estimate is the additive sum (optimistic). Z changes nothing; F is group C's heavier
@@ -140,3 +140,9 @@ def test_setup_planner_reuses_a_trace_only_where_it_is_the_same(tiny):
         planner.plan((Change("layout", (("cp", 2), ("dp", 1), ("ep", 2)), 5),))
     with pytest.raises(Refused, match="changes nothing the memory plan reads"):
         planner.plan((same,))
+
+
+def test_engram_tables_in_host_memory_share_the_trace():
+    """Where the Engram tables are held changes nothing the tracer reads: one trace serves both setups."""
+    setup = PlanSetup(DSV4Config.preset("v41_tiny"), seq_len=256, dp=2)
+    assert activation_key(replace(setup, engram_on_host=True)) == activation_key(setup)
