@@ -37,13 +37,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from dsv4.model.upcast_linear import upcast_linear
 from dsv4.model.v41.draft_blocks import DraftBlocks
 
 CHUNK_ROWS = 128
 
 
 def _l1_chunk(draft: Tensor, teacher_hidden: Tensor, head: Tensor) -> Tensor:
-    teacher = F.linear(teacher_hidden.float(), head.float())
+    teacher = upcast_linear(teacher_hidden, head)  # no fp32 copy of a bf16 head
     return (draft.float().softmax(-1) - teacher.softmax(-1)).abs().sum(-1)
 
 

@@ -36,12 +36,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv4.model.hyper_connections import HyperConnection
 from dsv4.model.moe import GroupedExperts, MoEGate
 from dsv4.model.norm import RMSNorm
+from dsv4.model.upcast_linear import upcast_linear
 from dsv4.model.v41.block import make_site
 from dsv4.model.v41.draft_blocks import DraftBlocks
 from dsv4.model.v41.drafter_attention import DraftAttentionLayout, DSparkAttention
@@ -235,8 +235,9 @@ class DSparkDrafter(nn.Module):
         return out.hidden.view(b, n, blocks.block_size, -1)
 
     def base_logits(self, hidden: Tensor) -> Tensor:
-        """The frozen head over ``hidden [..., d]`` in fp32 -> ``[..., V]``."""
-        return F.linear(hidden.float(), self.lm_head.weight.float())
+        """The frozen head over ``hidden [..., d]`` in fp32 -> ``[..., V]`` (a bf16 head upcast a block of rows at a
+        time: :func:`~dsv4.model.upcast_linear.upcast_linear`)."""
+        return upcast_linear(hidden, self.lm_head.weight)
 
     def forward(self, input_ids: Tensor, target_hidden_states: Tensor, anchors: Tensor, *,
                 position_ids: Tensor | None = None, packed_seq_ids: Tensor | None = None,
