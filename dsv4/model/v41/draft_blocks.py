@@ -45,14 +45,14 @@ class DraftBlocks:
     @classmethod
     def from_anchors(cls, anchors: Tensor, block_size: int, length: int) -> "DraftBlocks":
         """Check ``anchors [B, N]`` (int, ``-1`` or ``0 <= a < length``; ``ValueError`` naming the bad values) and
-        build the blocks."""
+        build the blocks. Anchors on ``meta`` (the memory plan's trace: shapes, no values) skip the value check."""
         if anchors.dim() != 2 or anchors.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"anchors: expected an integer tensor [B, N], got {anchors.dtype} of shape "
                              f"{list(anchors.shape)}")
         if block_size < 1:
             raise ValueError(f"dspark_block_size must be >= 1, got {block_size}")
         bad = (anchors < -1) | (anchors >= length)
-        if bad.any():
+        if not anchors.is_meta and bad.any():
             where = bad.nonzero()[:5].tolist()
             raise ValueError(f"anchors: every entry must be -1 (no block) or a position in [0, {length}) of the row; "
                              f"got {[int(anchors[r, c]) for r, c in where]} at (row, slot) {where}")
