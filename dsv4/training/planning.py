@@ -46,7 +46,7 @@ GIB = 2**30
 # The search's bounds (dsv4.plan.suggest): changes per candidate, candidates evaluated, new activation traces.
 MAX_CHANGES, MAX_CANDIDATES, MAX_TRACES = 3, 64, 3
 # Throughput cost ranks of the changes plan_changes proposes (docs/memory.md#what-would-fit).
-COSTS = {"loss chunk": 1, "bfloat16": 1, "experts in chunks": 2, "ep x2": 2, "8bit": 3, "cp x2": 3,
+COSTS = {"loss chunk": 1, "bfloat16": 1, "experts in chunks": 2, "ep x2": 2, "engram host": 2, "8bit": 3, "cp x2": 3,
          "selective": 4, "block": 5, "micro batch": 5, "cp x4": 6, "offload": 8}
 
 
@@ -103,8 +103,8 @@ def plan_setup(spec: RunSpec, device_memory: int) -> PlanSetup:
         micro_batch_size=spec.micro_batch_size, cp=cp, dp=dp, ep=spec.parallel.ep, compute_dtype=spec.compute_dtype,
         optimizer=optimizer_profile(spec.optimizer), device_memory_bytes=device_memory, lora=spec.lora,
         cp_balance=spec.parallel.cp_balance, async_checkpoint=spec.checkpoint.async_save, offload=spec.offload,
-        engram_fp8=_engram_kept_fp8(spec), reserve_bytes=int(spec.plan.reserve_gib * GIB), dispatcher=spec.dispatcher,
-        links=link_speeds(spec.plan),
+        engram_fp8=_engram_kept_fp8(spec), engram_on_host=spec.engram_tables == "host",
+        reserve_bytes=int(spec.plan.reserve_gib * GIB), dispatcher=spec.dispatcher, links=link_speeds(spec.plan),
     )
 
 
@@ -166,6 +166,7 @@ def plan_changes(cfg: DictConfig, setup: PlanSetup, world: int | None) -> list[C
     * ``model.activation_checkpointing``: each mode that recomputes more than the current (none < selective <
       block);
     * ``micro_batch_size``: half, when above 1;
+    * ``trainer.engram_tables=host``, when the model has frozen Engram tables (V4.1) held on the device;
     * ``trainer.offload=optimizer``, when off.
 
     Whether a candidate is a valid run (ep dividing the world and the experts, seq_len a multiple of the chunks, the
@@ -198,6 +199,8 @@ def plan_changes(cfg: DictConfig, setup: PlanSetup, world: int | None) -> list[C
     if setup.micro_batch_size > 1:
         changes.append(Change("micro batch", (("micro_batch_size", setup.micro_batch_size // 2),),
                               COSTS["micro batch"]))
+    if getattr(c, "engram_layer_ids", None) and not getattr(c, "engram_trainable", False) and not setup.engram_on_host:
+        changes.append(Change("engram tables", (("trainer.engram_tables", "host"),), COSTS["engram host"]))
     if setup.offload == "none":
         changes.append(Change("host offload", (("trainer.offload", "optimizer"),), COSTS["offload"]))
     return changes

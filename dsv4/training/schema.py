@@ -187,8 +187,9 @@ class FinetuneConfig:
     data: DataConfig = field(default_factory=DataConfig)
     dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
     # lightning.Trainer keywords, but precision, val_check_interval, limit_val_batches, skip_nonfinite_steps
-    # (dsv4's: int >= 0, non-finite steps skipped before one stops the run) and offload (dsv4's: none | optimizer,
-    # FSDP2's CPU offload of master shards, gradients and optimizer state), checked in dsv4.training.options.trainer
+    # (dsv4's: int >= 0, non-finite steps skipped before one stops the run), offload (dsv4's: none | optimizer,
+    # FSDP2's CPU offload of master shards, gradients and optimizer state), engram_tables (dsv4's: device | host, V4.1's
+    # frozen Engram tables in host memory) and startup_timeout_s, checked in dsv4.training.options.trainer
     trainer: Dict[str, Any] = field(default_factory=dict)
     optim: Dict[str, Any] = field(default_factory=dict)
     scheduler: Optional[Dict[str, Any]] = None

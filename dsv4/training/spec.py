@@ -52,6 +52,7 @@ from dsv4.training.options.trainer import (
     check_not_derived,
     compute_dtype_for,
     device_type_of,
+    engram_tables_mode,
     offload_mode,
     skip_nonfinite_steps,
     startup_timeout_s,
@@ -105,6 +106,7 @@ class RunSpec:
     max_steps: int = 100
     skip_nonfinite_steps: int = 0  # non-finite steps skipped over the run before one stops it (trainer.*)
     offload: str = "none"  # trainer.offload: "optimizer" = FSDP shards, gradients, optimizer state on the host
+    engram_tables: str = "device"  # trainer.engram_tables: "host" = V4.1's frozen Engram tables in host memory
     startup_timeout_s: float = 300.0  # trainer.startup_timeout_s: the process group forms within it or start-up fails
     dry_run: bool = False
     # the data source's keywords (dsv4.data.build_documents)
@@ -209,6 +211,7 @@ def build_run_spec(cfg: DictConfig, export_beside: bool = False) -> RunSpec:
     check_not_derived(trainer)
     compute_dtype = compute_dtype_for(str(trainer.pop("precision", "auto")), config.torch_dtype)
     offload = offload_mode(trainer.pop("offload", "none"))
+    engram_tables = engram_tables_mode(trainer.pop("engram_tables", "device"), config)
     startup_timeout = startup_timeout_s(trainer.pop("startup_timeout_s", 300.0))
     device_type = device_type_of(trainer)
     dispatcher = resolve_dispatcher(cfg.dispatcher.name, cfg.ep)
@@ -267,7 +270,7 @@ def build_run_spec(cfg: DictConfig, export_beside: bool = False) -> RunSpec:
         seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.get("global_batch_size"),
         seed=cfg.seed,
         bias_update_rate=cfg.bias_update_rate, indexer_warmup_steps=cfg.indexer_warmup_steps,
-        max_steps=max_steps, skip_nonfinite_steps=skip_nonfinite, offload=offload,
+        max_steps=max_steps, skip_nonfinite_steps=skip_nonfinite, offload=offload, engram_tables=engram_tables,
         startup_timeout_s=startup_timeout, dry_run=bool(cfg.dry_run),
         data=MappingProxyType(data), overlong=overlong, data_cache_dir=data_cache_dir, data_num_proc=data_num_proc,
         trainer=MappingProxyType(trainer),

@@ -9,8 +9,10 @@
 * Batches (:class:`~dsv4.batch.TokenBatch`) move to the device through their ``to``; the module cuts this CP
   rank's slice with :attr:`ParallelState.cp_rank` / ``cp_size``.
 * ``shard_engram_tables(model)`` (called by the module's ``configure_model`` before a checkpoint is loaded, so each
-  rank reads only its rows): DeepSeek-V4.1's Engram tables row-sharded over the ``dp_cp`` mesh
-  (:mod:`dsv4.parallel.engram_table`).
+  rank reads only its rows, and by the DSpark target's ``before_load``): DeepSeek-V4.1's Engram tables row-sharded
+  over the ``dp_cp`` mesh (:mod:`dsv4.parallel.engram_table`); with ``engram_tables="host"``
+  (``trainer.engram_tables=host``) the frozen tables are held in host memory: the model's move to the device and
+  FSDP leave their rows there, a lookup copies the asked rows to the device.
 * ``parallelize(model)`` (called by the module's ``configure_model``): expert parallelism and the MoE dispatcher
   (:func:`dsv4.parallel.expert_shard.apply_expert_parallel`), then FSDP2 with summed gradients
   (:func:`dsv4.parallel.wrap.apply_fsdp`) in ``compute_dtype`` (FSDP2 mixed precision: fp32 master weights,
@@ -29,6 +31,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,7 +44,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 
 from dsv4.parallel.cp import CPContext
 from dsv4.distributed import ProcessGroup
-from dsv4.parallel.engram_table import shard_engram_tables
+from dsv4.parallel.engram_table import engram_tables, shard_engram_tables
 from dsv4.parallel.expert_shard import apply_expert_parallel
 from dsv4.parallel.expert_state import ExpertStateLayout
 from dsv4.parallel.mesh import Meshes, ParallelDims, build_meshes
@@ -50,9 +53,11 @@ from dsv4.peft.apply import is_lora_model
 from dsv4.peft.lora import is_adapter_name
 from dsv4.training.checkpoint_writer import CheckpointWriter
 from dsv4.training.elastic import form_process_group
-from dsv4.training.options.trainer import offload_mode
+from dsv4.training.options.trainer import ENGRAM_TABLES, offload_mode
 from dsv4.training.resume import LAYOUT_KEY, RunLayout, adapt_to_layout
 from dsv4.training.spec import RunSpec
+
+log = logging.getLogger("dsv4")
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class ParallelState:
 class DSV4Strategy(ModelParallelStrategy):
     """Args: ``cp``, ``dp`` (-1 = world // cp), ``ep``, ``dispatcher`` name, ``compute_dtype``, ``cp_balance``
     (:class:`~dsv4.parallel.cp.layout.CPLayout`), ``async_save``, ``offload`` (``none`` | ``optimizer``),
+    ``engram_tables`` (``device`` | ``host``: where V4.1's frozen Engram tables are held),
     ``micro_batch_size`` (rows per replica per forward: recorded in checkpoints with the layout),
     ``startup_timeout`` (seconds the process group may take to form); the rest goes to ``ModelParallelStrategy``
     (``process_group_backend``, ``timeout``: the group's timeout once formed)."""
@@ -81,7 +87,7 @@ class DSV4Strategy(ModelParallelStrategy):
     def __init__(self, cp: int = 1, dp: int = -1, ep: int = 1, dispatcher: str = "local",
                  compute_dtype: torch.dtype = torch.float32, cp_balance: str = "none", async_save: bool = False,
                  offload: str = "none", micro_batch_size: int = 1, startup_timeout: float = 300.0,
-                 **kwargs: Any) -> None:
+                 engram_tables: str = "device", **kwargs: Any) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
         self.startup_timeout = timedelta(seconds=startup_timeout)
         self.cp_size, self._dp, self.ep_size = cp, dp, ep
@@ -89,6 +95,9 @@ class DSV4Strategy(ModelParallelStrategy):
         self.dispatcher = dispatcher
         self.compute_dtype = compute_dtype
         self.offload = offload_mode(offload)
+        if engram_tables not in ENGRAM_TABLES:
+            raise ValueError(f"`trainer.engram_tables`={engram_tables!r} must be one of {', '.join(ENGRAM_TABLES)}")
+        self.engram_tables = engram_tables
         self.meshes: Meshes | None = None
         self.parallel = ParallelState()
         self._expert_layout: ExpertStateLayout | None | bool = False  # False: not looked at yet
@@ -103,7 +112,7 @@ class DSV4Strategy(ModelParallelStrategy):
         return cls(cp=p.cp, dp=p.dp, ep=p.ep, cp_balance=p.cp_balance, dispatcher=spec.dispatcher,
                    compute_dtype=spec.compute_dtype, async_save=spec.checkpoint.async_save,
                    offload=spec.offload, micro_batch_size=spec.micro_batch_size,
-                   startup_timeout=spec.startup_timeout_s, **kwargs)
+                   startup_timeout=spec.startup_timeout_s, engram_tables=spec.engram_tables, **kwargs)
 
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)  # skip the parent's hard-coded ("data_parallel", "tensor_parallel") mesh
@@ -148,14 +157,23 @@ class DSV4Strategy(ModelParallelStrategy):
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
     def shard_engram_tables(self, model: torch.nn.Module) -> int:
-        """Row-shard ``model``'s Engram tables over every rank (the ``dp_cp`` mesh); returns how many."""
-        return shard_engram_tables(model, self.meshes.dp_cp)
+        """Row-shard ``model``'s Engram tables over every rank (the ``dp_cp`` mesh), held in host memory under
+        ``engram_tables="host"`` (logged once, with this rank's table bytes); returns how many were sharded."""
+        count = shard_engram_tables(model, self.meshes.dp_cp, on_host=self.engram_tables == "host")
+        tables = [table for _, table in engram_tables(model) if table.held_on_host]
+        if tables and self.global_rank == 0:
+            held = sum(_local_bytes(t) for table in tables for t in (table.weight, getattr(table, "scale", None))
+                       if t is not None)
+            log.info("Engram tables in host memory (trainer.engram_tables=host): %d tables, %.1f MiB of rows on rank "
+                     "0; each lookup copies the rows it reads to the device", len(tables), held / 2**20)
+        return count
 
     def parallelize(self, model: torch.nn.Module) -> None:
         """Expert parallelism (when ``ep > 1`` or an EP dispatcher is chosen), then FSDP2."""
         if self.ep_size > 1 or self.dispatcher != "local":
             apply_expert_parallel(model, self.dispatcher, self.meshes.ep.get_group(), self.root_device.type)
-        apply_fsdp(model, self.meshes, compute_dtype=self.compute_dtype, offload=self.offload == "optimizer")
+        apply_fsdp(model, self.meshes, compute_dtype=self.compute_dtype, offload=self.offload == "optimizer",
+                   engram_on_host=self.engram_tables == "host")
 
     def model_to_device(self) -> None:
         """Lightning's move of the whole model to the device, except under host offload: ``fully_shard`` has put
@@ -268,6 +286,12 @@ class DSV4Strategy(ModelParallelStrategy):
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state,
                                      options=StateDictOptions(cpu_offload=True))
         return meta
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    """The bytes of this rank's part of ``t`` (a ``DTensor`` 's local tensor)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
 
 
 def _saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:

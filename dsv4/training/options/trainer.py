@@ -1,5 +1,6 @@
 """The ``trainer`` group: what dsv4 takes out of Lightning's keywords (``precision``, ``offload``,
-``skip_nonfinite_steps``, ``startup_timeout_s``) and what it derives from them (world size, device type)."""
+``engram_tables``, ``skip_nonfinite_steps``, ``startup_timeout_s``) and what it derives from them (world size, device
+type)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,28 @@ def offload_mode(value: Any) -> str:
 
     if value not in OFFLOAD:
         raise ValueError(f"`trainer.offload`={value!r} must be one of {', '.join(OFFLOAD)}")
+    return value
+
+
+ENGRAM_TABLES = ("device", "host")
+
+
+def engram_tables_mode(value: Any, config: Any) -> str:
+    """``trainer.engram_tables``: ``device`` (each rank's rows of V4.1's Engram tables in device memory) or ``host``
+    (frozen tables held in host memory, the looked-up rows copied to the device per lookup; docs/memory.md). ``host``
+    needs a model with Engram tables (V4.1, ``model.engram_layer_ids``) that are frozen (``model.engram_trainable``
+    false); otherwise a ValueError naming the keys, before any work."""
+    if value not in ENGRAM_TABLES:
+        raise ValueError(f"`trainer.engram_tables`={value!r} must be one of {', '.join(ENGRAM_TABLES)}")
+    if value == "host":
+        if not getattr(config, "engram_layer_ids", None):
+            raise ValueError("`trainer.engram_tables`='host' holds DeepSeek-V4.1's Engram tables in host memory, but "
+                             f"this model (model_type {getattr(config, 'model_type', None)!r}) has no Engram tables "
+                             "(model.engram_layer_ids is empty); use trainer.engram_tables=device")
+        if getattr(config, "engram_trainable", False):
+            raise ValueError("`trainer.engram_tables`='host' holds frozen Engram tables only, but "
+                             "`model.engram_trainable`=true trains them (their gradient and optimizer state live with "
+                             "the rows on the device); set model.engram_trainable=false or trainer.engram_tables=device")
     return value
 
 

@@ -128,3 +128,28 @@ def test_what_would_fit_v41_through_the_recipe_checks():
         with pytest.raises(Refused) as info:
             candidate_setup(cfg, cp2, device)
         assert str(info.value) == refused
+
+
+def test_trainer_engram_tables_reaches_the_plan_and_what_would_fit_proposes_it():
+    """``trainer.engram_tables=host`` sets the plan's ``engram_on_host``; ``plan_changes`` proposes it (cost
+    ``COSTS['engram host']``) for a V4.1 model whose Engram tables are frozen and on the device, and its candidate,
+    built by the recipe's own checks, plans the device total less exactly the tables' bytes; it is not proposed when
+    the tables are held on the host already, train, or do not exist (V4)."""
+    from dsv4.plan.plan import memory_plan
+    from dsv4.training.planning import COSTS, candidate_setup, plan_changes, plan_setup
+    from dsv4.training.spec import build_run_spec
+
+    spec = build_run_spec(_compose(["model=v41_tiny", "trainer.engram_tables=host", "plan.only=true"]))
+    assert spec.engram_tables == "host" and plan_setup(spec, 2**30).engram_on_host
+    overrides = ["model=v41_tiny", "dp=2", "plan.only=true", "plan.reserve_gib=0"]
+    cfg = _compose(overrides)
+    base = memory_plan(plan_setup(build_run_spec(cfg), 2**40))
+    assert not base.setup.engram_on_host
+    proposed = [c for c in plan_changes(cfg, base.setup, 2) if c.group == "engram tables"]
+    assert [(c.overrides, c.cost) for c in proposed] == [(["trainer.engram_tables=host"], COSTS["engram host"])]
+    setup = candidate_setup(cfg, tuple(proposed), 2**40)
+    assert setup.engram_on_host and base.total - memory_plan(setup, base.activations).total == base.engram_table_bytes
+    for others in (["trainer.engram_tables=host"], ["model.engram_trainable=true"], ["model=tiny"]):
+        c = _compose([*overrides, *others])
+        setup = plan_setup(build_run_spec(c), 2**40)
+        assert not [ch for ch in plan_changes(c, setup, 2) if ch.group == "engram tables"], others

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
@@ -81,6 +82,11 @@ def _compose(overrides):
         (["logger._target_=no.such.Logger"], "`logger._target_`='no.such.Logger' cannot be imported"),
         (["model=v41_tiny", "model.engram_compressed_vocab_size=300"],
          "`data.tokenizer`='byte' has 227 Engram classes but `model.engram_compressed_vocab_size` is 300"),
+        (["trainer.engram_tables=cpu"], "`trainer.engram_tables`='cpu' must be one of device, host"),
+        (["trainer.engram_tables=host"], "`trainer.engram_tables`='host' holds DeepSeek-V4.1's Engram tables in host "
+                                         "memory, but this model (model_type 'deepseek_v4') has no Engram tables"),
+        (["model=v41_tiny", "model.engram_trainable=true", "trainer.engram_tables=host"],
+         "`trainer.engram_tables`='host' holds frozen Engram tables only, but `model.engram_trainable`=true trains"),
     ],
 )
 def test_run_spec_names_the_bad_key(overrides, message):
@@ -98,6 +104,17 @@ def test_the_startup_timeout_goes_to_the_strategy_not_to_lightning():
     assert spec.startup_timeout_s == 45.0 and "startup_timeout_s" not in spec.trainer
     assert DSV4Strategy.from_spec(spec).startup_timeout == timedelta(seconds=45)
     assert build_run_spec(_compose(FAST)).startup_timeout_s == 300.0  # conf/trainer/cpu.yaml
+
+
+def test_engram_tables_go_to_the_strategy_not_to_lightning():
+    from dsv4.training.strategy import DSV4Strategy
+
+    spec = build_run_spec(_compose([*FAST, "model=v41_tiny", "trainer.engram_tables=host"]))
+    assert spec.engram_tables == "host" and "engram_tables" not in spec.trainer
+    assert DSV4Strategy.from_spec(spec).engram_tables == "host"
+    assert build_run_spec(_compose(FAST)).engram_tables == "device"  # conf/trainer/cpu.yaml
+    with pytest.raises(ValueError, match="`trainer.engram_tables`='disk' must be one of device, host"):
+        DSV4Strategy(engram_tables="disk")
 
 
 def test_unknown_dispatcher_group_lists_the_options():
@@ -323,6 +340,37 @@ def test_v41_tiny_trains_on_the_default_data_and_with_lora(tmp_path, one_rank_gr
     # a fresh adapter is the base model, here its FP8 / FP4 kept form (measured 0.009 from the fp32 base's loss)
     assert adapted[0] == pytest.approx(losses[0], abs=0.02)
     assert adapted[2] < adapted[0] - 0.1, adapted
+
+
+def test_v41_tiny_with_engram_tables_in_host_memory_trains_as_on_the_device(tmp_path, one_rank_group, caplog):
+    """``trainer.engram_tables=host`` (frozen tables held in host memory by the strategy; on a CPU host and device are
+    one memory): the same losses as the device-held run over 3 steps, bit for bit; the checkpoint holds the same
+    tables; resumed from its step-2 checkpoint the host-held run repeats its third step; the plan moves the tables'
+    bytes from the device's parameters to host memory."""
+    from dsv4.checkpoint.convert import DCPTensors
+
+    caplog.set_level("INFO", logger="dsv4")
+    common = [*FAST, "model=v41_tiny", "trainer.max_steps=3", "checkpoint.every_n_steps=2"]
+    runs = {}
+    for where in ("device", "host"):
+        runs[where] = tmp_path / where
+        runs[where].mkdir()
+        run_finetune(_compose([*common, f"trainer.engram_tables={where}"]), runs[where])
+    losses = {where: _losses(run) for where, run in runs.items()}
+    assert sorted(losses["host"]) == [0, 1, 2] and losses["host"] == losses["device"], losses
+    held = [line for line in caplog.text.splitlines() if "Engram tables in host memory (trainer" in line]
+    assert len(held) == 1 and "2 tables" in held[0], held  # the host run's strategy held them; the other did not
+    saved = {where: DCPTensors(run / "checkpoints" / "last.ckpt") for where, run in runs.items()}
+    for layer in (1, 4):
+        key = f"state_dict.model.model.layers.{layer}.engram.embed.weight"
+        assert torch.equal(saved["host"].read(key), saved["device"].read(key)), key
+    plans = {where: json.loads((run / "memory_plan.json").read_text()) for where, run in runs.items()}
+    tables = plans["device"]["engram_table_bytes"]
+    assert tables == 4 * (384 + 552) * 32 and plans["host"]["engram_host_bytes"] == tables
+    assert plans["device"]["per_rank_bytes"]["parameters"] - plans["host"]["per_rank_bytes"]["parameters"] == tables
+    run_finetune(_compose([*common, "trainer.engram_tables=host",
+                           f"checkpoint.resume={runs['host'] / 'checkpoints' / 'step2.ckpt'}"]), runs["host"])
+    assert _losses(runs["host"])[2] == pytest.approx(losses["host"][2], abs=1e-6)
 
 
 def test_v41_image_tokens_in_the_data_are_refused_before_training(tmp_path):
