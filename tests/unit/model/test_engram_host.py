@@ -127,3 +127,34 @@ def test_a_sharded_table_held_on_the_host_keeps_its_rows_off_the_meshs_device(on
     assert held.device_mesh.device_type == "cuda" and held.to_local().data_ptr() == rows.data_ptr()
     cpu_mesh = DeviceMesh("cpu", torch.arange(1), _init_backend=False)
     assert _global(rows, cpu_mesh, ROWS, on_host=True).to_local().data_ptr() == rows.data_ptr()
+
+
+def test_the_dspark_target_holds_its_tables_through_the_strategys_before_load(one_rank_group):
+    """``build_frozen_target(before_load=strategy.shard_engram_tables)`` (drafter training's target) under
+    ``trainer.engram_tables=host``: the target's tables are held in host memory, stay there when the target moves to
+    the module's device, and its DSpark features equal those of the target held on the device."""
+    from dsv4.batch import TokenBatch
+    from dsv4.config import DSV4Config
+    from dsv4.parallel.mesh import ParallelDims, build_meshes
+    from dsv4.speculative.dspark_step import target_features
+    from dsv4.speculative.target import build_frozen_target
+    from dsv4.training.strategy import DSV4Strategy
+
+    config = DSV4Config.preset("v41_tiny")
+    meshes = build_meshes(ParallelDims(world_size=1), "cpu")
+    targets = {}
+    for where in ("device", "host"):
+        strategy = DSV4Strategy(engram_tables=where)
+        strategy.meshes = meshes
+        targets[where] = build_frozen_target(config, seed=0, before_load=strategy.shard_engram_tables)
+    tables = [m for m in targets["host"].modules() if isinstance(m, LocalEngramTable)]
+    assert len(tables) == 2 and all(t.held_on_host for t in tables)
+    assert not any(m.held_on_host for m in targets["device"].modules() if isinstance(m, LocalEngramTable))
+    before = [_storage(t) for t in tables]
+    targets["host"].to(torch.device("cpu")).to(torch.float64).to(torch.float32)  # a move there and back
+    assert [_storage(t) for t in tables] == before
+    ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(0))  # byte tokens
+    batch = TokenBatch(ids, ids, torch.ones_like(ids), torch.arange(64).unsqueeze(0))
+    got = target_features(targets["host"], batch, config.dspark_target_layer_ids)
+    want = target_features(targets["device"], batch, config.dspark_target_layer_ids)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
