@@ -84,6 +84,15 @@ def test_memory_plan_agrees_with_the_measured_step():
 
 
 @pytest.mark.e2e
+def test_dspark_plan_agrees_with_the_measured_step():
+    """The drafter-training plan's total within 10% of the tensors the recipe's step holds at its peak (target forward,
+    drafter step, AdamW) on 1 rank and on 2 (dp 2, ep 2), v41_tiny at 512 tokens."""
+    rows = _run("dspark_plan.py", "--measure", "--world", "1", "2", "--seq-len", "512")
+    ratios = {r["shape"]["world"]: r["value"] for r in rows if r["name"] == "dspark_plan.tensors_over_predicted"}
+    assert set(ratios) == {1, 2} and all(0.9 <= v <= 1.1 for v in ratios.values()), ratios
+
+
+@pytest.mark.e2e
 def test_v41_memory_plan_agrees_with_the_measured_step():
     """DeepSeek-V4.1 (v41_tiny: CSA2 shared state, Engram tables row-sharded and n-gram ids, fake quantisation,
     single-pass hyper-connections): the plan's total within 20% of the tensors a measured step holds at its peak, on
