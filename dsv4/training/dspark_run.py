@@ -52,4 +52,10 @@ def _module(spec: RunSpec, data):
                                  prompts=evaluation_prompts(spec))
 
 
-TRAIN_DSPARK = TrainingRecipe(build_dspark_run_spec, _data, _module, plans_memory=False)
+def _check_memory(spec: RunSpec, output_dir, cfg) -> bool:
+    from dsv4.training.dspark_planning import check_dspark_memory
+
+    return check_dspark_memory(spec, output_dir, cfg)
+
+
+TRAIN_DSPARK = TrainingRecipe(build_dspark_run_spec, _data, _module, _check_memory)

@@ -143,14 +143,15 @@ def _wait_for_local_ranks(trainer) -> None:
 @dataclass(frozen=True)
 class TrainingRecipe:
     """What a training recipe of the framework brings to :func:`run_finetune`: how its config resolves into a
-    :class:`~dsv4.training.spec.RunSpec`, its data module, its LightningModule, and whether the memory plan
-    covers it. Everything else (sweeps, launchers, the Trainer, checkpoints, resume, preemption, loggers,
-    callbacks) is shared."""
+    :class:`~dsv4.training.spec.RunSpec`, its data module, its LightningModule, and its memory plan
+    (``check_memory(spec, output_dir, cfg)``: True to stop after planning, ValueError when it does not fit; see
+    :func:`dsv4.training.planning.check_memory`). Everything else (sweeps, launchers, the Trainer, checkpoints,
+    resume, preemption, loggers, callbacks) is shared."""
 
     build_spec: Callable[[DictConfig], RunSpec]
     build_data: Callable[[RunSpec], Any]
     build_module: Callable[[RunSpec, Any], Any]
-    plans_memory: bool = True
+    check_memory: Callable[[RunSpec, Path, DictConfig], bool] = check_memory
 
 
 def _finetune_data(spec: RunSpec):
@@ -181,11 +182,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, script: str | Path | N
             raise ValueError("a -m sweep job runs the recipe once per job: run_finetune(..., script=<the recipe "
                              "file>) is needed")
         return run_sweep_job(output_dir, script, spec.preemption.signals)
-    if not recipe.plans_memory:
-        if spec.plan.only:
-            raise ValueError("`plan`: the memory plan does not cover this recipe yet (plan=true / plan.only)")
-        log.info("memory plan: not computed for this recipe (it covers fine-tuning)")
-    elif check_memory(spec, output_dir, cfg):  # plan only
+    if recipe.check_memory(spec, output_dir, cfg):  # plan only
         return None
 
     import lightning as L

@@ -56,3 +56,39 @@ def test_export_beside_a_target_is_checked_at_start(tmp_path):
                                                            dspark_markov_rank=8)), str(other))
     with pytest.raises(ValueError, match="`export.hf_dir`=.* another model: dspark_markov_rank=8 there, 16 here"):
         _spec([f"export.hf_dir={other}"], tmp_path)
+
+
+def _composed(overrides):
+    register_schema()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train_dspark", overrides=["data.tokenizer=byte", "data.max_bytes=20000",
+                                                              *overrides])
+
+
+def test_plan_only_prints_the_drafter_plan_and_stops(tmp_path, capsys):
+    """`plan=true` through the recipe's planning step (the TrainingRecipe's check_memory): the drafter plan's table
+    printed, memory_plan.json written, the run stops; a start that plans and fits goes on."""
+    import json
+
+    from dsv4.training.dspark_run import TRAIN_DSPARK
+
+    cfg = _composed(["plan=true", "drafter.num_anchors=16"])
+    assert TRAIN_DSPARK.check_memory(build_dspark_run_spec(cfg), tmp_path, cfg) is True
+    report = capsys.readouterr().out
+    for line in ("drafter memory plan per rank (online)", "16 blocks of 5 per row", "phase target forward", "total"):
+        assert line in report
+    plan = json.loads((tmp_path / "memory_plan.json").read_text())
+    assert plan["recipe"] == "train_dspark" and plan["setup"]["num_anchors"] == 16 and plan["fits"]
+    start = _composed(["drafter.num_anchors=16"])
+    assert TRAIN_DSPARK.check_memory(build_dspark_run_spec(start), tmp_path / "start", start) is False
+
+
+def test_a_drafter_plan_that_does_not_fit_refuses_the_start_naming_its_biggest_term(tmp_path):
+    from dsv4.training.dspark_run import TRAIN_DSPARK
+
+    cfg = _composed(["plan.device_memory_gib=0.001", "plan.reserve_gib=0", "plan.suggest=0"])
+    with pytest.raises(ValueError, match=r"drafter memory plan: .* DOES NOT FIT \(biggest term: \w+\)\. Not launching"):
+        TRAIN_DSPARK.check_memory(build_dspark_run_spec(cfg), tmp_path, cfg)
+    cfg = _composed(["plan.only=true", "plan.rank_by=step_time"])
+    with pytest.raises(ValueError, match=r"`plan.rank_by`='step_time': the drafter plan has no step-time estimate"):
+        TRAIN_DSPARK.check_memory(build_dspark_run_spec(cfg), tmp_path, cfg)
