@@ -281,9 +281,10 @@ class MemoryPlan:
             f"{c.activation_checkpointing}, loss chunk {c.loss_chunk_size} rows, attention {c.attention_backend}"
             + ("" if setup.lora is None else f"; LoRA r={setup.lora.rank} on {'/'.join(setup.lora.targets)}, "
                f"base {setup.lora.base_dtype}"),
-            _row("parameters", s.parameters, "fp32 master shards + buffers" if setup.lora is None else
-                 "adapters: fp32 shards; frozen base: compute-dtype shards" + (
-                     " + kept FP8 / FP4 buffers (replicated)" if setup.lora.base_dtype == "fp8" else "")),
+            _row("parameters", self.per_rank_bytes["parameters"], ("fp32 master shards + buffers" if setup.lora is None
+                 else "adapters: fp32 shards; frozen base: compute-dtype shards" + (
+                     " + kept FP8 / FP4 buffers (replicated)" if setup.lora.base_dtype == "fp8" else ""))
+                 + ("; the Engram tables are in host memory (host Engram, below)" if self.engram_host_bytes else "")),
             _row("gradients", s.gradients, "fp32 shards of the trainable parameters (filled during backward)"),
             _row("optimizer", s.optimizer, f"{setup.optimizer.state_dtype} moments, {setup.optimizer.state_bytes:g} "
                  f"bytes per trainable element of a large shard; the step allocates {_size(s.step_temporary)} "

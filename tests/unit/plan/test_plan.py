@@ -221,6 +221,8 @@ def test_engram_tables_in_host_memory_leave_the_device_total_by_exactly_their_by
         assert data["setup"]["engram_on_host"] is True and data["setup"]["engram_fp8"] is fp8
         report = host.report()
         assert "host Engram" in report and "of which Engram tables" not in report
+        params = next(line for line in report.splitlines() if line.startswith("  parameters"))
+        assert params.split()[1:3] == _gib_or_mib(host.per_rank_bytes["parameters"]), params  # the device's bytes
         assert "of which Engram tables" in device.report() and "host Engram" not in device.report()
         assert f"Engram tables in host memory {tables / 2**20:.1f} MiB per rank" in host.summary()
 
@@ -229,3 +231,8 @@ def test_engram_tables_in_host_memory_are_frozen_tables():
     with pytest.raises(ValueError, match="`engram_on_host` holds frozen Engram tables in host memory, but "
                                          "model.engram_trainable=true trains them"):
         memory_plan(PlanSetup(DSV4Config.preset("v41_tiny", engram_trainable=True), seq_len=256, engram_on_host=True))
+
+
+def _gib_or_mib(n: int) -> list[str]:
+    """The report's size of ``n`` bytes as its two words."""
+    return (f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB").split()
