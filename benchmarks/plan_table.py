@@ -17,7 +17,9 @@ the host term is in ``shape``) plan the memory options.
 
 DeepSeek-V4.1 (``--models v41_flash``): the Engram tables are row-sharded over the ``dp x cp`` ranks and frozen, in
 the form ``--engram-dtype`` names: ``fp8`` (default) as a run that loads the released checkpoint keeps them
-(``model.checkpoint``), ``fp32`` as a run without one builds them. ``model.fake_quant`` is on (the preset's).
+(``model.checkpoint``), ``fp32`` as a run without one builds them; ``--engram-tables host`` holds them in host memory
+(``trainer.engram_tables=host``: out of the device total, the cell adds them to the host memory per rank).
+``model.fake_quant`` is on (the preset's).
 
 The activations of a plan depend on the per-rank step, not on ``dp`` (:func:`dsv4.plan.suggest.activation_key`): the
 plans of one model and sequence length share one trace across GPU counts (with ``--ep 0`` only where the EP size
@@ -28,6 +30,7 @@ is the same).
     python benchmarks/plan_table.py --peft lora --base-dtype fp8 --ep 0 --markdown   # LoRA: experts over every GPU
     python benchmarks/plan_table.py --state-dtype bfloat16 --moe-chunk-tokens 4096 --markdown   # bf16 moments, chunks
     python benchmarks/plan_table.py --models v41_flash --gpus 8 16 32 64 128 --device-gib 80 --markdown   # V4.1
+    python benchmarks/plan_table.py --models v41_flash --peft lora --ep 0 --engram-tables host --device-gib 80 --markdown
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ def main() -> None:
     parser.add_argument("--engram-dtype", choices=["fp8", "fp32"], default="fp8",
                         help="V4.1: the frozen Engram tables as the released checkpoint stores them (fp8) or built "
                              "without a checkpoint (fp32)")
+    parser.add_argument("--engram-tables", choices=["device", "host"], default="device",
+                        help="V4.1: trainer.engram_tables, where the frozen Engram tables are held")
     parser.add_argument("--device-gib", type=float, default=None,
                         help="--markdown: judge every cell against this device (GiB) and name the biggest term of a "
                              "plan that does not fit; default: 80 and 141")
@@ -90,7 +95,8 @@ def main() -> None:
                 ep = args.ep or gpus
                 setup = PlanSetup(config, seq_len, cp=args.cp, dp=gpus // args.cp, ep=ep,
                                   compute_dtype=torch.bfloat16, optimizer=optimizer, lora=lora, offload=args.offload,
-                                  engram_fp8=v41 and args.engram_dtype == "fp8")
+                                  engram_fp8=v41 and args.engram_dtype == "fp8",
+                                  engram_on_host=v41 and args.engram_tables == "host")
                 key = activation_key(setup)
                 plan = memory_plan(setup, activations=traces.get(key))
                 traces[key] = plan.activations
@@ -104,9 +110,11 @@ def main() -> None:
                          "peft": "none" if lora is None else f"lora r={lora.rank}, base {lora.base_dtype}"}
                 if v41:
                     shape.update(engram_dtype=args.engram_dtype, fake_quant=config.fake_quant,
-                                 engram_table_gib=round(plan.engram_table_bytes / GIB, 2))
+                                 engram_table_gib=round(plan.engram_table_bytes / GIB, 2),
+                                 engram_tables=args.engram_tables,
+                                 engram_host_gib=round(plan.engram_host_bytes / GIB, 2))
                 emit("plan_table.per_rank_total", shape, terms["total"], "GiB")
-                rows[(model, seq_len, gpus)] = terms, plan.biggest_term, shape["host_offload_gib"]
+                rows[(model, seq_len, gpus)] = terms, plan.biggest_term, round(plan.host_bytes / GIB, 2)
     if args.markdown:
         print("\n| model | sequence | " + " | ".join(f"{g} GPUs" for g in args.gpus) + " |")
         print("|---|---|" + "---|" * len(args.gpus))
@@ -118,7 +126,8 @@ def main() -> None:
 
 def _cell(terms: dict[str, float], biggest: str, host_gib: float, device_gib: float | None) -> str:
     """A table cell: the per-rank total and whether it fits each device; against one device (``device_gib``) a plan
-    that does not fit names its biggest term, and with host offload the cell adds the host memory per rank."""
+    that does not fit names its biggest term, and with host offload or Engram tables in host memory the cell adds the
+    host memory per rank."""
     total = terms["total"]
     if device_gib is None:
         return f"{total:.0f} GiB (" + " / ".join(("fits" if total <= gib else "no") for gib in DEVICES_GIB) + ")"
