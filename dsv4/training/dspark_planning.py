@@ -7,7 +7,8 @@ does for fine-tuning, with the drafter plan (:mod:`dsv4.plan.dspark`).
   ``plan=false`` skips the plan);
 * the target's weights are planned in the form the run holds them: kept as ``model.checkpoint`` stores them when it
   stores FP8 / FP4 weights (and its Engram tables in FP8 when it stores them so), read from its headers; the float
-  weights in the run's compute dtype;
+  weights in the run's compute dtype; ``plan.checkpoint_form=release`` (with ``plan.only=true``, no checkpoint) plans
+  the target as the release stores it;
 * ``plan.suggest``: when it does not fit, the changes of the run's options that the drafter plan reads (the
   optimizer's moments, ``ep``, ``cp``, routed experts in chunks, the micro batch, Engram tables in host memory), the
   cheapest ``plan.suggest`` that fit (:mod:`dsv4.plan.suggest`, the costs of :data:`dsv4.training.planning.COSTS`);
@@ -39,7 +40,10 @@ DRAFTER_CHANGE_GROUPS = ("optimizer state", "experts in chunks", "ep", "cp", "mi
 
 
 def target_kept(spec: RunSpec) -> bool:
-    """The run keeps its target's weights quantised: ``model.checkpoint`` is a directory storing FP8 / FP4 weights."""
+    """The run keeps its target's weights quantised: ``model.checkpoint`` is a directory storing FP8 / FP4 weights, or
+    the plan assumes the release, which stores them so (``plan.checkpoint_form=release``)."""
+    if spec.plan.checkpoint_form == "release":
+        return True
     checkpoint = spec.model_checkpoint
     if not checkpoint or not Path(checkpoint).is_dir():
         return False

@@ -19,6 +19,9 @@
 * The plan's communication table (bytes per rank and step by kind, their time, the compute time; printed by
   ``plan=true``, ``communication_per_step`` in ``memory_plan.json``) is timed at ``plan.nvlink_gb_s``,
   ``plan.infiniband_gb_s``, ``plan.pcie_gb_s``, ``plan.gpus_per_node`` and ``plan.tflops``.
+* The weights are planned in the form ``model.checkpoint`` stores them (read from its headers: V4.1's Engram tables
+  kept in FP8, a LoRA base kept as stored); ``plan.checkpoint_form=release`` (plan only, no checkpoint) plans a run
+  from the model's released checkpoint without reading it.
 """
 
 from __future__ import annotations
@@ -70,9 +73,13 @@ def _device_memory(spec: RunSpec) -> int:
 
 
 def _engram_kept_fp8(spec: RunSpec) -> bool:
-    """The run keeps V4.1's Engram tables in FP8: frozen, and ``model.checkpoint`` stores them so."""
-    if not getattr(spec.model, "engram_layer_ids", None) or getattr(spec.model, "engram_trainable", False) \
-            or not spec.model_checkpoint:
+    """The run keeps V4.1's Engram tables in FP8: frozen, and ``model.checkpoint`` stores them so (or the plan assumes
+    the release, which does: ``plan.checkpoint_form=release``)."""
+    if not getattr(spec.model, "engram_layer_ids", None) or getattr(spec.model, "engram_trainable", False):
+        return False
+    if spec.plan.checkpoint_form == "release":
+        return True
+    if not spec.model_checkpoint:
         return False
     from dsv4.checkpoint.load import engram_tables_stored_fp8
 

@@ -46,7 +46,7 @@ from dsv4.training.options.factories import (
     build_logger,
     build_optimization,
 )
-from dsv4.training.options.plan import PlanOptions, plan_options
+from dsv4.training.options.plan import PlanOptions, check_checkpoint_form, plan_options
 from dsv4.training.options.preemption import PreemptionSpec, preemption_spec
 from dsv4.training.options.trainer import (
     check_not_derived,
@@ -253,6 +253,7 @@ def build_run_spec(cfg: DictConfig, export_beside: bool = False) -> RunSpec:
         validation = replace(
             validation, source=resolve_data_source(validation.source, checkpoint or None, config.vocab_size))
     plan = plan_options(cfg.get("plan"))
+    check_checkpoint_form(plan, checkpoint or None)
     if not plan.only:  # a plan hashes nothing (dsv4.training.options.family)
         from dsv4.data.tokenizers import build_tokenizer
 

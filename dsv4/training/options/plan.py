@@ -10,6 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 
 
 RANK_BY = ("cost", "step_time")  # plan.rank_by: how plan.suggest orders what fits
+# plan.checkpoint_form: the stored form the plan assumes for the model's weights (auto: model.checkpoint's own)
+CHECKPOINT_FORMS = ("auto", "release")
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,11 @@ class PlanOptions:
     fits (0: none); ``rank_by``: ``cost`` (the cheapest changes first) or ``step_time`` (the fastest estimated step
     first, :mod:`dsv4.plan.comm`). The speeds the communication table times the step at
     (:class:`dsv4.plan.comm.LinkSpeeds`, the same defaults): ``nvlink_gb_s``, ``infiniband_gb_s``, ``pcie_gb_s``
-    (GB/s per GPU and direction), ``gpus_per_node`` and ``tflops`` (the compute rate a GPU reaches)."""
+    (GB/s per GPU and direction), ``gpus_per_node`` and ``tflops`` (the compute rate a GPU reaches).
+    ``checkpoint_form``: ``auto`` plans the weights in the form the run will hold them (``model.checkpoint``'s stored
+    form, read from its headers; built weights without one); ``release`` plans a run from the model's released
+    checkpoint without reading one (its FP8 / FP4 weights and FP8 Engram tables as stored): plan-only, without
+    ``model.checkpoint`` (:func:`check_checkpoint_form`)."""
 
     enabled: bool = True
     only: bool = False
@@ -36,6 +42,7 @@ class PlanOptions:
     pcie_gb_s: float = 64.0
     gpus_per_node: int = 8
     tflops: float = 400.0
+    checkpoint_form: str = "auto"
 
 
 def plan_options(value: Any) -> PlanOptions:
@@ -71,4 +78,21 @@ def plan_options(value: Any) -> PlanOptions:
         raise ValueError(f"`plan.gpus_per_node` must be a positive integer, got {nodes!r}")
     if values.get("rank_by", "cost") not in RANK_BY:
         raise ValueError(f"`plan.rank_by` must be one of {', '.join(RANK_BY)}, got {values['rank_by']!r}")
+    if values.get("checkpoint_form", "auto") not in CHECKPOINT_FORMS:
+        raise ValueError(f"`plan.checkpoint_form` must be one of {', '.join(CHECKPOINT_FORMS)}, got "
+                         f"{values['checkpoint_form']!r}")
     return PlanOptions(**values)
+
+
+def check_checkpoint_form(options: PlanOptions, checkpoint: str | None) -> None:
+    """``plan.checkpoint_form=release`` describes a run that loads the release, which this run is not: it is refused
+    with ``model.checkpoint`` (the plan reads that checkpoint's own form) and without ``plan.only=true`` (a run that
+    starts builds its weights, in another form than the plan's)."""
+    if options.checkpoint_form != "release":
+        return
+    if checkpoint:
+        raise ValueError(f"`plan.checkpoint_form`=release with `model.checkpoint`={checkpoint!r}: the plan reads that "
+                         "checkpoint's stored form; drop plan.checkpoint_form (auto)")
+    if not (options.enabled and options.only):
+        raise ValueError("`plan.checkpoint_form`=release plans a run from the released checkpoint without one; it "
+                         "needs plan.only=true (a run that starts without model.checkpoint builds its weights)")
