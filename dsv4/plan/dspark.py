@@ -33,8 +33,14 @@ metadata), the drafter with its real forward and :func:`~dsv4.speculative.dspark
 all ``num_anchors`` of the row on every rank (the most a rank can draw) over its ``seq_len / cp`` tokens; the
 context rows a halo brings from the neighbour (at most ``sliding_window`` per block) are not counted.
 
-Not counted: the communication table (bytes and time per step; :mod:`dsv4.plan.comm` covers fine-tuning), host
-offload (``trainer.offload=optimizer`` is refused here), what the fine-tuning plan also leaves out (the CUDA context
+The Engram traffic of the target's forward (online) is reported beside the memory, per micro-batch and rank
+(:func:`dsv4.plan.comm.engram_traffic`, :func:`dsv4.plan.comm.engram_host_traffic`: one lookup per Engram layer, no
+recompute without gradients; upper bounds, every id counted as distinct): the lookups' bytes each way between the
+``dp x cp`` ranks, and with the tables in host memory the ids device -> host and the rows host -> device, with their
+time over PCIe at ``plan.pcie_gb_s``.
+
+Not counted: the rest of the communication table (FSDP and EP bytes and time per step; :mod:`dsv4.plan.comm` covers
+fine-tuning), host offload (``trainer.offload=optimizer`` is refused here), what the fine-tuning plan also leaves out (the CUDA context
 and NCCL buffers: the reserve, allocator fragmentation).
 """
 
@@ -151,6 +157,27 @@ class DSparkMemoryPlan:
     def host_tables(self) -> bool:
         return self.setup.engram_on_host
 
+    def engram_traffic(self) -> dict[str, float]:
+        """The online target forward's Engram bytes per micro-batch and rank (module docstring): ``lookups`` (each
+        way between the ranks), ``host_ids`` (device -> host), ``host_rows`` (host -> device) and ``host_seconds``
+        (the larger of the two over PCIe); zeros offline or without Engram tables."""
+        from dataclasses import replace
+
+        from dsv4.plan.comm import engram_host_traffic, engram_traffic
+
+        base = self.setup.base
+        zero = {"lookups": 0, "host_ids": 0, "host_rows": 0, "host_seconds": 0.0}
+        if self.setup.mode != "online" or not getattr(base.config, "engram_layer_ids", None):
+            return zero
+        config = replace(base.config, activation_checkpointing="none")  # a forward without gradients looks up once
+        tokens = base.micro_batch_size * base.seq_len // base.cp
+        lookups, _ = engram_traffic(config, tokens, base.world, base.compute_dtype, base.engram_fp8)
+        if not self.host_tables:
+            return {**zero, "lookups": lookups}
+        ids, rows, _ = engram_host_traffic(config, tokens, base.compute_dtype, base.engram_fp8)
+        return {"lookups": lookups, "host_ids": ids, "host_rows": rows,
+                "host_seconds": max(ids, rows) / base.links.bandwidth("pcie")}
+
     @property
     def total(self) -> int:
         return self.per_rank_bytes["total"]
@@ -224,8 +251,17 @@ class DSparkMemoryPlan:
         if self.host_bytes:
             lines.append(_row("host", self.host_bytes, "the rank's Engram rows in host memory (not in the device "
                               "total; trainer.engram_tables=host)"))
-        lines.append("  not counted: the communication per step (the fine-tuning plan has it), allocator "
-                     "fragmentation and the CUDA context (the reserve)")
+        traffic = self.engram_traffic()
+        if traffic["lookups"] or traffic["host_rows"]:
+            line = (f"  engram traffic per micro-batch: lookups {_size(traffic['lookups'])} each way between the "
+                    f"{base.world} ranks")
+            if traffic["host_rows"]:
+                line += (f"; host copies: ids {_size(traffic['host_ids'])} device -> host, rows "
+                         f"{_size(traffic['host_rows'])} host -> device ({traffic['host_seconds'] * 1e3:.2f} ms at "
+                         f"{base.links.pcie_gb_s:g} GB/s)")
+            lines.append(line + " (upper bounds: every id distinct)")
+        lines.append("  not counted: the rest of the communication per step (FSDP, EP: the fine-tuning plan has it), "
+                     "allocator fragmentation and the CUDA context (the reserve)")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -249,6 +285,7 @@ class DSparkMemoryPlan:
             "drafter_step_bytes": self.drafter_step,
             "drafter_step_by_label": dict(self.drafter_step_by_label),
             "gathered_drafter_bytes": self.gathered_drafter,
+            "engram_traffic_per_micro_batch": self.engram_traffic(),
             "setup": {"mode": self.setup.mode, "num_anchors": self.setup.num_anchors,
                       "target_kept": self.setup.target_kept, "evaluates": self.setup.evaluates,
                       "seq_len": base.seq_len, "micro_batch_size": base.micro_batch_size, "cp": base.cp,

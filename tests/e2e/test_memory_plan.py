@@ -1,7 +1,8 @@
 """`plan.only=true` for V4 Flash and V4.1-Flash at 128K tokens on 64 ranks of 80 GiB (`experiment=flash_128k_80g`,
 `experiment=v41_flash_128k_80g`): the full per-rank plan (V4: the recipe on a CPU in under 2 GiB, no model is built),
-at most 76 GiB per rank, so that at least 4 GiB stay for what the plan does not count; and for V4 at CP 8 x DP 8,
-which does not fit, what would (the printed overrides planned again).
+at most 76 GiB per rank, so that at least 4 GiB stay for what the plan does not count; for V4 at CP 8 x DP 8,
+which does not fit, what would (the printed overrides planned again); and V4.1-Flash drafter training on one node of
+8 x 80 GiB at 4096 tokens per row.
 Times are not asserted (a shared machine is noisy); the subprocess timeout is only a safety net."""
 
 from __future__ import annotations
@@ -115,3 +116,38 @@ def test_flash_cp8_at_128k_prints_what_would_fit_and_the_plan_confirms_it(tmp_pa
         cfg = compose(config_name="finetune", overrides=[*command, *overrides])
     plan = memory_plan(plan_setup(build_run_spec(cfg), 80 * 2**30))
     assert plan.fits and plan.total == record[0]["per_rank_total_bytes"] < 80 * 2**30
+
+
+def test_v41_flash_drafter_training_on_one_node_of_8_gpus_of_80_gib(tmp_path, capsys):
+    """`recipes/train_dspark.py model=v41_flash trainer.devices=8 ep=8 seq_len=4096 trainer.engram_tables=host
+    optim.state_dtype=bfloat16 plan.checkpoint_form=release plan.only=true plan.device_memory_gib=80` through the
+    recipe's planning step: the target kept as the release stores it, its Engram rows (FP8, 1/8 of the two tables:
+    ceil(rows / 8) x 264 bytes) in host memory, at most 76 GiB per rank on the device; the same run with the rows on
+    the device does not fit (the target is its biggest term)."""
+    from hydra import compose, initialize_config_dir
+
+    from dsv4.training.dspark_run import TRAIN_DSPARK
+    from dsv4.training.planning import PLAN_FILE
+    from dsv4.training.schema import register_schema
+    from dsv4.training.spec import build_dspark_run_spec
+
+    def plan(tables: str, out):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose(config_name="train_dspark", overrides=[
+                "model=v41_flash", "trainer=gpu", "trainer.devices=8", "ep=8", "dispatcher=alltoall", "seq_len=4096",
+                f"trainer.engram_tables={tables}", "optim.state_dtype=bfloat16", "plan.checkpoint_form=release",
+                "plan.only=true", "plan.device_memory_gib=80", "plan.suggest=0"])
+        assert TRAIN_DSPARK.check_memory(build_dspark_run_spec(cfg), out, cfg) is True
+        return json.loads((out / PLAN_FILE).read_text()), capsys.readouterr().out
+
+    register_schema()
+    host, report = plan("host", tmp_path / "host")
+    assert "fits" in report and "DOES NOT FIT" not in report and "host copies" in report
+    rows = (-(-384006168 // 8) + -(-384016682 // 8)) * (256 + 256 // 32)
+    assert host["host_bytes"] == host["engram_table_bytes"] == rows
+    assert host["setup"] == {**host["setup"], "world": 8, "dp": 8, "ep": 8, "seq_len": 4096, "target_kept": True,
+                             "engram_fp8": True, "engram_on_host": True, "optimizer_state_dtype": "bfloat16"}
+    assert host["fits"] and host["per_rank_bytes"]["total"] <= 76 * 2**30, host["per_rank_bytes"]["total"] / 2**30
+    device, report = plan("device", tmp_path / "device")
+    assert not device["fits"] and device["biggest_term"] == "target" and "DOES NOT FIT" in report
+    assert device["per_rank_bytes"]["total"] == host["per_rank_bytes"]["total"] + rows

@@ -74,6 +74,24 @@ def test_engram_tables_in_host_memory_leave_every_phase(plans):
     assert "Engram rows in host memory" in host.summary() and "host" in host.report()
 
 
+def test_the_engram_traffic_of_the_target_forward_by_hand(plans):
+    """v41_tiny (Engram layers 1 and 4, n-grams up to 4, 2 heads of 32), 256 tokens per rank on 2 ranks, fp32 rows:
+    1536 ids per layer and lookup (256 x 3 x 2), one lookup per layer (no recompute without gradients, even with
+    block recompute set). Between the ranks, per layer: the count to the other rank (8 bytes), half the ids (768 x
+    8) and their rows (768 x 128): 104456 bytes, 208912 for the two layers. Host copies: 2 x 1536 ids x 8 bytes
+    down, 2 x 1536 rows x 128 bytes up, the rows' time at 64 GB/s."""
+    host, online = plans["host"], plans["online"]
+    expected = {"lookups": 208912, "host_ids": 24576, "host_rows": 393216, "host_seconds": 393216 / 64e9}
+    assert host.engram_traffic() == expected
+    assert online.engram_traffic() == {**expected, "host_ids": 0, "host_rows": 0, "host_seconds": 0.0}
+    assert plans["offline"].engram_traffic() == dict.fromkeys(expected, 0)
+    setup = host.setup
+    block = replace(setup, base=replace(setup.base, config=replace(setup.base.config, activation_checkpointing="block")))
+    assert dspark_memory_plan(block, host.traces).engram_traffic() == expected
+    assert "rows 0.4 MiB host -> device" in host.report()
+    assert host.as_dict()["engram_traffic_per_micro_batch"] == expected
+
+
 def test_offline_holds_no_target_while_it_trains(plans):
     """Offline the rows carry the features (fp32, whole rows: at CP 1 the online features' bytes); the target is
     built for the decoding evaluation only."""
