@@ -17,14 +17,12 @@ does for fine-tuning, with the drafter plan (:mod:`dsv4.plan.dspark`).
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsv4.training.planning import (GIB, MAX_CANDIDATES, MAX_CHANGES, PLAN_FILE, _device_memory,
-                                    _is_launching_process, plan_changes, plan_setup)
+from dsv4.training.planning import (MAX_CANDIDATES, MAX_CHANGES, _device_memory, _is_launching_process,
+                                    act_on_plan, plan_candidate, plan_changes, plan_setup)
 from dsv4.training.spec import RunSpec
 
 if TYPE_CHECKING:
@@ -75,59 +73,23 @@ def check_dspark_memory(spec: RunSpec, output_dir: Path, cfg: DictConfig | None 
     from dsv4.plan.dspark import dspark_memory_plan
 
     plan = dspark_memory_plan(dspark_plan_setup(spec, _device_memory(spec)))
-    output_dir.mkdir(parents=True, exist_ok=True)
-    record = {**plan.as_dict(), "suggestions": None}
-    (output_dir / PLAN_FILE).write_text(json.dumps(record, indent=2))
-    if options.only:
-        print(plan.report(), flush=True)
-    fits = None
-    usable = plan.setup.base.usable_memory_bytes
-    if not plan.fits and cfg is not None and options.suggest and (options.only or options.enforce):
-        log.info("drafter memory plan: %.2f GiB per rank does not fit %.2f GiB; planning what would (plan.suggest=0 "
-                 "skips this)", plan.total / GIB, usable / GIB)
-        fits = suggest_dspark_fits(cfg, plan, options.suggest)
-        record["suggestions"] = fits.as_dict()
-        (output_dir / PLAN_FILE).write_text(json.dumps(record, indent=2))
-    if options.only:
-        if fits is not None:
-            print(fits.report(), flush=True)
-        log.info("%s; wrote %s", plan.summary(), output_dir / PLAN_FILE)
-        return True
-    log.info("%s", plan.summary())
-    if not plan.fits and options.enforce:
-        raise ValueError(f"{plan.summary()}. Not launching: reduce the {plan.biggest_term} (see `plan=true` for the "
-                         "per-rank table), or set plan.enforce=false to launch anyway"
-                         + ("" if fits is None else "\n" + fits.report()))
-    return False
+    search = None if cfg is None else (lambda: suggest_dspark_fits(cfg, plan, options.suggest))
+    return act_on_plan(plan, plan.setup.base, options, output_dir, search, "drafter memory plan")
 
 
 def suggest_dspark_fits(cfg: DictConfig, plan: DSparkMemoryPlan, count: int) -> SearchResult:
     """The cheapest ``count`` changes of :data:`DRAFTER_CHANGE_GROUPS` (from
     :func:`~dsv4.training.planning.plan_changes`) whose drafter plan fits, each candidate resolved by the recipe's own
     validation (:func:`~dsv4.training.spec.build_dspark_run_spec`)."""
-    from omegaconf import OmegaConf
-
     from dsv4.plan.dspark import DSparkSetupPlanner
-    from dsv4.plan.suggest import Refused, search
+    from dsv4.plan.suggest import search
     from dsv4.training.spec import build_dspark_run_spec
 
     base = plan.setup.base
-    device_memory = base.device_memory_bytes
 
     def setup_of(changes):
-        candidate = copy.deepcopy(cfg)
-        for change in changes:
-            for key, value in change.settings:
-                OmegaConf.update(candidate, key, value, merge=False)
-        candidate.plan = True
-        level = log.level
-        log.setLevel(logging.WARNING)
-        try:
-            return dspark_plan_setup(build_dspark_run_spec(candidate), device_memory)
-        except (ValueError, KeyError, ImportError) as err:
-            raise Refused(str(err)) from None
-        finally:
-            log.setLevel(level)
+        return plan_candidate(cfg, changes,
+                              lambda c: dspark_plan_setup(build_dspark_run_spec(c), base.device_memory_bytes))
 
     changes = [c for c in plan_changes(cfg, base, base.world) if c.group in DRAFTER_CHANGE_GROUPS]
     planner = DSparkSetupPlanner(plan, setup_of)

@@ -31,12 +31,14 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from dsv4.training.spec import RunSpec
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
+
+    from dsv4.training.options.plan import PlanOptions
 
     from dsv4.plan.comm import LinkSpeeds
     from dsv4.plan.plan import MemoryPlan, PlanSetup
@@ -134,17 +136,28 @@ def check_memory(spec: RunSpec, output_dir: Path, cfg: DictConfig | None = None)
     from dsv4.plan.plan import memory_plan
 
     plan = memory_plan(plan_setup(spec, _device_memory(spec)))
+    search = None if cfg is None else (lambda: suggest_fits(cfg, spec, plan, options.suggest))
+    return act_on_plan(plan, plan.setup, options, output_dir, search, "memory plan")
+
+
+def act_on_plan(plan: Any, memory: PlanSetup, options: PlanOptions, output_dir: Path,
+                search: Callable[[], SearchResult] | None, what: str) -> bool:
+    """What a recipe does with its plan (``plan`` a :class:`~dsv4.plan.plan.MemoryPlan` or a drafter plan: ``fits``,
+    ``total``, ``summary()``, ``report()``, ``as_dict()``, ``biggest_term``; ``memory`` the setup holding the device
+    memory and reserve it is judged against): write ``memory_plan.json``, print the table when plan only, run
+    ``search`` (what would fit) when it does not fit and ``plan.suggest`` asks, log the summary. True when the run
+    stops here (plan only); ValueError naming the biggest term when it does not fit and ``plan.enforce`` is on."""
     output_dir.mkdir(parents=True, exist_ok=True)
     record = {**plan.as_dict(), "suggestions": None}
     (output_dir / PLAN_FILE).write_text(json.dumps(record, indent=2))
     if options.only:
         print(plan.report(), flush=True)
     fits = None
-    if not plan.fits and cfg is not None and options.suggest and (options.only or options.enforce):
-        log.info("memory plan: %.2f GiB per rank does not fit %.2f GiB (%.2f GiB less the %.2f GiB reserve); planning "
-                 "what would (plan.suggest=0 skips this)", plan.total / GIB, plan.setup.usable_memory_bytes / GIB,
-                 plan.setup.device_memory_bytes / GIB, plan.setup.reserve_bytes / GIB)
-        fits = suggest_fits(cfg, spec, plan, options.suggest)
+    if not plan.fits and search is not None and options.suggest and (options.only or options.enforce):
+        log.info("%s: %.2f GiB per rank does not fit %.2f GiB (%.2f GiB less the %.2f GiB reserve); planning what "
+                 "would (plan.suggest=0 skips this)", what, plan.total / GIB, memory.usable_memory_bytes / GIB,
+                 memory.device_memory_bytes / GIB, memory.reserve_bytes / GIB)
+        fits = search()
         record["suggestions"] = fits.as_dict()
         (output_dir / PLAN_FILE).write_text(json.dumps(record, indent=2))
     if options.only:
@@ -214,24 +227,35 @@ def plan_changes(cfg: DictConfig, setup: PlanSetup, world: int | None) -> list[C
 
 
 def candidate_setup(cfg: DictConfig, changes: tuple[Change, ...], device_memory: int) -> PlanSetup:
-    """The :class:`PlanSetup` of the run ``cfg`` with ``changes`` applied, built as the recipe builds a run (the
-    settings written into a copy of the composed config, then :func:`~dsv4.training.spec.build_run_spec` and
-    :func:`plan_setup`), so a candidate the recipe would refuse raises :class:`~dsv4.plan.suggest.Refused` with the
-    recipe's message. Plan-only: the tokenizer is not loaded (no change touches the data)."""
+    """The :class:`PlanSetup` of the run ``cfg`` with ``changes`` applied, built as the recipe builds a run
+    (:func:`plan_candidate` with :func:`~dsv4.training.spec.build_run_spec`, then :func:`plan_setup`)."""
+    from dsv4.training.spec import build_run_spec
+
+    return plan_candidate(cfg, changes, lambda candidate: plan_setup(build_run_spec(candidate), device_memory))
+
+
+def plan_candidate(cfg: DictConfig, changes: tuple[Change, ...], setup_of: Callable[[DictConfig], Any]) -> Any:
+    """``setup_of`` (a recipe's spec builder and plan setup) of a copy of the composed config ``cfg`` with the
+    settings of ``changes`` written into it, planned only (``plan.only``; the other ``plan`` keys, such as
+    ``plan.checkpoint_form``, kept), so a candidate the recipe would refuse raises :class:`~dsv4.plan.suggest.Refused`
+    with the recipe's message. Plan-only: the tokenizer is not loaded (no change touches the data)."""
+    from omegaconf import DictConfig as Config
     from omegaconf import OmegaConf
 
     from dsv4.plan.suggest import Refused
-    from dsv4.training.spec import build_run_spec
 
     candidate = copy.deepcopy(cfg)
     for change in changes:
         for key, value in change.settings:
             OmegaConf.update(candidate, key, value, merge=False)
-    candidate.plan = True
+    if isinstance(candidate.get("plan"), Config):
+        candidate.plan.enabled, candidate.plan.only = True, True
+    else:
+        candidate.plan = True
     level = log.level
     log.setLevel(logging.WARNING)  # the run logged the same resolution lines already
     try:
-        return plan_setup(build_run_spec(candidate), device_memory)
+        return setup_of(candidate)
     except (ValueError, KeyError, ImportError) as err:
         raise Refused(str(err)) from None
     finally:

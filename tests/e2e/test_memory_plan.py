@@ -123,7 +123,7 @@ def test_v41_flash_drafter_training_on_one_node_of_8_gpus_of_80_gib(tmp_path, ca
     optim.state_dtype=bfloat16 plan.checkpoint_form=release plan.only=true plan.device_memory_gib=80` through the
     recipe's planning step: the target kept as the release stores it, its Engram rows (FP8, 1/8 of the two tables:
     ceil(rows / 8) x 264 bytes) in host memory, at most 76 GiB per rank on the device; the same run with the rows on
-    the device does not fit (the target is its biggest term)."""
+    the device does not fit (the target is its biggest term), and what would fit names the host tables.""" 
     from hydra import compose, initialize_config_dir
 
     from dsv4.training.dspark_run import TRAIN_DSPARK
@@ -131,12 +131,12 @@ def test_v41_flash_drafter_training_on_one_node_of_8_gpus_of_80_gib(tmp_path, ca
     from dsv4.training.schema import register_schema
     from dsv4.training.spec import build_dspark_run_spec
 
-    def plan(tables: str, out):
+    def plan(tables: str, out, suggest: int = 0):
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
             cfg = compose(config_name="train_dspark", overrides=[
                 "model=v41_flash", "trainer=gpu", "trainer.devices=8", "ep=8", "dispatcher=alltoall", "seq_len=4096",
                 f"trainer.engram_tables={tables}", "optim.state_dtype=bfloat16", "plan.checkpoint_form=release",
-                "plan.only=true", "plan.device_memory_gib=80", "plan.suggest=0"])
+                "plan.only=true", "plan.device_memory_gib=80", f"plan.suggest={suggest}"])
         assert TRAIN_DSPARK.check_memory(build_dspark_run_spec(cfg), out, cfg) is True
         return json.loads((out / PLAN_FILE).read_text()), capsys.readouterr().out
 
@@ -148,6 +148,10 @@ def test_v41_flash_drafter_training_on_one_node_of_8_gpus_of_80_gib(tmp_path, ca
     assert host["setup"] == {**host["setup"], "world": 8, "dp": 8, "ep": 8, "seq_len": 4096, "target_kept": True,
                              "engram_fp8": True, "engram_on_host": True, "optimizer_state_dtype": "bfloat16"}
     assert host["fits"] and host["per_rank_bytes"]["total"] <= 76 * 2**30, host["per_rank_bytes"]["total"] / 2**30
-    device, report = plan("device", tmp_path / "device")
+    device, report = plan("device", tmp_path / "device", suggest=1)
     assert not device["fits"] and device["biggest_term"] == "target" and "DOES NOT FIT" in report
     assert device["per_rank_bytes"]["total"] == host["per_rank_bytes"]["total"] + rows
+    # what would fit plans each candidate as the run (the release's form kept): the tables in host memory
+    fits = device["suggestions"]["fits_with"]
+    assert fits and fits[0]["overrides"] == ["trainer.engram_tables=host"], fits
+    assert fits[0]["per_rank_total_bytes"] == host["per_rank_bytes"]["total"], fits
