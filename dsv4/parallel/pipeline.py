@@ -25,8 +25,14 @@ range of its decoder blocks.
   ranks :func:`reduce_embedding_grads` sums the two copies' gradients after the step (the copies start equal and
   take the same update).
 
-Not yet composed with context or expert parallelism, FSDP2 inside a stage, or LoRA: :func:`check_pipeline` refuses
-them naming the key. The indexer's KL loss (``indexer_loss_coeff > 0``) is refused too.
+* **Context parallelism**: a stage given its CP group's :class:`~dsv4.parallel.cp.context.CPContext` runs its blocks
+  on the rank's chunk of each row as the model does (each stage rank of a CP group holds the same blocks; the
+  pipeline's sends go between the ranks of one CP index). The stage's parameters are replicated over its CP ranks:
+  their gradients are summed over the CP group after the step (FSDP's reduction over ``dp x cp`` does it in the
+  recipes' layout).
+
+Not yet composed with expert parallelism, FSDP2 inside a stage, or LoRA: :func:`check_pipeline` refuses them naming
+the key. The indexer's KL loss (``indexer_loss_coeff > 0``) is refused too.
 """
 
 from __future__ import annotations
@@ -124,15 +130,14 @@ def stage_layers(config: Any, seq_len: int, stages: int) -> list[StageSpan]:
     return [StageSpan(k, stages, i, j, cost(i, j, last=k == stages - 1)) for k, (i, j) in enumerate(spans)]
 
 
-def check_pipeline(config: Any, pp: int, cp: int = 1, ep: int = 1, lora: Any = None) -> None:
+def check_pipeline(config: Any, pp: int, ep: int = 1, lora: Any = None) -> None:
     """ValueError naming the key for what the pipeline does not compose with yet (module docstring)."""
     family = getattr(config, "model_type", "deepseek_v4")
     if family not in ("deepseek_v4", "deepseek_v41"):
         raise ValueError(f"`pp`={pp}: pipeline stages are built for DeepSeek-V4 and V4.1 models; "
                          f"model_type={family!r}")
-    for key, value in (("cp", cp), ("ep", ep)):
-        if value != 1:
-            raise ValueError(f"`pp`={pp} with `{key}`={value}: pipeline stages do not compose with {key} yet")
+    if ep != 1:
+        raise ValueError(f"`pp`={pp} with `ep`={ep}: pipeline stages do not compose with ep yet")
     if lora is not None:
         raise ValueError(f"`pp`={pp} with `peft`=lora: pipeline stages do not compose with LoRA yet")
     if getattr(config, "indexer_loss_coeff", 0) > 0:
@@ -144,16 +149,18 @@ class DSV4PipelineStage(nn.Module):
     """Stage ``span`` of ``model`` (a :class:`~dsv4.model.model.DSV4ForCausalLM` or
     :class:`~dsv4.model.v41.model.DSV41ForCausalLM`): its blocks, and the embedding (first stage; the last too when
     the model has MTP depths) and the head (last stage) of the module docstring. The modules are ``model``'s own
-    (no copy): stages built from one model on one rank share them.
+    (no copy): stages built from one model on one rank share them. ``cp``: the stage's CP context (rows are then
+    this rank's chunks).
 
     ``forward`` (first stage): ``(input_ids, position_ids, seq_ids, padding, labels)``, the microbatch's rows
     ``[B, L]`` (``padding`` bool, True = pad; ``labels`` pre-shifted, -100 ignored); (the others): the previous
     stage's activations (``streams [B, L, hc, d]``, and for V4.1 ``carry [B, L, hc]``) then those five. Returns the
     activations and the five for the next stage, or (last stage) the microbatch's loss sum, ``[1]``."""
 
-    def __init__(self, model: nn.Module, span: StageSpan) -> None:
+    def __init__(self, model: nn.Module, span: StageSpan, cp: Any = None) -> None:
         super().__init__()
         self.span = span
+        self.cp = cp if cp is not None and getattr(cp, "enabled", False) else None  # the stage's CP context
         self.config = model.config
         self.v41 = getattr(model.config, "model_type", "deepseek_v4") == "deepseek_v41"
         self.blocks = nn.ModuleDict({str(i): model.model.layers[i] for i in range(span.start, span.stop)})
@@ -178,7 +185,7 @@ class DSV4PipelineStage(nn.Module):
 
         if self.span.first:
             input_ids, position_ids, seq_ids, padding, labels = args
-            inputs = resolve_inputs(self.config, input_ids, position_ids, seq_ids, padding, None, labels, {})
+            inputs = resolve_inputs(self.config, input_ids, position_ids, seq_ids, padding, self.cp, labels, {})
             if inputs.input_ids.shape != input_ids.shape:
                 raise ValueError(f"pipeline stage 0: the microbatch's rows {tuple(input_ids.shape)} re-lay out to "
                                  f"{tuple(inputs.input_ids.shape)} (documents not starting on multiples of "
@@ -191,20 +198,20 @@ class DSV4PipelineStage(nn.Module):
         else:
             acts, (input_ids, position_ids, seq_ids, padding, labels) = args[:self.activations], args[self.activations:]
         rows = (input_ids, position_ids, seq_ids, padding, labels)
-        meta = build_attention_metadata(self.config, position_ids, seq_ids, padding if padding.any() else None, None)
+        meta = build_attention_metadata(self.config, position_ids, seq_ids, padding, self.cp)
         if self.v41:
             x, carry = acts
             engram = None
             if self.engram:
-                engram = self._model.engram_inputs(ModelInputs(*rows, cp=None), meta)
+                engram = self._model.engram_inputs(ModelInputs(*rows, cp=self.cp), meta)
             state = None
             for block in self.blocks.values():
-                x, carry, state = block(x, carry, state, meta, engram, None)
+                x, carry, state = block(x, carry, state, meta, engram, self.cp)
             acts = (x, carry)
         else:
             (x,) = acts
             for block in self.blocks.values():
-                x = block(x, input_ids, meta, None)
+                x = block(x, input_ids, meta, self.cp)
             acts = (x,)
         if not self.span.last:
             return (*acts, *rows)
@@ -228,7 +235,7 @@ class DSV4PipelineStage(nn.Module):
         else:
             (x,) = acts
             hidden = self.norm(self.hc_head(x))
-            mtp_hiddens, mtp_labels = self.mtp(x, self.embed_tokens, input_ids, meta, labels=labels, cp=None)
+            mtp_hiddens, mtp_labels = self.mtp(x, self.embed_tokens, input_ids, meta, labels=labels, cp=self.cp)
         return self._model._head_and_loss(hidden, mtp_hiddens, labels, mtp_labels, 0, return_logits=False).loss_sum
 
 
