@@ -31,8 +31,13 @@ range of its decoder blocks.
   their gradients are summed over the CP group after the step (FSDP's reduction over ``dp x cp`` does it in the
   recipes' layout).
 
-Not yet composed with expert parallelism, FSDP2 inside a stage, or LoRA: :func:`check_pipeline` refuses them naming
-the key. The indexer's KL loss (``indexer_loss_coeff > 0``) is refused too.
+* **Expert parallelism**: the model's routed experts sharded over a stage's EP group before the stages are built
+  (:func:`dsv4.parallel.expert_shard.apply_expert_parallel`); each rank of the group runs its own rows (the
+  dispatcher's all-to-alls run inside the stage, in the same microbatch order on every rank of the group: the
+  schedule is deterministic), the other gradients summed over the group after the step as for data parallelism.
+
+Not yet composed with FSDP2 inside a stage or LoRA: :func:`check_pipeline` refuses LoRA naming the key. The
+indexer's KL loss (``indexer_loss_coeff > 0``) is refused too.
 """
 
 from __future__ import annotations
@@ -130,14 +135,12 @@ def stage_layers(config: Any, seq_len: int, stages: int) -> list[StageSpan]:
     return [StageSpan(k, stages, i, j, cost(i, j, last=k == stages - 1)) for k, (i, j) in enumerate(spans)]
 
 
-def check_pipeline(config: Any, pp: int, ep: int = 1, lora: Any = None) -> None:
+def check_pipeline(config: Any, pp: int, lora: Any = None) -> None:
     """ValueError naming the key for what the pipeline does not compose with yet (module docstring)."""
     family = getattr(config, "model_type", "deepseek_v4")
     if family not in ("deepseek_v4", "deepseek_v41"):
         raise ValueError(f"`pp`={pp}: pipeline stages are built for DeepSeek-V4 and V4.1 models; "
                          f"model_type={family!r}")
-    if ep != 1:
-        raise ValueError(f"`pp`={pp} with `ep`={ep}: pipeline stages do not compose with ep yet")
     if lora is not None:
         raise ValueError(f"`pp`={pp} with `peft`=lora: pipeline stages do not compose with LoRA yet")
     if getattr(config, "indexer_loss_coeff", 0) > 0:

@@ -2,7 +2,9 @@
 process taking the same global batch: V4 tiny (4 blocks, MTP depth, hash layers) and V4.1 tiny (12 blocks, Full /
 Reindex / Reuse layers, Engram at 1 and 4, single-pass hyper-connections), fp32, 4 packed rows of 256 tokens as 4
 microbatches, 3 AdamW steps. Schedules: 1F1B and GPipe (2 stages, split by the FLOP model) and interleaved 1F1B (4
-stages, two per rank; V4.1's stages start only where no layer reads an earlier stage's shared state). Each step's loss (the token mean over the step:
+stages, two per rank; V4.1's stages start only where no layer reads an earlier stage's shared state). With CP
+(``pp=2 cp=2``, 4 ranks) the oracle is one process too; with EP (``pp=2 ep=2``) it is ``pp=1`` at the same ``ep``
+(the model's own forward with its experts sharded, ``_ep_body``). Each step's loss (the token mean over the step:
 the microbatches' loss sums over the step's label count) within 1e-6 relative of the one-process loss, and every
 gradient after the first step within 1e-5 of the largest of its tensor, each on the rank holding it; the embedding
 (held by the first and the last stage for the MTP depth) gets the sum of both stages' gradients."""
@@ -69,60 +71,76 @@ def _reference(preset: str):
     return losses, first_grads
 
 
-def _body(rank: int, world: int, preset: str, schedule: str, cp: int = 1):
-    """Rank ``rank`` of ``pp x cp`` (``pp = world / cp``; CP groups are consecutive ranks, a pipeline joins the ranks
-    of one CP index): its stages on its chunk of each row; after the backward the stage's gradients summed over its
-    CP group (what FSDP's reduction over ``dp x cp`` does in the recipes' layout), the MTP embedding's over its pair."""
+def _body(rank: int, world: int, preset: str, schedule: str, cp: int = 1, ep: int = 1):
+    """Rank ``rank`` of ``pp x cp`` or ``pp x ep`` (``pp = world / (cp ep)``; a stage's CP or EP group is consecutive
+    ranks, a pipeline joins the ranks of one CP / EP index). CP: each rank of a stage runs its chunk of every row,
+    and the stage's gradients are summed over its CP group after the backward (what FSDP's reduction over ``dp x cp``
+    does in the recipes' layout). EP: each rank of a stage runs its own rows (``ROWS / ep`` microbatches), its routed
+    experts sharded over the EP group (the recipes' ``apply_expert_parallel``, alltoall), the other gradients summed
+    over the group (FSDP's over ``dp``). The MTP embedding's gradients are summed over the first and last stage."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
+    from dsv4.model.moe import GroupedExperts
     from dsv4.parallel.cp.context import CPContext
-    from dsv4.parallel.pipeline import (DSV4PipelineStage, build_schedule, embedding_pair, pipeline_loss,
-                                        reduce_embedding_grads, stage_indices, stage_io, stage_layers)
+    from dsv4.parallel.expert_shard import apply_expert_parallel
+    from dsv4.parallel.pipeline import (DSV4PipelineStage, build_schedule, check_pipeline, embedding_pair,
+                                        pipeline_loss, reduce_embedding_grads, stage_indices, stage_io, stage_layers)
 
     torch.set_num_threads(1)
-    pp, (stage_rank, cp_rank) = world // cp, divmod(rank, cp)
-    cp_groups = [dist.new_group(list(range(i * cp, (i + 1) * cp))) for i in range(pp)]
-    pp_groups = [dist.new_group(list(range(c, world, cp))) for c in range(cp)]
-    cp_group, pp_group = cp_groups[stage_rank], pp_groups[cp_rank]
+    inner = cp * ep
+    pp, (stage_rank, inner_rank) = world // inner, divmod(rank, inner)
+    inner_groups = [dist.new_group(list(range(i * inner, (i + 1) * inner))) for i in range(pp)]
+    pp_groups = [dist.new_group(list(range(c, world, inner))) for c in range(inner)]
+    inner_group, pp_group = inner_groups[stage_rank], pp_groups[inner_rank]
     virtual = 2 if schedule == "interleaved_1f1b" else 1
     model = _model(preset)
+    check_pipeline(model.config, pp)
+    if ep > 1:
+        apply_expert_parallel(model, "alltoall", inner_group, "cpu")
+    # the routed experts' tensors an EP rank holds a slice of (their gradients are that slice's, not reduced)
+    experts = {id(p): m for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()} \
+        if ep > 1 else {}
     count = pp * virtual
     spans = stage_layers(model.config, LENGTH, count)
-    context = CPContext(cp_group) if cp > 1 else None
+    context = CPContext(inner_group) if cp > 1 else None
     mine = [DSV4PipelineStage(model, spans[i], cp=context) for i in stage_indices(stage_rank, pp, virtual)]
-    local = LENGTH // cp
+    local, rows = LENGTH // cp, ROWS // ep
     stages = []
     for m in mine:
         inputs, outputs = stage_io(m, 1, local, torch.float32)
         stages.append(PipelineStage(m, m.span.index, count, torch.device("cpu"), input_args=inputs,
                                     output_args=outputs, group=pp_group))
     pair = embedding_pair(model, count, pp)
-    pair_groups = [dist.new_group([p * cp + c for p in pair]) for c in range(cp)] if pair else None
+    pair_groups = [dist.new_group([p * inner + c for p in pair]) for c in range(inner)] if pair else None
     params = list({id(p): p for m in mine for p in m.parameters()}.values())
     names = {id(p): n for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(params, lr=1e-3)
     losses, first_grads = [], None
     for step in range(STEPS):
-        ids, pos, seq, pad, labels = (t[:, cp_rank * local:(cp_rank + 1) * local] for t in _batch(step))
-        sched = build_schedule(stages, ROWS, schedule, pipeline_loss(int((_batch(step)[4] != -100).sum())))
+        batch = _batch(step)
+        mine_rows = slice(inner_rank * rows, (inner_rank + 1) * rows) if ep > 1 else slice(None)
+        tokens = slice(inner_rank * local, (inner_rank + 1) * local) if cp > 1 else slice(None)
+        ids, pos, seq, pad, labels = (t[mine_rows, tokens] for t in batch)
+        sched = build_schedule(stages, rows, schedule, pipeline_loss(int((batch[4] != -100).sum())))
         micro = []
-        if stage_rank == 0:
-            sched.step(ids, pos, seq, pad, labels, losses=micro)
-        else:  # the last stage's: the loss reads the labels that travel with the streams, not a target
-            sched.step(target=torch.zeros(ROWS), losses=micro)
-        if cp > 1:
+        args = (ids, pos, seq, pad, labels) if any(m.span.first for m in mine) else ()
+        # the last stage's target: the loss reads the labels that travel with the streams, not a target
+        target = {"target": torch.zeros(rows)} if any(m.span.last for m in mine) else {}
+        sched.step(*args, **target, losses=micro)
+        if inner > 1:
             for p in params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=cp_group)
+                if p.grad is not None and id(p) not in experts:
+                    dist.all_reduce(p.grad, group=inner_group)
         if pair and stage_rank in pair:
-            reduce_embedding_grads(model, pair_groups[cp_rank])
+            reduce_embedding_grads(model, pair_groups[inner_rank])
         loss = torch.tensor(float(sum(m.detach() for m in micro)) if micro else 0.0, dtype=torch.float64)
-        if cp > 1:
-            dist.all_reduce(loss, group=cp_group)
+        if inner > 1:
+            dist.all_reduce(loss, group=inner_group)
         losses.append(float(loss) if micro else None)
         if first_grads is None:
-            first_grads = {names[id(p)]: p.grad.clone() for p in params if p.grad is not None}
+            first_grads = {names[id(p)]: (p.grad.clone(), experts[id(p)].expert_offset if id(p) in experts else None)
+                           for p in params if p.grad is not None}
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "grads": first_grads, "spans": [(s.start, s.stop) for s in spans],
@@ -135,33 +153,82 @@ SPANS = {  # by the FLOP model; V4.1's stages start where no Reuse / Reindex lay
 }
 
 
+def _ep_body(rank: int, world: int, preset: str):
+    """``pp = 1``, ``ep = world``: the model's own forward on this rank's rows with its routed experts sharded over
+    the ranks (``apply_expert_parallel``, alltoall), the step's token mean, the other gradients summed over the
+    ranks; the oracle of ``pp=2 ep=2``. (Against one process, EP alone gives V4.1 tiny's first two losses within
+    1e-8 and its third 1.3e-4 relative away, with or without pipeline stages: the experts' sums run in another
+    order and the steps carry the difference.)"""
+    import torch.distributed as dist
+
+    from dsv4.model.moe import GroupedExperts
+    from dsv4.parallel.expert_shard import apply_expert_parallel
+
+    torch.set_num_threads(1)
+    model = _model(preset)
+    apply_expert_parallel(model, "alltoall", None, "cpu")
+    experts = {id(p): m for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rows, losses, first_grads = ROWS // world, [], None
+    for step in range(STEPS):
+        ids, pos, seq, pad, labels = (t[rank * rows:(rank + 1) * rows] for t in _batch(step))
+        count = int((_batch(step)[4] != -100).sum())
+        total = torch.zeros((), dtype=torch.float64)
+        for b in range(rows):
+            out = model(ids[b:b + 1], position_ids=pos[b:b + 1], packed_seq_ids=seq[b:b + 1], labels=labels[b:b + 1],
+                        return_logits=False)
+            (out.loss_sum / count).backward()
+            total += float(out.loss_sum.detach()) / count
+        for p in model.parameters():
+            if p.grad is not None and id(p) not in experts:
+                dist.all_reduce(p.grad)
+        dist.all_reduce(total)
+        losses.append(float(total))
+        if first_grads is None:
+            first_grads = {n: (p.grad.clone(), experts[id(p)].expert_offset if id(p) in experts else None)
+                           for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "grads": first_grads}
+
+
 @pytest.fixture(scope="module")
 def references():
     return {}
 
 
-@pytest.mark.parametrize(("preset", "schedule", "cp"), [
-    ("tiny", "1f1b", 1), ("tiny", "gpipe", 1), ("tiny", "interleaved_1f1b", 1), ("v41_tiny", "1f1b", 1),
-    ("v41_tiny", "interleaved_1f1b", 1), ("tiny", "1f1b", 2), ("v41_tiny", "1f1b", 2),
+@pytest.mark.parametrize(("preset", "schedule", "cp", "ep"), [
+    ("tiny", "1f1b", 1, 1), ("tiny", "gpipe", 1, 1), ("tiny", "interleaved_1f1b", 1, 1), ("v41_tiny", "1f1b", 1, 1),
+    ("v41_tiny", "interleaved_1f1b", 1, 1), ("tiny", "1f1b", 2, 1), ("v41_tiny", "1f1b", 2, 1),
+    ("tiny", "1f1b", 1, 2), ("v41_tiny", "1f1b", 1, 2),
 ])
-def test_pp2_equals_one_process(preset, schedule, cp, references):
-    if preset not in references:
-        references[preset] = _reference(preset)
-    ref_losses, ref_grads = references[preset]
-    ranks = run_on_ranks(_body, WORLD * cp, (preset, schedule, cp))
+def test_pp2_equals_one_process(preset, schedule, cp, ep, references):
+    if (preset, ep) not in references:
+        if ep == 1:
+            references[preset, ep] = _reference(preset)
+        else:  # pp = 1 at the same ep: each EP rank's experts' gradients, the others' (equal on every rank)
+            ep_ranks = run_on_ranks(_ep_body, ep, (preset,))
+            grads = {n: g for res in ep_ranks for n, (g, off) in res["grads"].items() if off is None}
+            for res in ep_ranks:
+                grads.update({(n, off): g for n, (g, off) in res["grads"].items() if off is not None})
+            references[preset, ep] = ep_ranks[0]["losses"], grads
+    ref_losses, ref_grads = references[preset, ep]
+    inner = cp * ep
+    ranks = run_on_ranks(_body, WORLD * inner, (preset, schedule, cp, ep))
     assert ranks[0]["spans"] == SPANS[preset, 4 if schedule == "interleaved_1f1b" else 2]
-    for last in ranks[cp:]:  # the last stage's ranks (stage 1 of 2, stage 3 of 4): the step's loss over CP
+    for last in ranks[inner:]:  # the last stage's ranks (stage 1 of 2, stage 3 of 4): the step's loss
         for got, want in zip(last["losses"], ref_losses, strict=True):
-            assert abs(got - want) <= 1e-6 * abs(want), (schedule, cp, last["losses"], ref_losses)
+            assert abs(got - want) <= 1e-6 * abs(want), (schedule, cp, ep, last["losses"], ref_losses)
     if cp > 1:  # the CP exchanges ran in both stages
         assert all(res["cp_bytes"] > 0 for res in ranks[1::cp]), [res["cp_bytes"] for res in ranks]
     seen = set()
     for rank, res in enumerate(ranks):
-        for name, grad in res["grads"].items():
-            want = ref_grads[name]
+        for name, (grad, offset) in res["grads"].items():
+            key = name if offset is None else (name, offset)  # an EP rank's experts: that rank's slice
+            want = ref_grads[key]
             scale = want.abs().max().clamp_min(1e-12)
-            assert ((grad - want).abs().max() / scale) <= 1e-5, (schedule, cp, rank, name)
-            seen.add(name)
+            assert ((grad - want).abs().max() / scale) <= 1e-5, (schedule, cp, ep, rank, name)
+            seen.add(key)
     assert seen == set(ref_grads), sorted(set(ref_grads) - seen)
     if preset == "tiny":  # the MTP depth's embedding: both stages' gradients summed
         assert "model.embed_tokens.weight" in ranks[0]["grads"] and "model.embed_tokens.weight" in ranks[-1]["grads"]
