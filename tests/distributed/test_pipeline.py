@@ -39,13 +39,13 @@ def _batch(step: int):
     return ids, pos, seq, torch.zeros(ROWS, LENGTH, dtype=torch.bool), labels
 
 
-def _model(preset: str):
+def _model(preset: str, **overrides):
     from dsv4.config import DSV4Config
     from dsv4.data.tokenizers import ByteTokenizer
     from dsv4.model import build_causal_lm
 
     torch.manual_seed(0)
-    config = DSV4Config.preset(preset)
+    config = DSV4Config.preset(preset, **overrides)
     return build_causal_lm(config, tokenizer=ByteTokenizer()) if preset == "v41_tiny" else build_causal_lm(config)
 
 
