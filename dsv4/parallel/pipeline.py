@@ -263,6 +263,26 @@ def stage_io(stage: DSV4PipelineStage, rows: int, length: int, dtype: torch.dtyp
     return inputs, outputs
 
 
+def stage_traffic(stage: DSV4PipelineStage, rows: int, length: int, n_microbatches: int, dtype: torch.dtype
+                  ) -> dict[str, int]:
+    """The bytes ``stage`` sends and receives to its neighbours per step (``{"sent", "received"}``): per microbatch of
+    ``rows x length`` tokens, forward the activations (the streams in ``dtype``, V4.1's fp32 carry) and the five token
+    tensors (four int64, padding bool) to the next stage, backward the activations' gradients (the token tensors
+    carry none) to the previous one; and once per step the schedule's handshake, a float32 (the stage's index) each
+    way to each neighbour. A rank's traffic is the sum over its stages (with virtual stages every neighbour is on
+    another rank when ``pp > 1``)."""
+    c = stage.config
+    tokens = rows * length
+    streams = tokens * c.hc_mult * c.hidden_size * dtype.itemsize
+    acts = streams + (tokens * c.hc_mult * 4 if stage.v41 else 0)
+    forward = acts + tokens * (4 * 8 + 1)
+    first, last = stage.span.first, stage.span.last
+    sent = (0 if last else forward) + (0 if first else acts)
+    received = (0 if first else forward) + (0 if last else acts)
+    handshake = 4 * ((0 if first else 1) + (0 if last else 1))
+    return {"sent": n_microbatches * sent + handshake, "received": n_microbatches * received + handshake}
+
+
 def pipeline_loss(label_count: int) -> Callable[[torch.Tensor, Any], torch.Tensor]:
     """The schedule's ``loss_fn``: a microbatch's loss sum over the step's ``label_count`` (module docstring)."""
     denominator = float(max(int(label_count), 1))

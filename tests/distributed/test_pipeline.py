@@ -71,6 +71,30 @@ def _reference(preset: str):
     return losses, first_grads
 
 
+def _count_sends(group) -> dict[str, int]:
+    """Count the bytes of the point-to-point sends and receives this process posts on ``group`` (the pipeline's: the
+    stages build ``P2POp(dist.isend / dist.irecv, ...)`` from ``torch.distributed``'s names, patched here with
+    counting wrappers; CP's exchanges run on their own group)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    moved = {"sent": 0, "received": 0}
+    originals = {"isend": c10d.isend, "irecv": c10d.irecv}
+
+    def counting(name, key):
+        def op(tensor, *args, **kwargs):
+            if kwargs.get("group", args[1] if len(args) > 1 else None) is group:
+                moved[key] += tensor.numel() * tensor.element_size()
+            return originals[name](tensor, *args, **kwargs)
+        return op
+
+    for name, key in (("isend", "sent"), ("irecv", "received")):
+        wrapper = counting(name, key)
+        setattr(dist, name, wrapper)
+        setattr(c10d, name, wrapper)
+    return moved
+
+
 def _body(rank: int, world: int, preset: str, schedule: str, cp: int = 1, ep: int = 1):
     """Rank ``rank`` of ``pp x cp`` or ``pp x ep`` (``pp = world / (cp ep)``; a stage's CP or EP group is consecutive
     ranks, a pipeline joins the ranks of one CP / EP index). CP: each rank of a stage runs its chunk of every row,
@@ -85,7 +109,8 @@ def _body(rank: int, world: int, preset: str, schedule: str, cp: int = 1, ep: in
     from dsv4.parallel.cp.context import CPContext
     from dsv4.parallel.expert_shard import apply_expert_parallel
     from dsv4.parallel.pipeline import (DSV4PipelineStage, build_schedule, check_pipeline, embedding_pair,
-                                        pipeline_loss, reduce_embedding_grads, stage_indices, stage_io, stage_layers)
+                                        pipeline_loss, reduce_embedding_grads, stage_indices, stage_io, stage_layers,
+                                        stage_traffic)
 
     torch.set_num_threads(1)
     inner = cp * ep
@@ -116,8 +141,11 @@ def _body(rank: int, world: int, preset: str, schedule: str, cp: int = 1, ep: in
     params = list({id(p): p for m in mine for p in m.parameters()}.values())
     names = {id(p): n for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(params, lr=1e-3)
+    moved = _count_sends(pp_group)
     losses, first_grads = [], None
     for step in range(STEPS):
+        if step == 1:  # after the schedule's first-step set-up messages
+            moved.update(sent=0, received=0)
         batch = _batch(step)
         mine_rows = slice(inner_rank * rows, (inner_rank + 1) * rows) if ep > 1 else slice(None)
         tokens = slice(inner_rank * local, (inner_rank + 1) * local) if cp > 1 else slice(None)
@@ -143,7 +171,10 @@ def _body(rank: int, world: int, preset: str, schedule: str, cp: int = 1, ep: in
                            for p in params if p.grad is not None}
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "grads": first_grads, "spans": [(s.start, s.stop) for s in spans],
+    expected = [stage_traffic(m, 1, local, rows, torch.float32) for m in mine]
+    traffic = {"measured": dict(moved), "expected": {k: (STEPS - 1) * sum(e[k] for e in expected)
+                                                     for k in ("sent", "received")}}
+    return {"losses": losses, "grads": first_grads, "spans": [(s.start, s.stop) for s in spans], "traffic": traffic,
             "cp_bytes": 0 if context is None else sum(v["bytes_received"] for v in context.traffic.as_dict().values())}
 
 
@@ -221,6 +252,8 @@ def test_pp2_equals_one_process(preset, schedule, cp, ep, references):
             assert abs(got - want) <= 1e-6 * abs(want), (schedule, cp, ep, last["losses"], ref_losses)
     if cp > 1:  # the CP exchanges ran in both stages
         assert all(res["cp_bytes"] > 0 for res in ranks[1::cp]), [res["cp_bytes"] for res in ranks]
+    for rank, res in enumerate(ranks):  # the pipeline's sends per step: counted as stage_traffic states them
+        assert res["traffic"]["measured"] == res["traffic"]["expected"], (rank, res["traffic"])
     seen = set()
     for rank, res in enumerate(ranks):
         for name, (grad, offset) in res["grads"].items():
