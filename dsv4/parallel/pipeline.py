@@ -31,6 +31,9 @@ range of its decoder blocks.
   their gradients are summed over the CP group after the step (FSDP's reduction over ``dp x cp`` does it in the
   recipes' layout).
 
+* **Gradient clipping** (:func:`clip_pipeline_grad_norm_`): the global norm over every stage, each gradient element
+  once (the MTP embedding's summed copy on the first stage's rank only, routed-expert slices over the EP group,
+  replicas over CP / EP once).
 * **Expert parallelism**: the model's routed experts sharded over a stage's EP group before the stages are built
   (:func:`dsv4.parallel.expert_shard.apply_expert_parallel`); each rank of the group runs its own rows (the
   dispatcher's all-to-alls run inside the stage, in the same microbatch order on every rank of the group: the
@@ -261,6 +264,48 @@ def stage_io(stage: DSV4PipelineStage, rows: int, length: int, dtype: torch.dtyp
     loss = torch.empty(1, dtype=torch.float32, device="meta", requires_grad=True)
     outputs = (loss,) if stage.span.last else (*acts, *rows_in)
     return inputs, outputs
+
+
+@torch.no_grad()
+def clip_pipeline_grad_norm_(stages: list[DSV4PipelineStage], max_norm: float | None, pp_group: Any = None,
+                             ep_group: Any = None) -> torch.Tensor:
+    """The global L2 norm of the model's gradients after a pipeline step, clipped to ``max_norm`` (None or 0: only
+    the norm). Each element is counted once: this rank's stages' parameters (a tensor two of them share, once); the
+    embedding, which the first and the last stage both hold when the model has MTP depths, on the first stage's
+    rank only (after :func:`reduce_embedding_grads` both copies hold the sum); with ``ep_group`` the routed experts'
+    slices summed over the EP group, the other gradients (equal on every EP and CP rank) once; then the sum over
+    ``pp_group``. Returns the norm before clipping (fp32 scalar); a non-finite norm leaves the gradients as they
+    are."""
+    import torch.distributed as dist
+
+    from dsv4.model.moe import GroupedExperts
+
+    holds_first = any(s.span.first for s in stages)
+    embedding = stages[0]._model.model.embed_tokens.weight
+    params = {id(p): p for s in stages for p in s.parameters() if p.grad is not None}
+    if not holds_first:
+        params.pop(id(embedding), None)
+    sliced = {id(p) for s in stages for m in s.modules() if isinstance(m, GroupedExperts) for p in m.parameters()} \
+        if ep_group is not None else set()
+    own = torch.zeros((), dtype=torch.float32)
+    experts = torch.zeros((), dtype=torch.float32)
+    for key, p in params.items():
+        sq = p.grad.float().pow(2).sum().cpu()
+        if key in sliced:
+            experts += sq
+        else:
+            own += sq
+    if ep_group is not None:
+        dist.all_reduce(experts, group=ep_group)
+    total_sq = own + experts
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
+    if max_norm and torch.isfinite(total):
+        coef = min(1.0, max_norm / (float(total) + 1e-6))
+        for p in {id(p): p for s in stages for p in s.parameters() if p.grad is not None}.values():
+            p.grad.mul_(coef)
+    return total
 
 
 def stage_traffic(stage: DSV4PipelineStage, rows: int, length: int, n_microbatches: int, dtype: torch.dtype

@@ -84,3 +84,29 @@ def test_what_the_pipeline_does_not_compose_with_is_refused(config, kw, match):
 def test_an_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match=r"`pp_schedule`='zb' must be one of gpipe, 1f1b, interleaved_1f1b"):
         pipeline.build_schedule([object()], 4, "zb", lambda out, target: out)
+
+
+def test_clipping_one_stage_equals_torchs_clip_grad_norm():
+    """The whole model as one stage, one process: clip_pipeline_grad_norm_ returns torch.nn.utils.clip_grad_norm_'s
+    norm and leaves the same clipped gradients (a clipping norm below the gradients' own)."""
+    import copy
+
+    import torch
+
+    from dsv4.model import build_causal_lm
+    from dsv4.parallel.pipeline import DSV4PipelineStage, StageSpan, clip_pipeline_grad_norm_
+
+    torch.manual_seed(0)
+    model = build_causal_lm(DSV4Config.preset("tiny"))
+    ids = torch.randint(1, 256, (1, 128), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids.roll(-1, 1), return_logits=False).loss.backward()
+    other = copy.deepcopy(model)
+    for p, q in zip(model.parameters(), other.parameters()):
+        q.grad = None if p.grad is None else p.grad.clone()
+    want = torch.nn.utils.clip_grad_norm_(other.parameters(), 0.1)
+    stage = DSV4PipelineStage(model, StageSpan(0, 1, 0, model.config.num_hidden_layers, 0.0))
+    got = clip_pipeline_grad_norm_([stage], 0.1)
+    assert want > 0.2 and abs(float(got) - float(want)) <= 1e-6 * float(want)
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0, msg=name)
