@@ -51,7 +51,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # pp_schedule: the names of torch.distributed.pipelining's schedules
+# pp_schedule: the names of torch.distributed.pipelining's schedules (the last two: virtual stages, looped placement)
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
 
 
 @dataclass(frozen=True)
@@ -352,12 +353,13 @@ def build_schedule(stages: list[Any], n_microbatches: int, name: str, loss_fn: C
 
     if name not in SCHEDULES:
         raise ValueError(f"`pp_schedule`={name!r} must be one of {', '.join(SCHEDULES)}")
-    if name == "interleaved_1f1b":
-        return pipelining.ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
-                                                  scale_grads=False)
+    if name in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        schedule = (pipelining.ScheduleInterleaved1F1B if name == "interleaved_1f1b"
+                    else pipelining.ScheduleInterleavedZeroBubble)
+        return schedule(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     if len(stages) != 1:
         raise ValueError(f"`pp_schedule`={name} runs one stage per rank, got {len(stages)} (virtual stages need "
-                         "interleaved_1f1b)")
+                         "interleaved_1f1b or interleaved_zero_bubble)")
     schedule = pipelining.ScheduleGPipe if name == "gpipe" else pipelining.Schedule1F1B
     return schedule(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 

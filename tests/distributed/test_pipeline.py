@@ -1,10 +1,10 @@
 """Pipeline parallelism (dsv4.parallel.pipeline through torch.distributed.pipelining) on 2 gloo ranks equals one
 process taking the same global batch: V4 tiny (4 blocks, MTP depth, hash layers) and V4.1 tiny (12 blocks, Full /
 Reindex / Reuse layers, Engram at 1 and 4, single-pass hyper-connections), fp32, 4 packed rows of 256 tokens as 4
-microbatches, 3 AdamW steps. Schedules: 1F1B and GPipe (2 stages, split by the FLOP model) and interleaved 1F1B (4
-stages, two per rank; V4.1's stages start only where no layer reads an earlier stage's shared state). With CP
-(``pp=2 cp=2``, 4 ranks) the oracle is one process too; with EP (``pp=2 ep=2``) it is ``pp=1`` at the same ``ep``
-(the model's own forward with its experts sharded, ``_ep_body``). Each step's loss (the token mean over the step:
+microbatches, 3 AdamW steps. Schedules: 1F1B and GPipe (2 stages, split by the FLOP model), interleaved 1F1B and
+(V4) interleaved zero bubble (4 stages, two per rank; V4.1's stages start only where no layer reads an earlier
+stage's shared state). With CP (``pp=2 cp=2``, 4 ranks) the oracle is one process too; with EP (``pp=2 ep=2``) it
+is ``pp=1`` at the same ``ep`` (the model's own forward with its experts sharded, ``_ep_body``). Each step's loss (the token mean over the step:
 the microbatches' loss sums over the step's label count) within 1e-6 relative of the one-process loss, and every
 gradient after the first step within 1e-5 of the largest of its tensor, each on the rank holding it; the embedding
 (held by the first and the last stage for the MTP depth) gets the sum of both stages' gradients; the global
@@ -126,7 +126,7 @@ def _body(rank: int, world: int, preset: str, schedule: str, cp: int = 1, ep: in
     inner_groups = [dist.new_group(list(range(i * inner, (i + 1) * inner))) for i in range(pp)]
     pp_groups = [dist.new_group(list(range(c, world, inner))) for c in range(inner)]
     inner_group, pp_group = inner_groups[stage_rank], pp_groups[inner_rank]
-    virtual = 2 if schedule == "interleaved_1f1b" else 1
+    virtual = 2 if schedule.startswith("interleaved") else 1
     model = _model(preset)
     check_pipeline(model.config, pp)
     if ep > 1:
@@ -241,7 +241,8 @@ def references():
 
 
 @pytest.mark.parametrize(("preset", "schedule", "cp", "ep"), [
-    ("tiny", "1f1b", 1, 1), ("tiny", "gpipe", 1, 1), ("tiny", "interleaved_1f1b", 1, 1), ("v41_tiny", "1f1b", 1, 1),
+    ("tiny", "1f1b", 1, 1), ("tiny", "gpipe", 1, 1), ("tiny", "interleaved_1f1b", 1, 1),
+    ("tiny", "interleaved_zero_bubble", 1, 1), ("v41_tiny", "1f1b", 1, 1),
     ("v41_tiny", "interleaved_1f1b", 1, 1), ("tiny", "1f1b", 2, 1), ("v41_tiny", "1f1b", 2, 1),
     ("tiny", "1f1b", 1, 2), ("v41_tiny", "1f1b", 1, 2),
 ])
@@ -259,7 +260,7 @@ def test_pp2_equals_one_process(preset, schedule, cp, ep, references):
     ref_losses, ref_grads, _ = references[preset, ep]
     inner = cp * ep
     ranks = run_on_ranks(_body, WORLD * inner, (preset, schedule, cp, ep))
-    assert ranks[0]["spans"] == SPANS[preset, 4 if schedule == "interleaved_1f1b" else 2]
+    assert ranks[0]["spans"] == SPANS[preset, 4 if schedule.startswith("interleaved") else 2]
     for last in ranks[inner:]:  # the last stage's ranks (stage 1 of 2, stage 3 of 4): the step's loss
         for got, want in zip(last["losses"], ref_losses, strict=True):
             assert abs(got - want) <= 1e-6 * abs(want), (schedule, cp, ep, last["losses"], ref_losses)
