@@ -24,20 +24,20 @@ range of its decoder blocks.
   last stage holds the embedding too. On one rank both stages share the module (its gradient accumulates); across
   ranks :func:`reduce_embedding_grads` sums the two copies' gradients after the step (the copies start equal and
   take the same update).
-
 * **Context parallelism**: a stage given its CP group's :class:`~dsv4.parallel.cp.context.CPContext` runs its blocks
   on the rank's chunk of each row as the model does (each stage rank of a CP group holds the same blocks; the
   pipeline's sends go between the ranks of one CP index). The stage's parameters are replicated over its CP ranks:
   their gradients are summed over the CP group after the step (FSDP's reduction over ``dp x cp`` does it in the
   recipes' layout).
-
-* **Gradient clipping** (:func:`clip_pipeline_grad_norm_`): the global norm over every stage, each gradient element
-  once (the MTP embedding's summed copy on the first stage's rank only, routed-expert slices over the EP group,
-  replicas over CP / EP once).
 * **Expert parallelism**: the model's routed experts sharded over a stage's EP group before the stages are built
   (:func:`dsv4.parallel.expert_shard.apply_expert_parallel`); each rank of the group runs its own rows (the
   dispatcher's all-to-alls run inside the stage, in the same microbatch order on every rank of the group: the
   schedule is deterministic), the other gradients summed over the group after the step as for data parallelism.
+* **Gradient clipping** (:func:`clip_pipeline_grad_norm_`): the global norm over every stage, each gradient element
+  once (the MTP embedding's summed copy on the first stage's rank only, routed-expert slices over the EP group,
+  replicas over CP / EP once).
+* **Traffic** (:func:`stage_traffic`): the bytes a stage sends and receives per step. Checkpoints:
+  :mod:`dsv4.parallel.pipeline_checkpoint`.
 
 Not yet composed with FSDP2 inside a stage or LoRA: :func:`check_pipeline` refuses LoRA naming the key. The
 indexer's KL loss (``indexer_loss_coeff > 0``) is refused too.
@@ -106,7 +106,7 @@ def stage_layers(config: Any, seq_len: int, stages: int) -> list[StageSpan]:
     exact, by dynamic programming over the split points; ties go to the earliest split."""
     blocks, head = layer_costs(config, seq_len)
     n = len(blocks)
-    allowed = {0, *split_points(config)} if config is not None else set(range(n))
+    allowed = {0, *split_points(config)}
     if not 1 <= stages <= len(allowed):
         raise ValueError(f"`pp` x virtual stages = {stages} stages for {n} decoder blocks that can start a stage at "
                          f"{sorted(allowed)}: each stage needs at least one block")
@@ -118,7 +118,8 @@ def stage_layers(config: Any, seq_len: int, stages: int) -> list[StageSpan]:
         return prefix[j] - prefix[i] + (head if last else 0.0)
 
     inf = float("inf")
-    # best[k][j]: the smallest largest-stage cost of blocks [0, j) in k stages (none of them the last)
+    # best[k][j]: the smallest largest-stage cost of blocks [0, j) in k stages, each starting at an allowed block
+    # (the head is counted on stage k = stages ending at j = n, the last)
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0

@@ -32,6 +32,7 @@ def test_the_split_is_the_min_max_of_every_contiguous_split(seed, monkeypatch):
     blocks = [float(rng.randint(1, 20)) for _ in range(rng.randint(3, 9))]
     head = float(rng.randint(0, 30))
     monkeypatch.setattr(pipeline, "layer_costs", lambda config, seq_len: (blocks, head))
+    monkeypatch.setattr(pipeline, "split_points", lambda config: list(range(1, len(blocks))))
     for stages in range(1, len(blocks) + 1):
         spans = stage_layers(None, 0, stages)
         assert [s.start for s in spans][0] == 0 and spans[-1].stop == len(blocks)
@@ -44,12 +45,10 @@ def test_a_hand_case_and_the_real_flop_model():
     """Blocks 1, 2, 3, 4 and a head of 5 in 2 stages: [0, 3) costs 6, [3, 4) 4 + 5 = 9, every other split more. The
     tiny preset's 2 stages: its last block and the head (lm_head, MTP depth) weigh as much as the three others."""
     blocks, head = [1.0, 2.0, 3.0, 4.0], 5.0
-    original = pipeline.layer_costs
-    try:
-        pipeline.layer_costs = lambda config, seq_len: (blocks, head)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline, "layer_costs", lambda config, seq_len: (blocks, head))
+        patch.setattr(pipeline, "split_points", lambda config: [1, 2, 3])
         assert [(s.start, s.stop, s.cost) for s in stage_layers(None, 0, 2)] == [(0, 3, 6.0), (3, 4, 9.0)]
-    finally:
-        pipeline.layer_costs = original
     spans = stage_layers(DSV4Config.preset("tiny"), 256, 2)
     assert [(s.start, s.stop) for s in spans] == [(0, 3), (3, 4)]
     assert stage_indices(1, 2, 2) == [1, 3] and stage_indices(0, 4, 1) == [0]
