@@ -226,24 +226,15 @@ class DSV4PipelineStage(nn.Module):
         return self._loss_sum(acts, input_ids, meta, labels).reshape(1)  # [1]: the schedule concatenates outputs
 
     def _embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if not self.v41:
-            return (self._model.model.embed(input_ids),)
-        from dsv4.model.v41.hyper_connections import first_carry
-
-        h = self.embed_tokens(input_ids)
-        x = h.unsqueeze(-2).expand(*h.shape[:-1], self.config.hc_mult, h.shape[-1])
-        return x, first_carry(x)
+        acts = self._model.model.embed(input_ids)  # V4: the streams; V4.1: the streams and the carry
+        return tuple(acts) if self.v41 else (acts,)
 
     def _loss_sum(self, acts, input_ids, meta, labels) -> torch.Tensor:
         """The model's own loss head on the last block's activations (main CE, MTP depths for V4)."""
-        if self.v41:
-            from dsv4.model.v41.hyper_connections import SinglePassHyperConnection
-
-            hidden, mtp_hiddens, mtp_labels = self.norm(SinglePassHyperConnection.collapse(*acts)), [], None
-        else:
-            (x,) = acts
-            hidden = self.norm(self.hc_head(x))
-            mtp_hiddens, mtp_labels = self.mtp(x, self.embed_tokens, input_ids, meta, labels=labels, cp=self.cp)
+        hidden = self._model.model.finish(*acts)
+        mtp_hiddens, mtp_labels = [], None
+        if not self.v41:
+            mtp_hiddens, mtp_labels = self.mtp(acts[0], self.embed_tokens, input_ids, meta, labels=labels, cp=self.cp)
         return self._model._head_and_loss(hidden, mtp_hiddens, labels, mtp_labels, 0, return_logits=False).loss_sum
 
 
@@ -312,20 +303,20 @@ def clip_pipeline_grad_norm_(stages: list[DSV4PipelineStage], max_norm: float | 
 
 def stage_traffic(stage: DSV4PipelineStage, rows: int, length: int, n_microbatches: int, dtype: torch.dtype
                   ) -> dict[str, int]:
-    """The bytes ``stage`` sends and receives to its neighbours per step (``{"sent", "received"}``): per microbatch of
-    ``rows x length`` tokens, forward the activations (the streams in ``dtype``, V4.1's fp32 carry) and the five token
-    tensors (four int64, padding bool) to the next stage, backward the activations' gradients (the token tensors
-    carry none) to the previous one; and once per step the schedule's handshake, a float32 (the stage's index) each
+    """The bytes ``stage`` sends and receives to its neighbours per step (``{"sent", "received"}``), from its declared
+    I/O (:func:`stage_io`): per microbatch of ``rows x length`` tokens, forward its outputs (the streams in ``dtype``,
+    V4.1's fp32 carry, the five token tensors) to the next stage, backward the gradients of its inputs that carry
+    one (the activations) to the previous one; and once per step the schedule's handshake, a float32 (the stage's index) each
     way to each neighbour. A rank's traffic is the sum over its stages (with virtual stages every neighbour is on
     another rank when ``pp > 1``)."""
-    c = stage.config
-    tokens = rows * length
-    streams = tokens * c.hc_mult * c.hidden_size * dtype.itemsize
-    acts = streams + (tokens * c.hc_mult * 4 if stage.v41 else 0)
-    forward = acts + tokens * (4 * 8 + 1)
+    inputs, outputs = stage_io(stage, rows, length, dtype)
+
+    def size(tensors, grads_only: bool = False) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if t.requires_grad or not grads_only)
+
     first, last = stage.span.first, stage.span.last
-    sent = (0 if last else forward) + (0 if first else acts)
-    received = (0 if first else forward) + (0 if last else acts)
+    sent = (0 if last else size(outputs)) + (0 if first else size(inputs, grads_only=True))
+    received = (0 if first else size(inputs)) + (0 if last else size(outputs, grads_only=True))
     handshake = 4 * ((0 if first else 1) + (0 if last else 1))
     return {"sent": n_microbatches * sent + handshake, "received": n_microbatches * received + handshake}
 

@@ -53,12 +53,22 @@ class DSV41Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, engram_inputs=None,
                 cp: ContextParallel | None = None) -> BackboneOutput:
-        h = self.embed_tokens(input_ids)
-        x = h.unsqueeze(-2).expand(*h.shape[:-1], self.config.hc_mult, h.shape[-1])
-        carry, state = first_carry(x), None
+        x, carry = self.embed(input_ids)
+        state = None
         for layer in self.layers:
             x, carry, state = layer(x, carry, state, meta, engram_inputs, cp)
-        return BackboneOutput(hidden=self.norm(SinglePassHyperConnection.collapse(x, carry)), streams=x)
+        return BackboneOutput(hidden=self.finish(x, carry), streams=x)
+
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids [B, L]`` -> the first block's streams ``[B, L, hc, d]`` (the embedding, hc times) and carry
+        ``[B, L, hc]`` (one-hot on stream 0)."""
+        h = self.embed_tokens(input_ids)
+        x = h.unsqueeze(-2).expand(*h.shape[:-1], self.config.hc_mult, h.shape[-1])
+        return x, first_carry(x)
+
+    def finish(self, x: torch.Tensor, carry: torch.Tensor) -> torch.Tensor:
+        """The last block's streams and carry -> the final-normed hidden ``[B, L, d]``."""
+        return self.norm(SinglePassHyperConnection.collapse(x, carry))
 
 
 class DSV41ForCausalLM(CausalLM):
