@@ -55,21 +55,27 @@ def _model(preset: str, **overrides):
     return build_causal_lm(config, tokenizer=ByteTokenizer()) if preset == "v41_tiny" else build_causal_lm(config)
 
 
+def _accumulate(model, rows, count: int) -> float:
+    """One process: each row of ``rows`` (``ids, positions, seq ids, padding, labels``) a microbatch through the
+    model's own forward, its loss sum over the step's ``count`` labels backpropagated; returns their sum."""
+    ids, pos, seq, _, labels = rows
+    total = 0.0
+    for b in range(ids.shape[0]):
+        out = model(ids[b:b + 1], position_ids=pos[b:b + 1], packed_seq_ids=seq[b:b + 1], labels=labels[b:b + 1],
+                    return_logits=False)
+        (out.loss_sum / count).backward()
+        total += float(out.loss_sum.detach()) / count
+    return total
+
+
 def _reference(preset: str):
     """One process: every microbatch's loss sum over the step's label count, backward, AdamW."""
     model = _model(preset)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, first_grads, first_norm = [], None, None
     for step in range(STEPS):
-        ids, pos, seq, pad, labels = _batch(step)
-        count = int((labels != -100).sum())
-        total = 0.0
-        for b in range(ROWS):
-            out = model(ids[b:b + 1], position_ids=pos[b:b + 1], packed_seq_ids=seq[b:b + 1], labels=labels[b:b + 1],
-                        return_logits=False)
-            (out.loss_sum / count).backward()
-            total += float(out.loss_sum.detach()) / count
-        losses.append(total)
+        batch = _batch(step)
+        losses.append(_accumulate(model, batch, int((batch[4] != -100).sum())))
         if first_grads is None:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
@@ -214,14 +220,9 @@ def _ep_body(rank: int, world: int, preset: str):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rows, losses, first_grads = ROWS // world, [], None
     for step in range(STEPS):
-        ids, pos, seq, pad, labels = (t[rank * rows:(rank + 1) * rows] for t in _batch(step))
-        count = int((_batch(step)[4] != -100).sum())
-        total = torch.zeros((), dtype=torch.float64)
-        for b in range(rows):
-            out = model(ids[b:b + 1], position_ids=pos[b:b + 1], packed_seq_ids=seq[b:b + 1], labels=labels[b:b + 1],
-                        return_logits=False)
-            (out.loss_sum / count).backward()
-            total += float(out.loss_sum.detach()) / count
+        batch = _batch(step)
+        mine = tuple(t[rank * rows:(rank + 1) * rows] for t in batch)
+        total = torch.tensor(_accumulate(model, mine, int((batch[4] != -100).sum())), dtype=torch.float64)
         for p in model.parameters():
             if p.grad is not None and id(p) not in experts:
                 dist.all_reduce(p.grad)

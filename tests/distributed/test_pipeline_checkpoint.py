@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dsv4.launch import run_on_ranks
-from tests.distributed.test_pipeline import ROWS, _batch
+from tests.distributed.test_pipeline import ROWS, _accumulate, _batch
 from tests.distributed.test_pipeline import _model as _preset_model
 
 pytestmark = pytest.mark.distributed
@@ -30,13 +30,8 @@ def _model(preset: str):
 
 def _train_step(model, opt, step: int) -> float:
     """One process: the step's rows as microbatches, the step's token mean (as the pipeline's loss)."""
-    ids, pos, seq, _, labels = _batch(step)
-    count, total = int((labels != -100).sum()), 0.0
-    for b in range(ROWS):
-        out = model(ids[b:b + 1], position_ids=pos[b:b + 1], packed_seq_ids=seq[b:b + 1], labels=labels[b:b + 1],
-                    return_logits=False)
-        (out.loss_sum / count).backward()
-        total += float(out.loss_sum.detach()) / count
+    batch = _batch(step)
+    total = _accumulate(model, batch, int((batch[4] != -100).sum()))
     opt.step()
     opt.zero_grad()
     return total
