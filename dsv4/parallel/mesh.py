@@ -18,37 +18,43 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the parallel dimensions; ``dp = -1`` means ``world_size // cp``."""
+    """Sizes of the parallel dimensions; ``dp = -1`` means ``world_size // (pp x cp)``; ``pp``: pipeline stages'
+    ranks (the pipeline outermost: the ``dp x cp`` ranks of a stage are consecutive; dsv4.plan.stages)."""
 
     world_size: int
     cp: int = 1
     dp: int = -1
     ep: int = 1
+    pp: int = 1
 
     def resolved(self) -> "ParallelDims":
         """Validate and return the dims with ``dp`` filled in."""
-        return ParallelDims(world_size=self.world_size, cp=self.cp, dp=self.validate(), ep=self.ep)
+        return ParallelDims(world_size=self.world_size, cp=self.cp, dp=self.validate(), ep=self.ep, pp=self.pp)
 
     def validate(self, n_routed_experts: int | None = None) -> int:
         """Raise ValueError naming the sizes that do not fit; return the (derived) dp."""
-        for name in ("world_size", "cp", "ep"):
+        for name in ("world_size", "cp", "ep", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
-        if self.world_size % self.cp:
+        ranks = self.cp * self.pp
+        what = "`cp`" if self.pp == 1 else f"`pp`={self.pp} x `cp`"
+        if self.world_size % ranks:
             raise ValueError(
-                f"`cp`={self.cp} does not divide the world size {self.world_size} (devices x nodes); "
-                f"use a cp that divides it or set trainer.devices to a multiple of {self.cp}"
+                f"{what}={self.cp} does not divide the world size {self.world_size} (devices x nodes); "
+                f"use a {'cp' if self.pp == 1 else 'pp x cp'} that divides it or set trainer.devices to a multiple "
+                f"of {ranks}"
             )
-        dp = self.world_size // self.cp if self.dp in (-1, 0, None) else self.dp
-        if dp * self.cp != self.world_size:
+        dp = self.world_size // ranks if self.dp in (-1, 0, None) else self.dp
+        if dp * ranks != self.world_size:
             raise ValueError(
-                f"`dp`={self.dp} x `cp`={self.cp} = {dp * self.cp} does not match the world size {self.world_size}; "
-                f"set dp={self.world_size // self.cp} or dp=-1 (derived)"
+                f"`dp`={self.dp} x {what}={self.cp} = {dp * ranks} does not match the world size {self.world_size}; "
+                f"set dp={self.world_size // ranks} or dp=-1 (derived)"
             )
-        if self.world_size % self.ep:
+        stage = dp * self.cp
+        if stage % self.ep:
             raise ValueError(
-                f"`ep`={self.ep} must divide dp x cp = {self.world_size} (expert parallelism borrows those ranks)"
+                f"`ep`={self.ep} must divide dp x cp = {stage} (expert parallelism borrows those ranks)"
             )
         if n_routed_experts is not None and n_routed_experts % self.ep:
             raise ValueError(f"`ep`={self.ep} must divide model.n_routed_experts={n_routed_experts}")

@@ -144,12 +144,15 @@ class Traffic:
 @dataclass
 class CommPlan:
     """The communication table of a plan (module docstring): :attr:`traffic` by kind (the order of :data:`KINDS`),
-    the step's per-rank FLOPs (``flops``: with recompute; ``model_flops``: without) and the speeds."""
+    the step's per-rank FLOPs (``flops``: with recompute; ``model_flops``: without) and the speeds; under a pipeline
+    (:mod:`dsv4.plan.stages`) a step is ``microbatches`` microbatches and its compute waits ``bubble`` more."""
 
     traffic: list[Traffic]
     flops: float | None  # None: no FLOP model for the family (V4.1); the compute time is then 0
     model_flops: float | None
     speeds: LinkSpeeds = field(default_factory=LinkSpeeds)
+    bubble: float = 0.0  # a pipeline schedule's idle time, a fraction of the compute (dsv4.plan.stages.bubble)
+    microbatches: int = 1  # what a step is: one micro-batch, or a pipeline's microbatches
 
     def by_kind(self) -> dict[str, Traffic]:
         return {t.kind: t for t in self.traffic}
@@ -175,12 +178,12 @@ class CommPlan:
     @property
     def step_seconds(self) -> float:
         """The step estimate (module docstring)."""
-        return max(self.compute_seconds, self.overlapped_seconds) + self.exposed_seconds
+        return max(self.compute_seconds * (1 + self.bubble), self.overlapped_seconds) + self.exposed_seconds
 
     @property
     def serial_seconds(self) -> float:
-        """Compute plus every kind, nothing overlapped: an upper bound of the model."""
-        return self.compute_seconds + sum(t.seconds for t in self.traffic)
+        """Compute (with the pipeline's bubble) plus every kind, nothing overlapped: an upper bound of the model."""
+        return self.compute_seconds * (1 + self.bubble) + sum(t.seconds for t in self.traffic)
 
     @property
     def total_sent(self) -> int:
@@ -193,36 +196,48 @@ class CommPlan:
     def summary(self) -> str:
         """One line: the step estimate, compute and the communication that is not hidden."""
         compute = ("compute not estimated" if self.flops is None else
-                   f"compute {_seconds(self.compute_seconds)} at {self.speeds.tflops:g} TFLOP/s")
-        return (f"step about {_seconds(self.step_seconds)} per micro-batch ({compute}; beside it FSDP and host copies "
-                f"{_seconds(self.overlapped_seconds)}; exposed EP / CP / Engram / PP {_seconds(self.exposed_seconds)})")
+                   f"compute {format_seconds(self.compute_seconds)} at {self.speeds.tflops:g} TFLOP/s")
+        if self.bubble:
+            compute += f", pipeline bubble {self.bubble:.0%} of it"
+        return (f"step about {format_seconds(self.step_seconds)} {self._per()} ({compute}; beside it FSDP and host copies "
+                f"{format_seconds(self.overlapped_seconds)}; exposed EP / CP / Engram / PP {format_seconds(self.exposed_seconds)})")
 
     def report(self) -> str:
         """The communication table ``plan=true`` prints (per rank and step)."""
         s = self.speeds
-        lines = [(f"communication per rank and step (one micro-batch), at NVLink {s.nvlink_gb_s:g}, InfiniBand "
+        lines = [(f"communication per rank and step ({self._step()}), at NVLink {s.nvlink_gb_s:g}, InfiniBand "
                   f"{s.infiniband_gb_s:g}, PCIe {s.pcie_gb_s:g} GB/s, {s.gpus_per_node} GPUs per node:"),
                  f"      {'kind':<30} {'sent':>11} {'received':>11} {'calls':>6}  {'link':<16} {'time':>9}  what"]
         for t in self.traffic:
             link = "-" if t.link == "-" else f"{t.link} ({t.group})" if t.link != "pcie" else "pcie"
             lines.append(f"      {t.kind:<30} {_size(t.sent):>11} {_size(t.received):>11} {t.calls:>6}  {link:<16} "
-                         f"{_seconds(t.seconds):>9}  {t.note}")
+                         f"{format_seconds(t.seconds):>9}  {t.note}")
         if self.flops is None:
             lines.append(f"      {'compute':<30} {'not estimated':>24} {'':<17} {'-':>9}  dsv4/flops.py models V4's "
                          "attention, not V4.1's CSA2: the step estimate is its communication alone")
         else:
             lines.append(f"      {'compute':<30} {self.flops / 1e12:>10.1f}T FLOPs {'':<17} "
-                         f"{_seconds(self.compute_seconds):>9}  at {s.tflops:g} TFLOP/s (model FLOPs "
+                         f"{format_seconds(self.compute_seconds):>9}  at {s.tflops:g} TFLOP/s (model FLOPs "
                          f"{self.model_flops / 1e12:.1f}T, recompute included)")
-        lines.append(f"      {'step estimate':<30} {'':>11} {'':>11} {'':>6}  {'':<16} {_seconds(self.step_seconds):>9}"
-                     f"  max(compute, FSDP + host copies) + EP + CP + Engram + PP; all in series "
-                     f"{_seconds(self.serial_seconds)}")
+        bubble = f" x (1 + bubble {self.bubble:.3f})" if self.bubble else ""
+        lines.append(f"      {'step estimate':<30} {'':>11} {'':>11} {'':>6}  {'':<16} {format_seconds(self.step_seconds):>9}"
+                     f"  max(compute{bubble}, FSDP + host copies) + EP + CP + Engram + PP; all in series "
+                     f"{format_seconds(self.serial_seconds)}")
         return "\n".join(lines)
+
+    def _step(self) -> str:
+        return "one micro-batch" if self.microbatches == 1 and not self.bubble else \
+            f"{self.microbatches} microbatches through the pipeline"
+
+    def _per(self) -> str:
+        return "per micro-batch" if self.microbatches == 1 and not self.bubble else \
+            f"per step of {self.microbatches} microbatches"
 
     def as_dict(self) -> dict[str, Any]:
         """``memory_plan.json``'s ``communication_per_step``."""
         s = self.speeds
         return {"kinds": [t.as_dict() for t in self.traffic], "bytes_sent": self.total_sent,
+                "microbatches": self.microbatches, "pipeline_bubble": self.bubble,
                 "bytes_received": self.total_received, "flops": self.flops, "model_flops": self.model_flops,
                 "compute_seconds": self.compute_seconds, "overlapped_seconds": self.overlapped_seconds,
                 "exposed_seconds": self.exposed_seconds, "step_seconds": self.step_seconds,
@@ -378,19 +393,40 @@ def engram_host_traffic(config: Any, tokens: int, compute_dtype: torch.dtype, fp
 
 
 # ------------------------------------------------------------------------------------------------------ the table
+@dataclass(frozen=True)
+class StageComm:
+    """A pipeline rank's part of :func:`comm_plan` (:mod:`dsv4.plan.stages`): ``pp`` ranks per pipeline,
+    ``microbatches`` per step, its point-to-point bytes and calls (``sent``, ``received``, ``calls``), its stages'
+    share of the forward FLOPs and of the Engram layers, and the schedule's ``bubble``."""
+
+    pp: int
+    microbatches: int
+    sent: int
+    received: int
+    calls: int
+    flops_share: float
+    engram_share: float
+    bubble: float
+    note: str
+
+
 def comm_plan(setup: Any, units: list[FsdpUnit], owners: dict[nn.Parameter, FsdpUnit], mesh_size: dict[str, int],
-              traced: dict[str, dict[str, int]], offload: Any = None, gathers: dict[int, int] | None = None
-              ) -> CommPlan:
+              traced: dict[str, dict[str, int]], offload: Any = None, gathers: dict[int, int] | None = None,
+              stage: StageComm | None = None) -> CommPlan:
     """The :class:`CommPlan` of a :class:`~dsv4.plan.plan.PlanSetup`: FSDP's bytes from its units and their gathers
     (:func:`fsdp_traffic`, :func:`unit_gathers`), the CP and EP bytes ``traced`` by the stand-ins
     (:meth:`~dsv4.plan.activations.ActivationPlan.traffic`), the Engram lookups, the host copies of ``offload``
     (:class:`~dsv4.plan.offload.OffloadBytes`, None without it: its host -> device bytes are recounted with
-    ``gathers``)."""
+    ``gathers``). ``stage``: a pipeline rank's (``units``, ``owners`` and ``traced`` then its stages' for the whole
+    step; the Engram lookups and the compute its share, per microbatch)."""
     speeds: LinkSpeeds = setup.links
     world, gpn = setup.world, speeds.gpus_per_node
+    pp = 1 if stage is None else stage.pp
     link = {"dp_cp": group_link(world, world, 1, gpn), "edp": group_link(world, world // setup.ep, setup.ep, gpn),
-            "ep": group_link(world, setup.ep, 1, gpn), "cp": group_link(world, setup.cp, 1, gpn)}
-    size = {"dp_cp": world, "edp": world // setup.ep, "ep": setup.ep, "cp": setup.cp}
+            "ep": group_link(world, setup.ep, 1, gpn), "cp": group_link(world, setup.cp, 1, gpn),
+            "pp": group_link(world * pp, pp, world, gpn)}
+    size = {"dp_cp": world, "edp": world // setup.ep, "ep": setup.ep, "cp": setup.cp, "pp": pp}
+    microbatches = 1 if stage is None else stage.microbatches
     rows: list[Traffic] = []
 
     def add(kind: str, sent: int, received: int, calls: int, mesh: str | None, note: str) -> None:
@@ -403,10 +439,13 @@ def comm_plan(setup: Any, units: list[FsdpUnit], owners: dict[nn.Parameter, Fsdp
     fsdp = fsdp_traffic(units, owners, mesh_size, gathers)
     for mesh, suffix, ranks in (("dp_cp", "", "dp x cp"), ("edp", ", experts", "edp = world / ep")):
         b = fsdp.get(mesh, FsdpBytes())
+        when = ("forward, again in backward (not the root)" if stage is None
+                else "once per step, kept gathered for every microbatch")
         add(f"fsdp all-gather{suffix}", b.gather, b.gather, b.gather_calls, mesh,
-            f"parameters in their compute dtype over the {ranks} ranks; forward, again in backward (not the root)")
+            f"parameters in their compute dtype over the {ranks} ranks; {when}")
         add(f"fsdp reduce-scatter{suffix}", b.reduce, b.reduce, b.reduce_calls, mesh,
-            f"fp32 gradients of the trainable parameters over the {ranks} ranks")
+            f"fp32 gradients of the trainable parameters over the {ranks} ranks"
+            + ("" if stage is None else "; once per step, after the last microbatch"))
 
     def traced_sum(kinds: list[str]) -> tuple[int, int, int]:
         return (sum(traced[k]["bytes_sent"] for k in kinds), sum(traced[k]["bytes_received"] for k in kinds),
@@ -426,15 +465,22 @@ def comm_plan(setup: Any, units: list[FsdpUnit], owners: dict[nn.Parameter, Fsdp
     add("cp exchanges", *traced_sum(cp_kinds), "cp", note)
     tokens = setup.micro_batch_size * setup.seq_len // setup.cp
     engram, calls = engram_traffic(setup.config, tokens, world, setup.compute_dtype, setup.engram_fp8)
+    if stage is not None:
+        engram, calls = (round(n * stage.engram_share) * microbatches for n in (engram, calls))
     add("engram lookups", engram, engram, calls, "dp_cp", "V4.1 tables, upper bound (every id distinct)" if engram
         else "no row-sharded Engram tables" if not getattr(setup.config, "engram_layer_ids", None) else "one rank")
     if getattr(setup, "engram_on_host", False):
         ids_out, rows_in, copies = engram_host_traffic(setup.config, tokens, setup.compute_dtype, setup.engram_fp8)
+        if stage is not None:
+            ids_out, rows_in, copies = (round(n * stage.engram_share) * microbatches for n in (ids_out, rows_in, copies))
         add("engram host copies", ids_out, rows_in, copies, None,
             "ids device -> host, the rows this rank serves host -> device (trainer.engram_tables=host), upper bound")
     else:
         add("engram host copies", 0, 0, 0, None, "none (trainer.engram_tables=device)")
-    add("pp sends", 0, 0, 0, None, "no pipeline parallelism (pp = 1)")
+    if stage is None:
+        add("pp sends", 0, 0, 0, None, "no pipeline parallelism (pp = 1)")
+    else:
+        add("pp sends", stage.sent, stage.received, stage.calls, "pp", stage.note)
     if offload is not None:  # the device receives the shards and sends the gradients
         copies = sum((1 if u is units[-1] or not u.reshard_after_forward else 2) if gathers is None
                      else gathers[id(u)] for u in units)
@@ -447,7 +493,10 @@ def comm_plan(setup: Any, units: list[FsdpUnit], owners: dict[nn.Parameter, Fsdp
         add("device -> host", 0, 0, 0, None, "none (trainer.offload=none)")
     flops = step_flops(setup.config, setup.seq_len, setup.cp, setup.micro_batch_size, setup.cp_balance,
                        setup.lora is not None)
-    return CommPlan(rows, *(flops if flops is not None else (None, None)), speeds)
+    if flops is not None and stage is not None:
+        flops = tuple(f * stage.flops_share * microbatches for f in flops)
+    return CommPlan(rows, *(flops if flops is not None else (None, None)), speeds,
+                    bubble=0.0 if stage is None else stage.bubble, microbatches=microbatches)
 
 
 def _size(n: float) -> str:
@@ -458,5 +507,5 @@ def _size(n: float) -> str:
     return f"{n / 2**10:.1f} KiB" if n else "0"
 
 
-def _seconds(s: float) -> str:
+def format_seconds(s: float) -> str:
     return f"{s:.3f} s" if s >= 0.1 else f"{s * 1e3:.2f} ms"

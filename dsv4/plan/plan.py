@@ -55,7 +55,7 @@ from dsv4.parallel.wrap import OFFLOAD, fsdp_units, store_frozen_in_compute_dtyp
 from dsv4.peft.apply import apply_lora
 from dsv4.peft.config import LoRAConfig
 from dsv4.plan.activations import ActivationPlan, Phase, cast_for_compute, plan_activations, step_tracer
-from dsv4.plan.comm import CommPlan, LinkSpeeds, comm_plan, unit_gathers
+from dsv4.plan.comm import CommPlan, LinkSpeeds, comm_plan, format_seconds, unit_gathers
 from dsv4.plan.offload import OffloadBytes, offload_bytes
 from dsv4.plan.stand_ins import DISPATCHER_TRAFFIC
 from dsv4.plan.states import (OptimizerProfile, StateBytes, engram_table_bytes, gradient_shard_bytes,
@@ -94,14 +94,24 @@ class PlanSetup:
     reserve_bytes: int = 0  # kept free of the plan's total: the CUDA context, NCCL buffers, fragmentation
     dispatcher: str = "alltoall"  # the MoE dispatcher with ep > 1 (alltoall | allgather | deepep)
     links: LinkSpeeds = LinkSpeeds()  # link speeds and the compute rate of the communication table
+    pp: int = 1  # pipeline stages' ranks (dsv4.plan.stages): pp x dp x cp GPUs
+    pp_schedule: str = "1f1b"  # torch.distributed.pipelining's schedule (dsv4.parallel.pipeline.SCHEDULES)
+    pp_virtual: int = 1  # stages per pipeline rank (the interleaved schedules)
+    microbatches: int = 1  # per step and pipeline (the gradient accumulation)
 
     @property
     def world(self) -> int:
+        """The ranks of one pipeline stage (all of them without a pipeline): ``dp x cp``, FSDP's mesh."""
         return self.dp * self.cp
+
+    @property
+    def gpus(self) -> int:
+        """Every rank of the layout: ``pp x dp x cp``."""
+        return self.pp * self.world
 
     def check(self) -> None:
         """ValueError naming the setting before anything is built."""
-        for name in ("seq_len", "micro_batch_size", "cp", "dp", "ep"):
+        for name in ("seq_len", "micro_batch_size", "cp", "dp", "ep", "pp", "pp_virtual", "microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"memory plan: `{name}` must be a positive integer, got {value!r}")
@@ -127,6 +137,16 @@ class PlanSetup:
             raise ValueError(f"memory plan: `dispatcher`={self.dispatcher!r} must be one of "
                              f"{', '.join(DISPATCHER_TRAFFIC)}")
         self.links.check()
+        if self.pp > 1 or self.pp_virtual > 1:
+            from dsv4.parallel.pipeline import SCHEDULES, check_pipeline
+
+            check_pipeline(self.config, self.pp, self.lora)
+            if self.pp_schedule not in SCHEDULES:
+                raise ValueError(f"memory plan: `pp_schedule`={self.pp_schedule!r} must be one of "
+                                 f"{', '.join(SCHEDULES)}")
+            if self.offload != "none":
+                raise ValueError(f"memory plan: `pp`={self.pp} with trainer.offload={self.offload}: host offload is "
+                                 "not planned under a pipeline")
 
     @property
     def usable_memory_bytes(self) -> int:
@@ -161,6 +181,8 @@ class MemoryPlan:
     offload: OffloadBytes | None = None
     engram_table_bytes: int = 0  # V4.1: this rank's rows of the Engram tables (inside ``parameters``)
     comm: CommPlan | None = None  # bytes moved per step by kind, their time, the compute time (dsv4.plan.comm)
+    stages: Any = None  # under a pipeline: this rank's dsv4.plan.stages.RankStages
+    ranks: list["MemoryPlan"] = field(default_factory=list)  # under a pipeline: every rank's plan (this one's among)
     per_rank_bytes: dict[str, int] = field(init=False)
     peak_phase: str = field(init=False)
     phase_bytes: dict[str, int] = field(init=False)  # device bytes of each phase; ``total`` is the largest
@@ -225,6 +247,13 @@ class MemoryPlan:
         return 0 if phase.backward_of is None else sum(self.segment_gradients[phase.backward_of + 1:])
 
     @property
+    def step_seconds(self) -> float | None:
+        """The step estimate (:mod:`dsv4.plan.comm`; under a pipeline its slowest rank's)."""
+        plans = self.ranks or [self]
+        times = [p.comm.step_seconds for p in plans if p.comm is not None]
+        return max(times) if times else None
+
+    @property
     def host_offload_bytes(self) -> int:
         """Host memory host offload holds (0 without it): the sharded parameters, their gradients and the
         optimizer state; the optimizer step adds its temporary there (:attr:`OffloadBytes.step_temporary`)."""
@@ -277,7 +306,8 @@ class MemoryPlan:
         lines = [
             f"memory plan per rank: seq_len {setup.seq_len} x micro_batch_size {setup.micro_batch_size}, cp "
             f"{setup.cp} ({setup.seq_len // setup.cp} tokens per rank), dp {setup.dp}, ep {setup.ep} (world "
-            f"{setup.world}); compute {str(setup.compute_dtype).removeprefix('torch.')}, activation_checkpointing "
+            f"{setup.world}{self._pipeline_layout()}); compute {str(setup.compute_dtype).removeprefix('torch.')}, "
+            f"activation_checkpointing "
             f"{c.activation_checkpointing}, loss chunk {c.loss_chunk_size} rows, attention {c.attention_backend}"
             + ("" if setup.lora is None else f"; LoRA r={setup.lora.rank} on {'/'.join(setup.lora.targets)}, "
                f"base {setup.lora.base_dtype}"),
@@ -307,9 +337,11 @@ class MemoryPlan:
             lines.append(f"          {'':<28} backward peak {_size(seg.backward_peak)} "
                          f"({_parts(seg.backward_peak_by_component)})")
         top = acts.segments[-1]
-        lines.append(f"          {acts.top_name:<28} saved {_size(top.retained)} ({_parts(top.saved_by_component)})")
-        lines.append(f"          {'':<28} backward peak {_size(top.backward_peak)} "
-                     f"({_parts(top.backward_peak_by_component)})")
+        if self.stages is None or self.stages.spans[-1].last:
+            lines.append(f"          {acts.top_name:<28} saved {_size(top.retained)} "
+                         f"({_parts(top.saved_by_component)})")
+            lines.append(f"          {'':<28} backward peak {_size(top.backward_peak)} "
+                         f"({_parts(top.backward_peak_by_component)})")
         rows = min(c.loss_chunk_size, setup.micro_batch_size * setup.seq_len // setup.cp)
         lines.append(f"          loss chunk: one [{rows}, {c.vocab_size}] fp32 logits block, "
                      f"{_size(rows * c.vocab_size * 4)}, and its gradient in place")
@@ -324,9 +356,14 @@ class MemoryPlan:
         staging = "" if self.offload is None else (
             f", offload staging {_size(self.offload.gather_staging)} (shards copied to the device for an "
             f"all-gather) + {_size(self.offload.reduce_staging)} (a reduce-scatter output before its copy to the host)")
-        lines.append(_row("communication", self.per_rank_bytes["communication"],
-                          f"two gathered units {_size(s.gathered)} (largest: {s.largest_unit}), root kept gathered "
-                          f"{_size(s.root_gathered)}, fp32 gradient reduce {_size(s.reduce_buffer)}{staging}"))
+        if self.stages is None:
+            units = (f"two gathered units {_size(s.gathered)} (largest: {s.largest_unit}), root kept gathered "
+                     f"{_size(s.root_gathered)}, fp32 gradient reduce {_size(s.reduce_buffer)}{staging}")
+        else:
+            units = (f"the stages' parameters kept gathered {_size(s.gathered)}, their gradients unsharded in fp32 "
+                     f"{_size(s.reduce_buffer)} (reduced after the last microbatch), the pipeline's receive buffers "
+                     f"{_size(s.pipeline_buffers)} ({setup.microbatches} microbatches)")
+        lines.append(_row("communication", self.per_rank_bytes["communication"], units))
         verdict = "fits" if self.fits else f"DOES NOT FIT; biggest term: {self.biggest_term}"
         lines.append(_row("total", self.total, f"at the peak ({self.peak_phase}) {self._against()}: {verdict}"))
         lines.append(_row("checkpoint", self.checkpoint_bytes,
@@ -351,9 +388,30 @@ class MemoryPlan:
                               f"{c.engram_head_dim}{' in FP8' if setup.engram_fp8 else ''}, row-sharded over the "
                               f"{setup.world} ranks), frozen, held in host memory (trainer.engram_tables=host); a "
                               f"lookup copies the rows it reads to the device{per_step}"))
+        lines += self._pipeline_rows()
         if self.comm is not None:
             lines.append(self.comm.report())
         return "\n".join(lines)
+
+    def _pipeline_layout(self) -> str:
+        setup = self.setup
+        if self.stages is None:
+            return ""
+        virtual = f" x {setup.pp_virtual} virtual" if setup.pp_virtual > 1 else ""
+        return (f"; pp {setup.pp}{virtual}, {setup.pp_schedule}, {setup.microbatches} microbatches per step: "
+                f"{setup.gpus} GPUs; pipeline rank {self.stages.rank} planned, the largest")
+
+    def _pipeline_rows(self) -> list[str]:
+        """Every pipeline rank's stages, total and bytes per step (under a pipeline)."""
+        if not self.ranks:
+            return []
+        lines = ["  pipeline ranks (each holds its stages' parameters; the largest total decides):"]
+        for plan in self.ranks:
+            comm = plan.comm
+            lines.append(f"      rank {plan.stages.rank}: {_size(plan.total):>10} at {plan.peak_phase}; sends "
+                         f"{_size(comm.total_sent)}, receives {_size(comm.total_received)} per step; step about "
+                         f"{format_seconds(comm.step_seconds)}; {plan.stages.describe()}")
+        return lines
 
     def _offloaded_state_rows(self) -> list[str]:
         device = self.per_rank_bytes
@@ -379,7 +437,7 @@ class MemoryPlan:
             "usable_memory_bytes": setup.usable_memory_bytes,
             "biggest_term": self.biggest_term,
             "setup": {"seq_len": setup.seq_len, "micro_batch_size": setup.micro_batch_size, "cp": setup.cp,
-                      "dp": setup.dp, "ep": setup.ep, "world": setup.world,
+                      "dp": setup.dp, "ep": setup.ep, "world": setup.world, "pp": setup.pp, "gpus": setup.gpus,
                       "compute_dtype": str(setup.compute_dtype).removeprefix("torch."),
                       "activation_checkpointing": setup.config.activation_checkpointing,
                       "loss_chunk_size": setup.config.loss_chunk_size,
@@ -401,6 +459,14 @@ class MemoryPlan:
             "communication_bytes": {"gathered": self.states.gathered, "root_gathered": self.states.root_gathered,
                                     "reduce_buffer": self.states.reduce_buffer},
             "communication_per_step": None if self.comm is None else self.comm.as_dict(),
+            "pipeline": None if self.stages is None else {
+                "pp": setup.pp, "schedule": setup.pp_schedule, "virtual": setup.pp_virtual,
+                "microbatches": setup.microbatches, "gpus": setup.gpus, "planned_rank": self.stages.rank,
+                "step_seconds": self.step_seconds,
+                "ranks": [{"rank": p.stages.rank, "total": p.total, "peak_phase": p.peak_phase,
+                           "stages": [[s.index, s.start, s.stop] for s in p.stages.spans],
+                           "bytes_sent": p.comm.total_sent, "bytes_received": p.comm.total_received,
+                           "step_seconds": p.comm.step_seconds} for p in self.ranks]},
             "activations": {
                 "peak_phase": self.activations.phase,
                 "metadata_bytes": self.activations.metadata,
@@ -438,17 +504,69 @@ def memory_plan(setup: PlanSetup, activations: ActivationPlan | None = None) -> 
     segment_gradients = [0, *(gradient_shard_bytes([m], owners, mesh_size, skip=units[-1])
                               for m in [*model.model.layers, *([mtp] if mtp is not None else [nn.Identity()])])]
     engram = engram_table_bytes(model, setup.world)
+    pipeline = None
+    if setup.pp > 1 or setup.pp_virtual > 1:  # the stages hold the parameters as stored (before the cast below)
+        from dsv4.plan.stages import rank_stages
+
+        pipeline = [(stages, state_bytes(model, world=setup.world, ep=setup.ep, compute_dtype=setup.compute_dtype,
+                                         optimizer=setup.optimizer,
+                                         only={id(t) for t in [*stages.parameters, *stages.buffers]}))
+                    for stages in rank_stages(model, setup.seq_len, setup.pp, setup.pp_virtual)]
     cast_for_compute(model, {p: unit.param_dtype for p, unit in owners.items()})
     root = {p for p, unit in owners.items() if unit is units[-1]}
     tracer = step_tracer(model, setup.micro_batch_size, setup.seq_len // setup.cp, setup.cp, setup.ep > 1,
                         return_logits=not setup.chunked_loss, root_parameters=root, cp_balance=setup.cp_balance,
                         ep=setup.ep, dispatcher=setup.dispatcher, unit_modules=[u.module for u in units[:-1]])
     activations = plan_activations(tracer) if activations is None else activations
+    if pipeline is not None:
+        return _pipeline_plan(setup, model, units, owners, mesh_size, activations, pipeline)
     gathers = unit_gathers(model, units, activations.segments)
     # ``owners`` holds the parameters as stored (cast_for_compute made new ones for the trace)
     offload = None if setup.offload == "none" else offload_bytes(units, owners, mesh_size, states, gathers)
     comm = comm_plan(setup, units, owners, mesh_size, activations.traffic(), offload, gathers)
     return MemoryPlan(setup, states, activations, segment_gradients, offload, engram, comm)
+
+
+def _pipeline_plan(setup: PlanSetup, model: nn.Module, units: list, owners: dict, mesh_size: dict[str, int],
+                   activations: ActivationPlan, pipeline: list) -> MemoryPlan:
+    """Every pipeline rank's plan (:mod:`dsv4.plan.stages`; ``pipeline``: each rank's stages and the state bytes
+    of their parameters); the one with the largest total, holding them all in :attr:`MemoryPlan.ranks`."""
+    from dataclasses import replace
+
+    from dsv4.plan.comm import StageComm
+    from dsv4.plan.stages import (bubble, flops_share, in_flight_timeline, pp_sends, receive_buffers,
+                                  stage_activations, stage_traced)
+    from dsv4.plan.states import shard_elements, table_tensors
+
+    rows, length, m = setup.micro_batch_size, setup.seq_len // setup.cp, setup.microbatches
+    engram_layers = len(getattr(setup.config, "engram_layer_ids", None) or []) or 1
+    plans = []
+    for stages, states in pipeline:
+        rank_owners = {p: owners[p] for p in stages.parameters if p in owners}
+        gathered = unsharded = 0  # every unit kept gathered, every gradient unsharded in fp32 (module docstring)
+        for p, unit in rank_owners.items():
+            full = shard_elements(p, mesh_size[unit.mesh]) * mesh_size[unit.mesh]
+            gathered += full * unit.param_dtype.itemsize
+            unsharded += full * 4 if p.requires_grad else 0
+        states = replace(states, gathered=gathered, root_gathered=0, reduce_buffer=unsharded,
+                         pipeline_buffers=receive_buffers(stages, rows, length, setup.compute_dtype, m))
+        timeline = in_flight_timeline(setup.pp_schedule, setup.pp, setup.pp_virtual, m, stages.rank)
+        acts = stage_activations(activations, stages, timeline)
+        held = {id(u): u for u in rank_owners.values()}
+        rank_units = [u for u in units if id(u) in held]
+        sends = pp_sends(stages, rows, length, setup.compute_dtype, m)
+        stage = StageComm(setup.pp, m, sends["sent"], sends["received"], sends["calls"],
+                          flops_share(setup.config, setup.seq_len, stages.spans),
+                          stages.engram_layers / engram_layers, bubble(setup.pp_schedule, setup.pp, setup.pp_virtual, m),
+                          f"activations and tokens to the next stage, their gradients back ({stages.describe()})")
+        comm = comm_plan(setup, rank_units, rank_owners, mesh_size, stage_traced(activations, stages, m), None,
+                         {id(u): 1 for u in rank_units}, stage)
+        tables = {id(t): t for module in stages.modules for t in table_tensors(module)}
+        engram = sum(shard_elements(t, setup.world) * t.element_size() for t in tables.values())
+        plans.append(MemoryPlan(setup, states, acts, [], None, engram, comm, stages=stages))
+    worst = max(plans, key=lambda p: p.total)
+    worst.ranks = plans
+    return worst
 
 
 def _parts(by_component: dict[str, int]) -> str:

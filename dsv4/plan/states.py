@@ -55,10 +55,11 @@ class StateBytes:
     tables: int = 0
     table_gradients: int = 0
     table_optimizer: int = 0
+    pipeline_buffers: int = 0  # a pipeline rank's receive buffers (dsv4.plan.stages)
 
     @property
     def communication(self) -> int:
-        return self.gathered + self.root_gathered + self.reduce_buffer
+        return self.gathered + self.root_gathered + self.reduce_buffer + self.pipeline_buffers
 
 
 def shard_elements(p: torch.Tensor, mesh_size: int) -> int:
@@ -248,10 +249,12 @@ def gradient_shard_bytes(modules: list[nn.Module], owners: dict[nn.Parameter, Fs
 
 
 def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.dtype,
-                optimizer: OptimizerProfile = OptimizerProfile()) -> StateBytes:
-    """The state terms of the module docstring for ``model`` (on ``meta``, experts already sharded for EP)."""
+                optimizer: OptimizerProfile = OptimizerProfile(), only: set[int] | None = None) -> StateBytes:
+    """The state terms of the module docstring for ``model`` (on ``meta``, experts already sharded for EP);
+    ``only``: the ids of the parameters and buffers to count (a pipeline rank's, :mod:`dsv4.plan.stages`), all when
+    None."""
     units = fsdp_units(model, compute_dtype)
-    owners = parameter_owners(model, units)
+    owners = {p: u for p, u in parameter_owners(model, units).items() if only is None or id(p) in only}
     mesh_size = {"dp_cp": world, "edp": world // ep}
     master, trainable, optimizer_bytes = 0, 0, 0
     step_bytes: list[int] = []  # what the step allocates for each trainable shard
@@ -276,13 +279,16 @@ def state_bytes(model: nn.Module, *, world: int, ep: int, compute_dtype: torch.d
         gathered[id(unit)] = gathered.get(id(unit), 0) + local * mesh_size[unit.mesh] * unit.param_dtype.itemsize
     tables, table_trainable, table_optimizer = 0, 0, 0
     for t in table_tensors(model):  # row-sharded over dp x cp, never gathered
+        if only is not None and id(t) not in only:
+            continue
         local = shard_elements(t, world)
         tables += local * t.element_size()
         if t.requires_grad:
             table_trainable += local
             table_optimizer += trainable_shard(local)
     held = {id(t) for t in table_tensors(model)}
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers() if id(b) not in held)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers()
+                  if id(b) not in held and (only is None or id(b) in only))
     root = units[-1]
     by_unit = sorted(((gathered.get(id(u), 0), u) for u in units[:-1]), key=lambda t: t[0], reverse=True)
     two_largest = sum(b for b, _ in by_unit[:2])

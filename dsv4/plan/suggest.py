@@ -363,7 +363,7 @@ class SetupPlanner:
             if plan.engram_host_bytes:
                 note = ", ".join(n for n in (note, f"Engram tables in host memory {_gib(plan.engram_host_bytes)} per "
                                                    "rank") if n)
-            self._plans[changes] = Planned(plan.total, note, plan.comm.step_seconds if plan.comm else None)
+            self._plans[changes] = Planned(plan.total, note, plan.step_seconds)
         return self._plans[changes]
 
 

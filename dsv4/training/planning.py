@@ -33,7 +33,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from dsv4.training.spec import RunSpec
+from dsv4.training.spec import RunSpec, accumulation_steps
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -96,11 +96,11 @@ def plan_setup(spec: RunSpec, device_memory: int) -> PlanSetup:
     from dsv4.plan.plan import PlanSetup
     from dsv4.plan.states import optimizer_profile
 
-    world, cp = spec.parallel.world_size, spec.parallel.cp
+    world, cp, pp = spec.parallel.world_size, spec.parallel.cp, spec.parallel.pp
     if world is None and os.environ.get("WORLD_SIZE", "").isdigit():
         world = int(os.environ["WORLD_SIZE"])
     if world is not None:
-        dp = world // cp
+        dp = world // (cp * pp)
     elif spec.parallel.dp > 0:
         dp = spec.parallel.dp
     else:
@@ -114,6 +114,8 @@ def plan_setup(spec: RunSpec, device_memory: int) -> PlanSetup:
         cp_balance=spec.parallel.cp_balance, async_checkpoint=spec.checkpoint.async_save, offload=spec.offload,
         engram_fp8=_engram_kept_fp8(spec), engram_on_host=spec.engram_tables == "host",
         reserve_bytes=int(spec.plan.reserve_gib * GIB), dispatcher=spec.dispatcher, links=link_speeds(spec.plan),
+        pp=pp, pp_schedule=spec.parallel.pp_schedule, pp_virtual=spec.parallel.pp_virtual,
+        microbatches=accumulation_steps(spec.global_batch_size, spec.micro_batch_size, dp),
     )
 
 

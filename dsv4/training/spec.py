@@ -64,15 +64,18 @@ from dsv4.training.schema import lora_config, model_config
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    """``cp`` x ``dp`` ranks (``dp`` -1: the world divided by ``cp``), ``ep`` expert-parallel ranks borrowed from
+    """``cp`` x ``dp`` ranks (``dp`` -1: the world divided by ``pp x cp``), ``ep`` expert-parallel ranks borrowed from
     them, the CP layout ``cp_balance``; ``world_size``: devices x nodes when the trainer config fixes it, else None
-    (known at launch)."""
+    (known at launch); ``pp`` pipeline ranks (``pp_schedule``, ``pp_virtual`` stages each), planned only."""
 
     cp: int = 1
     dp: int = -1
     ep: int = 1
     cp_balance: str = "none"
     world_size: int | None = None
+    pp: int = 1  # pipeline stages' ranks (planned only: dsv4.plan.stages)
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
 
     @property
     def chunks(self) -> int:
@@ -132,7 +135,8 @@ class RunSpec:
     def accumulation(self, world_size: int) -> int:
         """Micro-batches accumulated into one optimizer step on ``world_size`` ranks (:func:`accumulation_steps`
         with this run's dp)."""
-        dp = ParallelDims(world_size=world_size, cp=self.parallel.cp, dp=self.parallel.dp, ep=self.parallel.ep).validate()
+        dp = ParallelDims(world_size=world_size, cp=self.parallel.cp, dp=self.parallel.dp, ep=self.parallel.ep,
+                          pp=self.parallel.pp).validate()
         return accumulation_steps(self.global_batch_size, self.micro_batch_size, dp)
 
 
@@ -177,8 +181,9 @@ def build_dspark_run_spec(cfg: DictConfig) -> RunSpec:
 
 def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> None:
     dp = None  # known here only when the trainer config fixes the world size
+    pp = cfg.get("pp", 1)
     if world is not None:
-        dp = ParallelDims(world_size=world, cp=cfg.cp, dp=cfg.dp, ep=cfg.ep).validate(config.n_routed_experts)
+        dp = ParallelDims(world_size=world, cp=cfg.cp, dp=cfg.dp, ep=cfg.ep, pp=pp).validate(config.n_routed_experts)
     elif cfg.cp < 1:
         raise ValueError(f"`cp` must be a positive integer, got {cfg.cp}")
     check_balance(cfg.cp_balance)
@@ -196,6 +201,34 @@ def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> N
         raise ValueError(f"`global_batch_size` must be >= 1 or null, got {gbs}")
     if dp is not None:
         accumulation_steps(gbs, cfg.micro_batch_size, dp)
+    check_pipeline_keys(cfg, config)
+
+
+def check_pipeline_keys(cfg: DictConfig, config: DSV4Config) -> None:
+    """``pp``, ``pp_schedule``, ``pp_virtual``: ValueError naming the key. Pipeline stages are planned
+    (``plan.only=true``, :mod:`dsv4.plan.stages`); the recipes do not train them yet (the API:
+    :mod:`dsv4.parallel.pipeline`)."""
+    from dsv4.parallel.pipeline import SCHEDULES, check_pipeline
+
+    pp, schedule, virtual = cfg.get("pp", 1), cfg.get("pp_schedule", "1f1b"), cfg.get("pp_virtual", 1)
+    for name, value in (("pp", pp), ("pp_virtual", virtual)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"`pp_schedule`={schedule!r} must be one of {', '.join(SCHEDULES)}")
+    if virtual > 1 and schedule not in SCHEDULES[2:]:
+        raise ValueError(f"`pp_virtual`={virtual} needs an interleaved `pp_schedule` ({', '.join(SCHEDULES[2:])}), "
+                         f"got {schedule}")
+    if pp == 1 and virtual == 1:
+        return
+    check_pipeline(config, pp, lora_config(cfg.peft) if "peft" in cfg else None)
+    if not plan_options(cfg.get("plan")).only:
+        raise ValueError(f"`pp`={pp}: the recipes plan pipeline stages (add plan.only=true: the per-stage memory and "
+                         "traffic, docs/scale.md) but do not train them yet; dsv4.parallel.pipeline is the API for a "
+                         "training loop of your own")
+    if (cfg.get("trainer") or {}).get("offload", "none") != "none":
+        raise ValueError(f"`pp`={pp} with trainer.offload={cfg.trainer.offload}: host offload is not planned under a "
+                         "pipeline")
 
 
 def build_run_spec(cfg: DictConfig, export_beside: bool = False) -> RunSpec:
@@ -266,7 +299,9 @@ def build_run_spec(cfg: DictConfig, export_beside: bool = False) -> RunSpec:
     return RunSpec(
         model=config, optimizer=optimizer, scheduler=scheduler, model_checkpoint=checkpoint or None,
         init_missing_mtp=init_missing_mtp, lora=lora, lora_adapter=adapter or None,
-        parallel=ParallelSpec(cp=cfg.cp, dp=cfg.dp, ep=cfg.ep, cp_balance=cfg.cp_balance, world_size=world),
+        parallel=ParallelSpec(cp=cfg.cp, dp=cfg.dp, ep=cfg.ep, cp_balance=cfg.cp_balance, world_size=world,
+                              pp=cfg.get("pp", 1), pp_schedule=cfg.get("pp_schedule", "1f1b"),
+                              pp_virtual=cfg.get("pp_virtual", 1)),
         device_type=device_type, compute_dtype=compute_dtype, attention_backend=backend, dispatcher=dispatcher,
         seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.get("global_batch_size"),
         seed=cfg.seed,

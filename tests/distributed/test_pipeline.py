@@ -109,6 +109,39 @@ def _count_sends(group) -> dict[str, int]:
     return moved
 
 
+def _record_in_flight(stages) -> list[dict[int, int]]:
+    """After each forward, full backward and weight-gradient computation the engine runs on this rank's stages: per
+    stage index, the microbatches whose saved activations the stage still holds (its forward cache, and under zero
+    bubble the state its input gradient leaves for the weight gradient)."""
+    timeline: list[dict[int, int]] = []
+
+    def record() -> None:
+        timeline.append({s.stage_index: len(s.fwd_cache) + len(s.backward_state) for s in stages})
+
+    for stage in stages:
+        forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+        def forward_one_chunk(*args, _run=forward, **kwargs):
+            out = _run(*args, **kwargs)
+            record()
+            return out
+
+        def backward_one_chunk(*args, _run=backward, **kwargs):
+            out = _run(*args, **kwargs)
+            if kwargs.get("full_backward", True):  # an input gradient alone frees nothing (zero bubble)
+                record()
+            return out
+
+        def backward_weight_one_chunk(*args, _run=weight, **kwargs):
+            out = _run(*args, **kwargs)
+            record()
+            return out
+
+        stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+        stage.backward_weight_one_chunk = backward_weight_one_chunk
+    return timeline
+
+
 def _body(rank: int, world: int, preset: str, schedule: str, cp: int = 1, ep: int = 1):
     """Rank ``rank`` of ``pp x cp`` or ``pp x ep`` (``pp = world / (cp ep)``; a stage's CP or EP group is consecutive
     ranks, a pipeline joins the ranks of one CP / EP index). CP: each rank of a stage runs its chunk of every row,
@@ -156,10 +189,12 @@ def _body(rank: int, world: int, preset: str, schedule: str, cp: int = 1, ep: in
     names = {id(p): n for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(params, lr=1e-3)
     moved = _count_sends(pp_group)
+    timeline = _record_in_flight(stages)
     losses, first_grads, norms = [], None, []
     for step in range(STEPS):
         if step == 1:  # after the schedule's first-step set-up messages
             moved.update(sent=0, received=0)
+        timeline.clear()
         batch = _batch(step)
         mine_rows = slice(inner_rank * rows, (inner_rank + 1) * rows) if ep > 1 else slice(None)
         tokens = slice(inner_rank * local, (inner_rank + 1) * local) if cp > 1 else slice(None)
@@ -191,7 +226,7 @@ def _body(rank: int, world: int, preset: str, schedule: str, cp: int = 1, ep: in
     traffic = {"measured": dict(moved), "expected": {k: (STEPS - 1) * sum(e[k] for e in expected)
                                                      for k in ("sent", "received")}}
     return {"losses": losses, "grads": first_grads, "norms": norms, "spans": [(s.start, s.stop) for s in spans],
-            "traffic": traffic,
+            "traffic": traffic, "in_flight": list(timeline),
             "cp_bytes": 0 if context is None else sum(v["bytes_received"] for v in context.traffic.as_dict().values())}
 
 
@@ -271,6 +306,7 @@ def test_pp2_equals_one_process(preset, schedule, cp, ep, references):
         assert abs(res["norms"][0] - one_process_norm) <= 1e-5 * one_process_norm, (rank, res["norms"], one_process_norm)
     for rank, res in enumerate(ranks):  # the pipeline's sends per step: counted as stage_traffic states them
         assert res["traffic"]["measured"] == res["traffic"]["expected"], (rank, res["traffic"])
+    _check_plan(preset, schedule, cp, ep, ranks)
     seen = set()
     for rank, res in enumerate(ranks):
         for name, (grad, offset) in res["grads"].items():
@@ -282,3 +318,26 @@ def test_pp2_equals_one_process(preset, schedule, cp, ep, references):
     assert seen == set(ref_grads), sorted(set(ref_grads) - seen)
     if preset == "tiny":  # the MTP depth's embedding: both stages' gradients summed
         assert "model.embed_tokens.weight" in ranks[0]["grads"] and "model.embed_tokens.weight" in ranks[-1]["grads"]
+
+
+def _check_plan(preset: str, schedule: str, cp: int, ep: int, ranks: list[dict]) -> None:
+    """The memory plan of the same layout (dsv4.plan.stages): every rank's microbatches in flight after each compute
+    action are the engine's, and its ``pp sends`` row is the bytes the rank's pipeline sends and receives per step."""
+    from dsv4.config import DSV4Config
+    from dsv4.plan.plan import PlanSetup, memory_plan
+    from dsv4.plan.stages import in_flight_timeline
+
+    virtual = 2 if schedule.startswith("interleaved") else 1
+    microbatches = ROWS // ep
+    plan = memory_plan(PlanSetup(DSV4Config.preset(preset), seq_len=LENGTH, cp=cp, dp=ep, ep=ep, pp=WORLD,
+                                 pp_schedule=schedule, pp_virtual=virtual, microbatches=microbatches,
+                                 dispatcher="alltoall"))
+    by_rank = {p.stages.rank: p.comm.by_kind()["pp sends"] for p in plan.ranks}
+    inner = cp * ep
+    for rank, res in enumerate(ranks):
+        stage_rank = rank // inner
+        assert res["in_flight"] == in_flight_timeline(schedule, WORLD, virtual, microbatches, stage_rank), \
+            (rank, res["in_flight"])
+        row = by_rank[stage_rank]
+        measured = {k: v // (STEPS - 1) for k, v in res["traffic"]["measured"].items()}
+        assert (row.sent, row.received) == (measured["sent"], measured["received"]), (rank, row, measured)

@@ -172,3 +172,20 @@ def test_plan_checkpoint_form_release_plans_the_released_engram_tables_in_fp8():
     head = built.config.engram_head_dim
     fp32, fp8 = memory_plan(built).engram_table_bytes, memory_plan(release).engram_table_bytes
     assert fp32 * (head + head // 32) == fp8 * head * 4
+
+
+def test_pp_is_planned_per_stage_and_not_trained(tmp_path):
+    run = tmp_path / "run"
+    overrides = ["pp=2", "trainer.devices=4", "global_batch_size=4", "pp_schedule=gpipe"]
+    assert run_finetune(_compose(["plan=true", *overrides]), run) is None
+    plan = json.loads((run / PLAN_FILE).read_text())
+    assert plan["setup"]["pp"] == 2 and plan["setup"]["dp"] == 2 and plan["setup"]["gpus"] == 4
+    assert plan["pipeline"]["schedule"] == "gpipe" and plan["pipeline"]["microbatches"] == 2  # 4 rows over dp 2
+    assert [r["rank"] for r in plan["pipeline"]["ranks"]] == [0, 1]
+    for bad, needle in ((overrides, r"`pp`=2: the recipes plan pipeline stages \(add plan.only=true"),
+                        (["pp=2", "trainer.devices=2", "pp_virtual=2", "plan=true"], r"`pp_virtual`=2 needs an interleaved `pp_schedule`"),
+                        (["pp=2", "trainer.devices=2", "plan=true", "trainer.offload=optimizer"], r"host offload is not planned"),
+                        (["pp=2", "trainer.devices=2", "plan=true", "peft=lora"], r"`pp`=2 with `peft`=lora"),
+                        (["pp=3", "trainer.devices=4", "plan=true"], r"`pp`=3 x `cp`=1 does not divide the world")):
+        with pytest.raises(ValueError, match=needle):
+            run_finetune(_compose(bad), tmp_path / "refused")
