@@ -40,7 +40,7 @@ kind (FSDP, EP, CP, Engram lookups, PP, host copies), their time at ``links`` an
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -55,11 +55,13 @@ from dsv4.parallel.wrap import OFFLOAD, fsdp_units, store_frozen_in_compute_dtyp
 from dsv4.peft.apply import apply_lora
 from dsv4.peft.config import LoRAConfig
 from dsv4.plan.activations import ActivationPlan, Phase, cast_for_compute, plan_activations, step_tracer
-from dsv4.plan.comm import CommPlan, LinkSpeeds, comm_plan, format_seconds, unit_gathers
+from dsv4.plan.comm import CommPlan, LinkSpeeds, StageComm, comm_plan, format_seconds, unit_gathers
 from dsv4.plan.offload import OffloadBytes, offload_bytes
 from dsv4.plan.stand_ins import DISPATCHER_TRAFFIC
+from dsv4.plan.stages import (bubble, flops_share, in_flight_timeline, pp_sends, rank_stages, receive_buffers,
+                              stage_activations, stage_traced)
 from dsv4.plan.states import (OptimizerProfile, StateBytes, engram_table_bytes, gradient_shard_bytes,
-                              parameter_owners, state_bytes)
+                              parameter_owners, shard_elements, state_bytes, table_tensors)
 
 GIB = 2**30
 TERMS = ("parameters", "gradients", "optimizer", "activations", "communication")
@@ -182,7 +184,7 @@ class MemoryPlan:
     engram_table_bytes: int = 0  # V4.1: this rank's rows of the Engram tables (inside ``parameters``)
     comm: CommPlan | None = None  # bytes moved per step by kind, their time, the compute time (dsv4.plan.comm)
     stages: Any = None  # under a pipeline: this rank's dsv4.plan.stages.RankStages
-    ranks: list["MemoryPlan"] = field(default_factory=list)  # under a pipeline: every rank's plan (this one's among)
+    ranks: list[MemoryPlan] = field(default_factory=list)  # under a pipeline: every rank's plan (this one's among)
     per_rank_bytes: dict[str, int] = field(init=False)
     peak_phase: str = field(init=False)
     phase_bytes: dict[str, int] = field(init=False)  # device bytes of each phase; ``total`` is the largest
@@ -506,8 +508,6 @@ def memory_plan(setup: PlanSetup, activations: ActivationPlan | None = None) -> 
     engram = engram_table_bytes(model, setup.world)
     pipeline = None
     if setup.pp > 1 or setup.pp_virtual > 1:  # the stages hold the parameters as stored (before the cast below)
-        from dsv4.plan.stages import rank_stages
-
         pipeline = [(stages, state_bytes(model, world=setup.world, ep=setup.ep, compute_dtype=setup.compute_dtype,
                                          optimizer=setup.optimizer,
                                          only={id(t) for t in [*stages.parameters, *stages.buffers]}))
@@ -531,13 +531,6 @@ def _pipeline_plan(setup: PlanSetup, model: nn.Module, units: list, owners: dict
                    activations: ActivationPlan, pipeline: list) -> MemoryPlan:
     """Every pipeline rank's plan (:mod:`dsv4.plan.stages`; ``pipeline``: each rank's stages and the state bytes
     of their parameters); the one with the largest total, holding them all in :attr:`MemoryPlan.ranks`."""
-    from dataclasses import replace
-
-    from dsv4.plan.comm import StageComm
-    from dsv4.plan.stages import (bubble, flops_share, in_flight_timeline, pp_sends, receive_buffers,
-                                  stage_activations, stage_traced)
-    from dsv4.plan.states import shard_elements, table_tensors
-
     rows, length, m = setup.micro_batch_size, setup.seq_len // setup.cp, setup.microbatches
     engram_layers = len(getattr(setup.config, "engram_layer_ids", None) or []) or 1
     plans = []

@@ -49,8 +49,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsv4.parallel.pipeline import (SCHEDULES, DSV4PipelineStage, StageSpan, layer_costs, stage_indices,
-                                    stage_io, stage_layers, stage_traffic)
+from dsv4.parallel.pipeline import (
+    SCHEDULES,
+    DSV4PipelineStage,
+    StageSpan,
+    layer_costs,
+    stage_indices,
+    stage_io,
+    stage_layers,
+    stage_traffic,
+)
 from dsv4.plan.activations import ActivationPlan, Phase
 
 INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")
