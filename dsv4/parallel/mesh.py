@@ -63,8 +63,8 @@ class ParallelDims:
 
 @dataclass
 class Meshes:
-    """The device meshes of a run: ``world`` ("dp", "cp"), ``dp_cp`` (flattened, for FSDP and the loss) and
-    ``experts`` ("edp", "ep")."""
+    """The device meshes of a run: ``world`` ("dp", "cp"; with pipeline stages ("pp", "dp", "cp")), ``dp_cp``
+    (flattened, for FSDP and the loss: a stage's ranks) and ``experts`` ("edp", "ep")."""
 
     world: DeviceMesh
     dp_cp: DeviceMesh
@@ -86,12 +86,25 @@ class Meshes:
     def edp(self) -> DeviceMesh:
         return self.experts["edp"]
 
+    @property
+    def pp(self) -> DeviceMesh:
+        """The pipeline's ranks (a mesh of ``pp > 1`` only)."""
+        return self.world["pp"]
+
 
 def build_meshes(dims: ParallelDims, device: torch.device | str) -> Meshes:
-    """Create the meshes (``torch.distributed`` must be initialised with ``dims.world_size`` ranks)."""
+    """Create the meshes (``torch.distributed`` must be initialised with ``dims.world_size`` ranks). With ``pp > 1``
+    the pipeline is the outermost dimension: ``world`` is ("pp", "dp", "cp"), and ``dp_cp`` and ``experts`` are this
+    rank's stage's (its ``dp x cp`` ranks); :attr:`Meshes.pp` joins the ranks of one (dp, cp) index."""
     dims = dims.resolved()
     device_type = torch.device(device).type
-    world = init_device_mesh(device_type, (dims.dp, dims.cp), mesh_dim_names=("dp", "cp"))
+    stage = dims.dp * dims.cp
+    if dims.pp == 1:
+        world = init_device_mesh(device_type, (dims.dp, dims.cp), mesh_dim_names=("dp", "cp"))
+        experts = init_device_mesh(device_type, (stage // dims.ep, dims.ep), mesh_dim_names=("edp", "ep"))
+    else:
+        world = init_device_mesh(device_type, (dims.pp, dims.dp, dims.cp), mesh_dim_names=("pp", "dp", "cp"))
+        experts = init_device_mesh(device_type, (dims.pp, stage // dims.ep, dims.ep),
+                                   mesh_dim_names=("pp", "edp", "ep"))["edp", "ep"]
     dp_cp = world["dp", "cp"]._flatten("dp_cp")
-    experts = init_device_mesh(device_type, (dims.world_size // dims.ep, dims.ep), mesh_dim_names=("edp", "ep"))
     return Meshes(world=world, dp_cp=dp_cp, experts=experts)

@@ -39,8 +39,11 @@ range of its decoder blocks.
 * **Traffic** (:func:`stage_traffic`): the bytes a stage sends and receives per step. Checkpoints:
   :mod:`dsv4.parallel.pipeline_checkpoint`.
 
-Not yet composed with FSDP2 inside a stage or LoRA: :func:`check_pipeline` refuses LoRA naming the key. The
-indexer's KL loss (``indexer_loss_coeff > 0``) is refused too.
+* **FSDP2 inside a stage** (:func:`shard_stages`): each stage's units sharded over its ``dp x cp`` ranks, gathered
+  once per step.
+
+Not yet composed with LoRA: :func:`check_pipeline` refuses it naming the key. The indexer's KL loss
+(``indexer_loss_coeff > 0``) is refused too.
 """
 
 from __future__ import annotations
@@ -238,6 +241,22 @@ class DSV4PipelineStage(nn.Module):
         return self._model._head_and_loss(hidden, mtp_hiddens, labels, mtp_labels, 0, return_logits=False).loss_sum
 
 
+def shard_stages(model: nn.Module, stages: list[DSV4PipelineStage], meshes: Any,
+                 compute_dtype: torch.dtype = torch.float32) -> None:
+    """FSDP2 inside a pipeline rank's ``stages`` (:func:`dsv4.parallel.wrap.apply_fsdp` with the stages as roots):
+    their blocks, routed experts and fp32 modules the model's own units, sharded over the stage's ``dp x cp`` ranks
+    (``meshes.dp_cp``; experts over ``meshes.edp``; :func:`dsv4.parallel.mesh.build_meshes` with ``pp``), each stage
+    the root of its embedding and head, gradients summed over the ranks. Every unit stays gathered after forward:
+    ``torch.distributed.pipelining``'s stage keeps an FSDP module gathered, and its gradients unsharded, from the
+    first microbatch's backward to the last's (no resharding after backward, no gradient reduction before the last
+    microbatch), so gathering once per step costs no memory at the steady state's peak and the step gathers and
+    reduce-scatters each unit once (what :mod:`dsv4.plan.stages` plans). Call it after the experts are sharded for
+    EP and before the engine's ``PipelineStage`` wraps the stages."""
+    from dsv4.parallel.wrap import apply_fsdp
+
+    apply_fsdp(model, meshes, compute_dtype=compute_dtype, roots=list(stages))
+
+
 def stage_io(stage: DSV4PipelineStage, rows: int, length: int, dtype: torch.dtype
              ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """``(input_args, output_args)`` of ``stage`` for microbatches of ``rows x length`` tokens, as ``meta`` tensors:
@@ -261,15 +280,17 @@ def stage_io(stage: DSV4PipelineStage, rows: int, length: int, dtype: torch.dtyp
 
 @torch.no_grad()
 def clip_pipeline_grad_norm_(stages: list[DSV4PipelineStage], max_norm: float | None, pp_group: Any = None,
-                             ep_group: Any = None) -> torch.Tensor:
+                             ep_group: Any = None, stage_group: Any = None) -> torch.Tensor:
     """The global L2 norm of the model's gradients after a pipeline step, clipped to ``max_norm`` (None or 0: only
     the norm). Each element is counted once: this rank's stages' parameters (a tensor two of them share, once); the
     embedding, which the first and the last stage both hold when the model has MTP depths, on the first stage's
     rank only (after :func:`reduce_embedding_grads` both copies hold the sum); with ``ep_group`` the routed experts'
-    slices summed over the EP group, the other gradients (equal on every EP and CP rank) once; then the sum over
-    ``pp_group``. Returns the norm before clipping (fp32 scalar); a non-finite norm leaves the gradients as they
-    are."""
+    slices summed over the EP group, the other gradients (equal on every EP and CP rank) once; under FSDP
+    (:func:`shard_stages`: each element of a stage's gradients on one rank of its ``stage_group``) the local shards'
+    squares summed over ``stage_group``; then the sum over ``pp_group``. Returns the norm before clipping (fp32
+    scalar); a non-finite norm leaves the gradients as they are."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from dsv4.model.moe import GroupedExperts
 
@@ -283,7 +304,8 @@ def clip_pipeline_grad_norm_(stages: list[DSV4PipelineStage], max_norm: float | 
     own = torch.zeros((), dtype=torch.float32)
     experts = torch.zeros((), dtype=torch.float32)
     for key, p in params.items():
-        sq = p.grad.float().pow(2).sum().cpu()
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        sq = grad.float().pow(2).sum().cpu()
         if key in sliced:
             experts += sq
         else:
@@ -291,13 +313,15 @@ def clip_pipeline_grad_norm_(stages: list[DSV4PipelineStage], max_norm: float | 
     if ep_group is not None:
         dist.all_reduce(experts, group=ep_group)
     total_sq = own + experts
+    if stage_group is not None:
+        dist.all_reduce(total_sq, group=stage_group)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
     if max_norm and torch.isfinite(total):
         coef = min(1.0, max_norm / (float(total) + 1e-6))
         for p in {id(p): p for s in stages for p in s.parameters() if p.grad is not None}.values():
-            p.grad.mul_(coef)
+            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
     return total
 
 
@@ -366,10 +390,14 @@ def embedding_pair(model: nn.Module, stages: int, pp: int) -> list[int] | None:
 
 def reduce_embedding_grads(model: nn.Module, pair_group: Any) -> None:
     """Sum the embedding's gradient over ``pair_group`` (the ranks of :func:`embedding_pair`, made by
-    ``torch.distributed.new_group`` on every rank; call this on those two ranks only) after the step's backward."""
+    ``torch.distributed.new_group`` on every rank; call this on those two ranks only) after the step's backward.
+    Under FSDP the pair is the two stages' ranks of one (dp, cp) index, whose shards match."""
     import torch.distributed as dist
+
+    from torch.distributed.tensor import DTensor
 
     weight = model.model.embed_tokens.weight
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=pair_group)
+    grad = weight.grad
+    dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=pair_group)  # FSDP: the shards

@@ -111,17 +111,26 @@ def store_frozen_in_compute_dtype(units: list[FsdpUnit]) -> int:
 def apply_fsdp(
     model: nn.Module, meshes: Meshes, *, compute_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True, offload: bool = False, engram_on_host: bool = False,
+    roots: list[nn.Module] | None = None,
 ) -> nn.Module:
     """Shard ``model`` (a ``DSV4ForCausalLM``) in place: Engram tables by rows over ``dp_cp`` (when not yet), experts
     over ``edp``, blocks and root over ``dp_cp``, computing in ``compute_dtype``; ``offload``: shards, gradients and
     optimizer state in host memory (see the module docstring and :func:`fsdp_units`). The Engram tables stay where
     they are (not offloaded; the caller places them with the model); ``engram_on_host``: held in host memory
-    (``trainer.engram_tables=host``), where no move of the model or of FSDP's reaches them."""
+    (``trainer.engram_tables=host``), where no move of the model or of FSDP's reaches them.
+
+    ``roots``: shard only what these modules hold (a pipeline rank's stages, :mod:`dsv4.parallel.pipeline`): the
+    units inside them, then each of them as the root of its remaining parameters (the embedding, the head), every
+    unit kept gathered after forward as the model's root is (``reshard_after_forward`` is not read)."""
     # No unit casts its inputs: the embedding output is already in compute_dtype, the fp32 units upcast inside (so
     # the residual streams stay in compute_dtype), and a cast would rebuild the CPContext argument (a dataclass).
     shard_engram_tables(model, meshes.dp_cp, on_host=engram_on_host)
     ignored = sharded_table_parameters(model)
-    units = fsdp_units(model, compute_dtype, reshard_after_forward)
+    units = fsdp_units(model, compute_dtype, reshard_after_forward if roots is None else False)
+    if roots is not None:
+        held = {id(m) for root in roots for m in root.modules()}
+        units = [u for u in units[:-1] if id(u.module) in held] + [FsdpUnit(r, "dp_cp", compute_dtype, False)
+                                                                     for r in roots]
     if is_lora_model(model):
         store_frozen_in_compute_dtype(units)
     host = offload_policy(offload)
@@ -132,7 +141,7 @@ def apply_fsdp(
             fully_shard(unit.module, mesh=getattr(meshes, unit.mesh), mp_policy=policy,
                         reshard_after_forward=unit.reshard_after_forward, offload_policy=host,
                         ignored_params=ignored or None)
-    for module in model.modules():
+    for module in {id(m): m for top in (roots or [model]) for m in top.modules()}.values():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no AVG/PREMUL_SUM)

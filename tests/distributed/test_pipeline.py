@@ -13,7 +13,9 @@ EP included. The runs do not clip: V4.1 tiny trains with model.fake_quant on, wh
 weights turns parameter differences of float rounding into a third loss 1e-4 relative away (the order of EP's
 expert sums does it, and so does clipping both runs to norm 0.3; with fake_quant off EP equals one process to 2e-8
 at step 3), which a 3-step trajectory cannot tell from a bug; clipping's scale is checked against torch's in
-tests/unit/parallel/test_pipeline_split.py."""
+tests/unit/parallel/test_pipeline_split.py. With FSDP2 inside the stages (``pp=2 dp=2``, 1F1B and interleaved 1F1B) the
+oracle is one process again, and each rank's FSDP bytes of a step are the plan's (dsv4.plan.stages); every layout's
+microbatches in flight after each compute action, and its ``pp sends`` bytes, are the plan's too."""
 
 from __future__ import annotations
 
@@ -341,3 +343,100 @@ def _check_plan(preset: str, schedule: str, cp: int, ep: int, ranks: list[dict])
         row = by_rank[stage_rank]
         measured = {k: v // (STEPS - 1) for k, v in res["traffic"]["measured"].items()}
         assert (row.sent, row.received) == (measured["sent"], measured["received"]), (rank, row, measured)
+
+
+def _fsdp_body(rank: int, world: int, schedule: str):
+    """``pp=2 dp=2`` (4 ranks) with FSDP2 inside the stages (``shard_stages``): each data-parallel rank runs its two
+    rows as two microbatches, FSDP sums the gradients over the stage's two ranks; the bytes FSDP moves in the third
+    step, counted by the collective tap of ``benchmarks/comm_plan.py``."""
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.tensor import DTensor
+
+    from dsv4.parallel.mesh import ParallelDims, build_meshes
+    from dsv4.parallel.pipeline import (DSV4PipelineStage, build_schedule, clip_pipeline_grad_norm_, embedding_pair,
+                                        pipeline_loss, reduce_embedding_grads, shard_stages, stage_indices, stage_io,
+                                        stage_layers)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from comm_plan import CollectiveTap
+
+    torch.set_num_threads(1)
+    dp, pp = 2, world // 2
+    meshes = build_meshes(ParallelDims(world_size=world, dp=dp, pp=pp), "cpu")
+    stage_rank, dp_rank = divmod(rank, dp)
+    virtual = 2 if schedule.startswith("interleaved") else 1
+    model = _model("tiny")
+    spans = stage_layers(model.config, LENGTH, pp * virtual)
+    mine = [DSV4PipelineStage(model, spans[i]) for i in stage_indices(stage_rank, pp, virtual)]
+    shard_stages(model, mine, meshes)
+    names = {id(p): n for n, p in model.named_parameters()}  # (FSDP's sharded parameters)
+    stages = [PipelineStage(m, m.span.index, pp * virtual, torch.device("cpu"), *stage_io(m, 1, LENGTH, torch.float32),
+                            group=meshes.pp.get_group()) for m in mine]
+    pair = embedding_pair(model, pp * virtual, pp)
+    pair_groups = [dist.new_group([p * dp + d for p in pair]) for d in range(dp)]
+    params = list({id(p): p for m in mine for p in m.parameters()}.values())
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    rows = ROWS // dp
+    losses, first_grads, norms, fsdp = [], None, [], {}
+    for step in range(STEPS):
+        batch = _batch(step)
+        ids, pos, seq, pad, labels = (t[dp_rank * rows:(dp_rank + 1) * rows] for t in batch)
+        sched = build_schedule(stages, rows, schedule, pipeline_loss(int((batch[4] != -100).sum())))
+        micro = []
+        args = (ids, pos, seq, pad, labels) if any(m.span.first for m in mine) else ()
+        target = {"target": torch.zeros(rows)} if any(m.span.last for m in mine) else {}
+        with CollectiveTap() as tap:
+            sched.step(*args, **target, losses=micro)
+        if step == STEPS - 1:
+            fsdp = {k: v for k, v in tap.records.items() if k.startswith("fsdp")}
+        if stage_rank in pair:
+            reduce_embedding_grads(model, pair_groups[dp_rank])
+        loss = torch.tensor(float(sum(m.detach() for m in micro)) if micro else 0.0, dtype=torch.float64)
+        dist.all_reduce(loss, group=meshes.dp_cp.get_group())
+        losses.append(float(loss) if micro else None)
+        if first_grads is None:
+            first_grads = {names[id(p)]: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                           for p in params if p.grad is not None}
+        norms.append(float(clip_pipeline_grad_norm_(mine, None, meshes.pp.get_group(),
+                                                    stage_group=meshes.dp_cp.get_group())))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "grads": first_grads, "norms": norms, "fsdp": fsdp, "stage_rank": stage_rank}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_fsdp_inside_stages_equals_one_process_and_moves_what_the_plan_says(schedule, references):
+    """``pp=2 dp=2`` with FSDP2 inside the stages: the one-process losses (1e-6), first-step gradients (1e-5 of each
+    tensor's largest, the embedding summed over its two stages) and gradient norm; and each rank's FSDP all-gather and
+    reduce-scatter bytes of a step equal the plan's for that pipeline rank (units gathered once a step, reduced
+    after the last microbatch)."""
+    from dsv4.config import DSV4Config
+    from dsv4.plan.plan import PlanSetup, memory_plan
+
+    if ("tiny", 1) not in references:
+        references["tiny", 1] = _reference("tiny")
+    ref_losses, ref_grads, ref_norm = references["tiny", 1]
+    ranks = run_on_ranks(_fsdp_body, 4, (schedule,))
+    for res in ranks[2:]:  # the last stage's ranks: the step's loss, summed over the data-parallel ranks
+        for got, want in zip(res["losses"], ref_losses, strict=True):
+            assert abs(got - want) <= 1e-6 * abs(want), (schedule, res["losses"], ref_losses)
+    for rank, res in enumerate(ranks):
+        assert abs(res["norms"][0] - ref_norm) <= 1e-5 * ref_norm, (rank, res["norms"], ref_norm)
+        for name, grad in res["grads"].items():
+            want = ref_grads[name]
+            assert ((grad - want).abs().max() / want.abs().max().clamp_min(1e-12)) <= 1e-5, (schedule, rank, name)
+    assert set(ref_grads) == {n for res in ranks for n in res["grads"]}
+    virtual = 2 if schedule.startswith("interleaved") else 1
+    plan = memory_plan(PlanSetup(DSV4Config.preset("tiny"), seq_len=LENGTH, dp=2, pp=2, pp_schedule=schedule,
+                                 pp_virtual=virtual, microbatches=ROWS // 2))
+    planned = {p.stages.rank: p.comm.by_kind() for p in plan.ranks}
+    for rank, res in enumerate(ranks):
+        rows = planned[res["stage_rank"]]
+        for kind in ("fsdp all-gather", "fsdp reduce-scatter"):
+            want = (rows[kind].sent + rows[f"{kind}, experts"].sent, rows[kind].calls + rows[f"{kind}, experts"].calls)
+            calls, sent, received = res["fsdp"][kind]
+            assert sent == received and (sent, calls) == want and sent > 0, (rank, kind, res["fsdp"][kind], want)
