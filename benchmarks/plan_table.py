@@ -99,7 +99,7 @@ def main() -> None:
                                   engram_on_host=v41 and args.engram_tables == "host")
                 key = activation_key(setup)
                 plan = memory_plan(setup, activations=traces.get(key))
-                traces[key] = plan.activations
+                traces[key] = plan.traced
                 terms = {k: round(v / GIB, 2) for k, v in plan.per_rank_bytes.items()}
                 shape = {"model": model, "seq_len": seq_len, "gpus": gpus, "cp": args.cp, "dp": gpus // args.cp,
                          "ep": ep, "recompute": "block", "attention": backend, "per_rank_gib": terms,

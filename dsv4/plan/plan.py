@@ -184,6 +184,7 @@ class MemoryPlan:
     engram_table_bytes: int = 0  # V4.1: this rank's rows of the Engram tables (inside ``parameters``)
     comm: CommPlan | None = None  # bytes moved per step by kind, their time, the compute time (dsv4.plan.comm)
     stages: Any = None  # under a pipeline: this rank's dsv4.plan.stages.RankStages
+    step_activations: ActivationPlan | None = None  # under a pipeline: the one-microbatch trace it was composed from
     ranks: list[MemoryPlan] = field(default_factory=list)  # under a pipeline: every rank's plan (this one's among)
     per_rank_bytes: dict[str, int] = field(init=False)
     peak_phase: str = field(init=False)
@@ -247,6 +248,12 @@ class MemoryPlan:
         """The gradient shard bytes FSDP has reduced when ``phase`` runs: those of the segments after the one whose
         backward it is (none in forward)."""
         return 0 if phase.backward_of is None else sum(self.segment_gradients[phase.backward_of + 1:])
+
+    @property
+    def traced(self) -> ActivationPlan:
+        """The traced activations this plan was composed from (what :func:`memory_plan` takes back for a setup of the
+        same :func:`dsv4.plan.suggest.activation_key`): :attr:`activations`, or under a pipeline the whole step's."""
+        return self.step_activations if self.step_activations is not None else self.activations
 
     @property
     def step_seconds(self) -> float | None:
@@ -556,7 +563,8 @@ def _pipeline_plan(setup: PlanSetup, model: nn.Module, units: list, owners: dict
                          {id(u): 1 for u in rank_units}, stage)
         tables = {id(t): t for module in stages.modules for t in table_tensors(module)}
         engram = sum(shard_elements(t, setup.world) * t.element_size() for t in tables.values())
-        plans.append(MemoryPlan(setup, states, acts, [], None, engram, comm, stages=stages))
+        plans.append(MemoryPlan(setup, states, acts, [], None, engram, comm, stages=stages,
+                                step_activations=activations))
     worst = max(plans, key=lambda p: p.total)
     worst.ranks = plans
     return worst

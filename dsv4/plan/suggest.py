@@ -275,9 +275,11 @@ def activation_key(setup: PlanSetup) -> str:
     """What the traced activations of ``setup`` depend on: the setup less the fields :func:`memory_plan` does not pass
     to the tracer (``dp``, the optimizer, the device memory and its reserve, the checkpoint staging, host offload,
     where the Engram tables are held, the link speeds). Setups with equal
-    keys have equal :class:`~dsv4.plan.activations.ActivationPlan`, so one trace serves them all."""
+    keys have equal :class:`~dsv4.plan.activations.ActivationPlan`, so one trace serves them all (pipeline stages
+    compose theirs from the whole step's trace: ``pp``, the schedule and the microbatches are not in the key)."""
     return repr(replace(setup, dp=1, optimizer=OptimizerProfile(), device_memory_bytes=GIB, async_checkpoint=True,
-                        offload="none", engram_on_host=False, reserve_bytes=0, links=LinkSpeeds()))
+                        offload="none", engram_on_host=False, reserve_bytes=0, links=LinkSpeeds(), pp=1,
+                        pp_schedule="1f1b", pp_virtual=1, microbatches=1))
 
 
 def optimistic_activations(base: MemoryPlan, setup: PlanSetup) -> ActivationPlan:
@@ -289,14 +291,16 @@ def optimistic_activations(base: MemoryPlan, setup: PlanSetup) -> ActivationPlan
     * a smaller loss chunk: the logits block and its gradient, ``2 x rows x vocab x 4`` bytes fewer;
     * another recompute mode: every block's saved bytes besides its input.
 
-    A setup that differs from ``base`` in anything else the trace reads is estimated with no activations at all."""
-    b, acts = base.setup, base.activations
+    A setup that differs from ``base`` in anything else the trace reads, or has pipeline stages (which compose their
+    activations from the segments, :mod:`dsv4.plan.stages`), is estimated with no activations at all."""
+    b, acts = base.setup, base.traced
     c, bc = setup.config, b.config
     known = replace(setup, micro_batch_size=b.micro_batch_size, seq_len=b.seq_len, cp=b.cp, ep=b.ep,
                     config=replace(c, moe_chunk_tokens=bc.moe_chunk_tokens, loss_chunk_size=bc.loss_chunk_size,
                                    activation_checkpointing=bc.activation_checkpointing))
-    if activation_key(known) != activation_key(b):
-        return replace(acts, phases=[replace(p, activations=0) for p in acts.phases])
+    if activation_key(known) != activation_key(b) or setup.pp > 1 or setup.pp_virtual > 1:
+        return replace(acts, metadata=0, phases=[replace(p, activations=0) for p in acts.phases],
+                       segments=[replace(seg, forward_peak=0, retained=0, backward_peak=0) for seg in acts.segments])
     ratio = (setup.micro_batch_size * setup.seq_len / setup.cp) / (b.micro_batch_size * b.seq_len / b.cp)
     blocks = [seg for seg in acts.segments if seg.name.startswith("block")]
     freed = 0
@@ -324,7 +328,7 @@ class SetupPlanner:
         self.base, self.setup_of, self.max_traces, self.note = base, setup_of, max_traces, note
         self.device_memory_bytes = base.setup.usable_memory_bytes  # what a candidate's total must fit
         self.reserve_bytes = base.setup.reserve_bytes
-        self.traces: dict[str, ActivationPlan] = {activation_key(base.setup): base.activations}
+        self.traces: dict[str, ActivationPlan] = {activation_key(base.setup): base.traced}
         self.traced = 0
         self._setups: dict[tuple[Change, ...], PlanSetup] = {}
         self._plans: dict[tuple[Change, ...], Planned] = {}
@@ -336,8 +340,8 @@ class SetupPlanner:
                             reserve_bytes=base.reserve_bytes, links=base.links)
             if setup == base:
                 raise Refused("changes nothing the memory plan reads")
-            if setup.world != base.world:
-                raise Refused(f"world size {setup.world} is not the run's {base.world}")
+            if setup.gpus != base.gpus:
+                raise Refused(f"world size {setup.gpus} is not the run's {base.gpus}")
             self._setups[changes] = setup
         return self._setups[changes]
 
@@ -356,7 +360,7 @@ class SetupPlanner:
                     raise NotPlanned(f"{self.max_traces} new traces planned already")
                 self.traced += 1
             plan = memory_plan(setup, self.traces.get(key))
-            self.traces[key] = plan.activations
+            self.traces[key] = plan.traced
             note = self.note(setup, plan) if self.note is not None else ""
             if plan.host_offload_bytes:
                 note = ", ".join(n for n in (note, f"host offload {_gib(plan.host_offload_bytes)} per rank") if n)

@@ -52,7 +52,7 @@ GIB = 2**30
 MAX_CHANGES, MAX_CANDIDATES, MAX_TRACES = 3, 64, 3
 # Throughput cost ranks of the changes plan_changes proposes (docs/memory.md#what-would-fit).
 COSTS = {"loss chunk": 1, "bfloat16": 1, "experts in chunks": 2, "ep x2": 2, "engram host": 2, "8bit": 3, "cp x2": 3,
-         "selective": 4, "block": 5, "micro batch": 5, "cp x4": 6, "offload": 8}
+         "pp x2": 4, "selective": 4, "block": 5, "micro batch": 5, "cp x4": 6, "offload": 8}
 
 
 def _is_launching_process() -> bool:
@@ -175,7 +175,7 @@ def act_on_plan(plan: Any, memory: PlanSetup, options: PlanOptions, output_dir: 
     return False
 
 
-def plan_changes(cfg: DictConfig, setup: PlanSetup, world: int | None) -> list[Change]:
+def plan_changes(cfg: DictConfig, setup: PlanSetup, world: int | None, pipelines: bool = False) -> list[Change]:
     """The changes of the run's existing options that can lower its plan (one group each; costs in :data:`COSTS`):
 
     * ``optim.state_dtype``: the cheaper moments after the current one (float32 -> bfloat16 -> 8bit), when the
@@ -183,8 +183,9 @@ def plan_changes(cfg: DictConfig, setup: PlanSetup, world: int | None) -> list[C
     * ``model.loss_chunk_size``: half the rows (down to 256), when a rank has more tokens than that;
     * ``model.moe_chunk_tokens``: about an eighth of the routed rows a rank's experts receive (micro batch x tokens
       per rank x experts per token, a multiple of 1024) when off; half the current one (down to 1024) when on;
-    * the layout within the same world size (when ``world`` is known): ``ep`` x 2; ``cp`` x 2 and ``dp`` / 2, or
-      ``cp`` x 4 and ``dp`` / 4 (``dp`` spelled out, so the world stays);
+    * the layout within the same world size (when ``world``, every rank, is known): ``ep`` x 2; ``cp`` x 2 and ``dp``
+      / 2, or ``cp`` x 4 and ``dp`` / 4 (``dp`` spelled out, so the world stays); with ``pipelines`` (a plan-only run:
+      the recipes plan pipeline stages, they do not train them yet) ``pp`` x 2 and ``dp`` / 2;
     * ``model.activation_checkpointing``: each mode that recomputes more than the current (none < selective <
       block);
     * ``micro_batch_size``: half, when above 1;
@@ -208,12 +209,16 @@ def plan_changes(cfg: DictConfig, setup: PlanSetup, world: int | None) -> list[C
     if chunk >= 1024 and chunk < rows:
         changes.append(Change("experts in chunks", (("model.moe_chunk_tokens", chunk),), COSTS["experts in chunks"]))
     if world is not None:
-        if world % (setup.ep * 2) == 0:
+        stage = world // setup.pp  # the dp x cp ranks of a stage
+        if stage % (setup.ep * 2) == 0:
             changes.append(Change("ep", (("ep", setup.ep * 2),), COSTS["ep x2"]))
         for times in (2, 4):
-            if world % (setup.cp * times) == 0:
+            if stage % (setup.cp * times) == 0:
                 cp = setup.cp * times
-                changes.append(Change("cp", (("cp", cp), ("dp", world // cp)), COSTS[f"cp x{times}"]))
+                changes.append(Change("cp", (("cp", cp), ("dp", stage // cp)), COSTS[f"cp x{times}"]))
+        pp = setup.pp * 2
+        if pipelines and world % (pp * setup.cp) == 0 and (world // pp) % setup.ep == 0:
+            changes.append(Change("pp", (("pp", pp), ("dp", world // (pp * setup.cp))), COSTS["pp x2"]))
     modes = ("none", "selective", "block")
     if c.activation_checkpointing in modes:
         for mode in modes[modes.index(c.activation_checkpointing) + 1:]:
@@ -278,6 +283,9 @@ def suggest_fits(cfg: DictConfig, spec: RunSpec, plan: MemoryPlan, count: int) -
 
     def note(setup: PlanSetup, _: MemoryPlan) -> str:
         rows = setup.micro_batch_size * setup.dp
+        if setup.pp != base.pp:
+            return f"planned only (the recipes do not train pipeline stages yet), {setup.microbatches} microbatches"
+
         if spec.global_batch_size is None:
             return "" if rows == rows_per_step else f"rows per optimizer step {rows_per_step} -> {rows}"
         before = spec.global_batch_size // (base.micro_batch_size * base.dp)
@@ -285,7 +293,7 @@ def suggest_fits(cfg: DictConfig, spec: RunSpec, plan: MemoryPlan, count: int) -
         return "" if after == before else f"micro-batches accumulated per optimizer step {before} -> {after}"
 
     known_world = spec.parallel.world_size is not None or os.environ.get("WORLD_SIZE", "").isdigit()
-    changes = plan_changes(cfg, base, base.world if known_world else None)
+    changes = plan_changes(cfg, base, base.gpus if known_world else None, pipelines=spec.plan.only)
     planner = SetupPlanner(plan, setup_of, max_traces=MAX_TRACES, note=note)
     result = search(changes, planner, count=count, max_changes=MAX_CHANGES, max_candidates=MAX_CANDIDATES,
                     rank_by=spec.plan.rank_by)

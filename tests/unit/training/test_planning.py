@@ -189,3 +189,21 @@ def test_pp_is_planned_per_stage_and_not_trained(tmp_path):
                         (["pp=3", "trainer.devices=4", "plan=true"], r"`pp`=3 x `cp`=1 does not divide the world")):
         with pytest.raises(ValueError, match=needle):
             run_finetune(_compose(bad), tmp_path / "refused")
+
+
+def test_what_would_fit_considers_pipeline_stages_when_planning_only():
+    from dsv4.plan.plan import memory_plan
+    from dsv4.plan.suggest import activation_key
+    from dsv4.training.planning import candidate_setup, plan_changes, plan_setup
+    from dsv4.training.spec import build_run_spec
+
+    cfg = _compose(["trainer.devices=4", "plan.only=true", "global_batch_size=16"])
+    base = memory_plan(plan_setup(build_run_spec(cfg), 2**40))
+    pp = [c for c in plan_changes(cfg, base.setup, 4, pipelines=True) if c.group == "pp"]
+    assert [c.settings for c in pp] == [(("pp", 2), ("dp", 2))]
+    assert not [c for c in plan_changes(cfg, base.setup, 4) if c.group == "pp"]  # a training run: no pipeline
+    setup = candidate_setup(cfg, tuple(pp), 2**40)
+    assert (setup.pp, setup.dp, setup.gpus, setup.microbatches) == (2, 2, 4, 8)
+    # the stages compose the same trace: the candidate reuses it, and plans as a fresh trace does
+    assert activation_key(setup) == activation_key(base.setup)
+    assert memory_plan(setup, base.traced).total == memory_plan(setup).total
