@@ -155,3 +155,24 @@ def test_v41_flash_drafter_training_on_one_node_of_8_gpus_of_80_gib(tmp_path, ca
     fits = device["suggestions"]["fits_with"]
     assert fits and fits[0]["overrides"] == ["trainer.engram_tables=host"], fits
     assert fits[0]["per_rank_total_bytes"] == host["per_rank_bytes"]["total"], fits
+
+
+def test_pro_32k_in_pipeline_stages_on_512_gpus_plans_at_most_76_gib_and_a_quarter_of_fsdp_bytes():
+    """`experiment=pro_32k_80g plan.only=true` (V4 Pro, 32K, pp 8 x CP 32 x DP 2, EP 64, 1F1B, 128 sequences per
+    step) through `benchmarks/layout_plan.py`'s recipe planning: at most 76 GiB on its largest pipeline rank, and
+    its busiest rank sends at most a quarter of the bytes per step that FSDP alone (CP 8 x DP 64, EP 64: two
+    micro-batches of 64 sequences) sends on the same 512 GPUs for the same 128 sequences."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from layout_plan import LAYOUTS, measure, plan_layout
+
+    layouts = {name: overrides for model, name, overrides in LAYOUTS if model == "pro"}
+    stages = plan_layout(layouts["pipeline (experiment=pro_32k_80g), 512 GPUs"])
+    fsdp = plan_layout(layouts["FSDP, 512 GPUs"])
+    assert (stages.setup.pp, stages.setup.cp, stages.setup.dp, stages.setup.ep, stages.setup.microbatches) == \
+        (8, 32, 2, 64, 64)
+    assert len(stages.ranks) == 8 and stages.total == max(p.total for p in stages.ranks)
+    assert stages.fits and stages.total <= 76 * 2**30, stages.total / 2**30
+    piped, alone = measure(stages), measure(fsdp)
+    assert piped["gpus"] == alone["gpus"] == 512 and piped["sequences_per_step"] == alone["sequences_per_step"] == 128
+    assert piped["sent_gib_per_step"] <= alone["sent_gib_per_step"] / 4, (piped, alone)
+    assert piped["step_seconds"] < alone["step_seconds"]
