@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +161,10 @@ class StepCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._keep_best(trainer, pl_module)
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        with warnings.catch_warnings():  # a pipeline step (manual optimization) saves its state after the update, as
+            # every dsv4 checkpoint does; Lightning's warning about a pre-optimization state does not apply
+            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         final = trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step
         if final:
             self.save_now(trainer)

@@ -31,6 +31,11 @@ first parameter with a non-finite gradient and the last good checkpoint. Within 
 skipped instead: its gradients are dropped (the optimizer changes nothing), the LR scheduler is not stepped, the
 router biases are not updated; the step counter advances and ``train/skipped_nonfinite`` counts the skips.
 
+Pipeline stages (``pp > 1``, :mod:`dsv4.training.pipeline_step`): Lightning's manual optimization; each
+``training_step`` receives every microbatch of this dp replica's step and runs the schedule, the clipping, the
+non-finite check and the optimizer, LR and bias steps itself (:meth:`DSV4LightningModule._pipeline_step`); the
+optimizer holds this rank's stages' parameters only.
+
 LoRA (``lora``, :mod:`dsv4.peft`): only the adapters are parameters that train; the optimizer sees only them, the
 strategy checkpoints only them, and ``on_train_end`` exports them in the PEFT format and / or the merged model.
 
@@ -93,6 +98,8 @@ class DSV4LightningModule(L.LightningModule):
         self._step_loss: torch.Tensor | None = None  # the step's global train/loss (checked with the grad norm)
         self.skipped_nonfinite = 0  # steps skipped for a non-finite loss / gradient norm over the run
         self._skipping = False  # this optimizer step was skipped (no update, no LR step, no bias update)
+        if spec.parallel.pp > 1 or spec.parallel.pp_virtual > 1:  # the pipeline's schedule runs backward itself
+            self.automatic_optimization = False
 
     @property
     def parallel(self) -> ParallelState:
@@ -175,8 +182,15 @@ class DSV4LightningModule(L.LightningModule):
         export_hf_checkpoint(self.model, self.spec.export.hf_dir, dtype=self.spec.export.dtype, sources=sources,
                              overwrite=self.spec.export.overwrite)
 
+    @property
+    def pipeline(self):
+        """This rank's :class:`~dsv4.training.pipeline_step.PipelineRun` under pipeline stages, else None."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        return getattr(strategy, "pipeline", None)
+
     def configure_optimizers(self):
-        optimizer = self.spec.optimizer([p for p in self.parameters() if p.requires_grad])
+        held = self.pipeline.parameters() if self.pipeline is not None else self.parameters()  # stages: this rank's
+        optimizer = self.spec.optimizer([p for p in held if p.requires_grad])
         if self.spec.scheduler is None:
             return optimizer
         scheduler = self.spec.scheduler(optimizer)
@@ -246,6 +260,8 @@ class DSV4LightningModule(L.LightningModule):
         parallel = self.parallel
         stats = batch_statistics(batch, self.config.shard_multiple, self._flops)
         self._batch_stats = stats if self._batch_stats is None else self._batch_stats + stats
+        if self.pipeline is not None:
+            return self._pipeline_step(batch)
         balance = parallel.cp.balance if parallel.cp is not None else "none"
         local = batch.cut(parallel.cp_rank, parallel.cp_size, self.config.shard_multiple, balance)
         out = forward_outputs(self.model, local, cp=parallel.cp)
@@ -265,6 +281,35 @@ class DSV4LightningModule(L.LightningModule):
         # through every block as usual (FSDP2 gathers a block's parameters when backward reaches its output);
         # on_after_backward then drops every gradient but the indexer's.
         return loss.loss * 0.0 + indexer.loss
+
+    def _pipeline_step(self, batch: TokenBatch) -> torch.Tensor:
+        """A whole optimizer step in pipeline stages (:mod:`dsv4.training.pipeline_step`): ``batch`` holds every
+        microbatch of this dp replica's step; the schedule runs forward and backward, then the gradient norm (clipped to
+        ``trainer.gradient_clip_val``), the non-finite check, the optimizer and LR steps and the bias update, as
+        :meth:`configure_gradient_clipping` and :meth:`optimizer_step` do without stages."""
+        run, parallel = self.pipeline, self.parallel
+        local = batch.cut(parallel.cp_rank, parallel.cp_size, self.config.shard_multiple)
+        count = torch.as_tensor(local.label_count(), dtype=torch.float64, device=local.input_ids.device)
+        count = all_reduce_sum(count, parallel.loss_group) if parallel.loss_group is not None else count
+        loss = run.step_loss(run.step(local, int(count.item())))
+        self.log("train/loss", loss, prog_bar=True, on_step=True, rank_zero_only=True)
+        norm = run.clip(self.spec.trainer.get("gradient_clip_val"))
+        self.log("train/grad_norm", norm, on_step=True, rank_zero_only=True)
+        if not bool(torch.isfinite(norm)) or not bool(torch.isfinite(loss)):
+            self._nonfinite_step(loss, norm)
+        optimizer = self.optimizers()
+        lr = float(optimizer.param_groups[0]["lr"])
+        step = self.trainer.global_step + 1  # (a manual optimizer step counts itself at once)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler = self.lr_schedulers()
+        if scheduler is not None and not self._skipping:
+            scheduler.step()
+        self.log("train/lr", lr, on_step=True, rank_zero_only=True)
+        if self.spec.skip_nonfinite_steps:
+            self.log("train/skipped_nonfinite", float(self.skipped_nonfinite), on_step=True, rank_zero_only=True)
+        self._after_optimizer_step(step)
+        return loss
 
     @property
     def grad_scale(self) -> float:
@@ -331,8 +376,11 @@ class DSV4LightningModule(L.LightningModule):
         if not self._skipping:
             super().lr_scheduler_step(scheduler, metric)
 
-    def _after_optimizer_step(self) -> None:
+    def _after_optimizer_step(self, step: int | None = None) -> None:
+        """The bias update, the step statistics and a due validation after optimizer step ``step`` (the next one
+        by the trainer's count when None)."""
         parallel = self.parallel
+        step = self.trainer.global_step + 1 if step is None else step
         if self._skipping:  # a skipped step moves no router bias: drop the loads its forward counted
             for module in self.model.modules():
                 if isinstance(module, MoEGate) and module.expert_load is not None:
@@ -347,11 +395,10 @@ class DSV4LightningModule(L.LightningModule):
             traffic = parallel.cp.traffic.as_dict()
             parallel.cp.traffic.reset()
         self.last_step_stats = step_stats_from(
-            totals, step=self.trainer.global_step + 1, cp=parallel.cp_size, dp=parallel.dp_size,
+            totals, step=step, cp=parallel.cp_size, dp=parallel.dp_size,
             world_size=self.trainer.world_size, step_time_s=time.perf_counter() - self._step_start,
             cp_traffic=traffic,
         )
-        step = self.trainer.global_step + 1
         if self.val_data is not None and validation_due(step, self.spec.validation.every_n_steps, self.spec.max_steps):
             self.validate(step)
 

@@ -175,7 +175,7 @@ def act_on_plan(plan: Any, memory: PlanSetup, options: PlanOptions, output_dir: 
     return False
 
 
-def plan_changes(cfg: DictConfig, setup: PlanSetup, world: int | None, pipelines: bool = False) -> list[Change]:
+def plan_changes(cfg: DictConfig, setup: PlanSetup, world: int | None) -> list[Change]:
     """The changes of the run's existing options that can lower its plan (one group each; costs in :data:`COSTS`):
 
     * ``optim.state_dtype``: the cheaper moments after the current one (float32 -> bfloat16 -> 8bit), when the
@@ -184,8 +184,8 @@ def plan_changes(cfg: DictConfig, setup: PlanSetup, world: int | None, pipelines
     * ``model.moe_chunk_tokens``: about an eighth of the routed rows a rank's experts receive (micro batch x tokens
       per rank x experts per token, a multiple of 1024) when off; half the current one (down to 1024) when on;
     * the layout within the same world size (when ``world``, every rank, is known): ``ep`` x 2; ``cp`` x 2 and ``dp``
-      / 2, or ``cp`` x 4 and ``dp`` / 4 (``dp`` spelled out, so the world stays); with ``pipelines`` (a plan-only run:
-      the recipes plan pipeline stages, they do not train them yet) ``pp`` x 2 and ``dp`` / 2;
+      / 2, or ``cp`` x 4 and ``dp`` / 4 (``dp`` spelled out, so the world stays); ``pp`` x 2 and ``dp`` / 2 (pipeline
+      stages, :mod:`dsv4.training.pipeline_step`);
     * ``model.activation_checkpointing``: each mode that recomputes more than the current (none < selective <
       block);
     * ``micro_batch_size``: half, when above 1;
@@ -217,7 +217,7 @@ def plan_changes(cfg: DictConfig, setup: PlanSetup, world: int | None, pipelines
                 cp = setup.cp * times
                 changes.append(Change("cp", (("cp", cp), ("dp", stage // cp)), COSTS[f"cp x{times}"]))
         pp = setup.pp * 2
-        if pipelines and world % (pp * setup.cp) == 0 and (world // pp) % setup.ep == 0:
+        if world % (pp * setup.cp) == 0 and (world // pp) % setup.ep == 0:
             changes.append(Change("pp", (("pp", pp), ("dp", world // (pp * setup.cp))), COSTS["pp x2"]))
     modes = ("none", "selective", "block")
     if c.activation_checkpointing in modes:
@@ -284,7 +284,7 @@ def suggest_fits(cfg: DictConfig, spec: RunSpec, plan: MemoryPlan, count: int) -
     def note(setup: PlanSetup, _: MemoryPlan) -> str:
         rows = setup.micro_batch_size * setup.dp
         if setup.pp != base.pp:
-            return f"planned only (the recipes do not train pipeline stages yet), {setup.microbatches} microbatches"
+            return f"pipeline stages, {setup.microbatches} microbatches per step"
 
         if spec.global_batch_size is None:
             return "" if rows == rows_per_step else f"rows per optimizer step {rows_per_step} -> {rows}"
@@ -293,7 +293,7 @@ def suggest_fits(cfg: DictConfig, spec: RunSpec, plan: MemoryPlan, count: int) -
         return "" if after == before else f"micro-batches accumulated per optimizer step {before} -> {after}"
 
     known_world = spec.parallel.world_size is not None or os.environ.get("WORLD_SIZE", "").isdigit()
-    changes = plan_changes(cfg, base, base.gpus if known_world else None, pipelines=spec.plan.only)
+    changes = plan_changes(cfg, base, base.gpus if known_world else None)
     planner = SetupPlanner(plan, setup_of, max_traces=MAX_TRACES, note=note)
     result = search(changes, planner, count=count, max_changes=MAX_CHANGES, max_candidates=MAX_CANDIDATES,
                     rank_by=spec.plan.rank_by)

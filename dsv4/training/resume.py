@@ -80,6 +80,32 @@ def check_resume(path: str | Path, now: RunLayout) -> RunLayout:
     return adapt_to_layout(meta, now, source=str(path), quiet=True)
 
 
+AUTOMATIC = "epoch_loop.automatic_optimization.optim_progress"  # the loop's optimizer steps (Lightning's loop)
+MANUAL = "epoch_loop.manual_optimization.optim_step_progress"  # or the module's own (manual optimization)
+
+
+def carry_optimizer_steps(checkpoint: dict[str, Any], manual: bool) -> None:
+    """A run in pipeline stages steps its optimizer itself (Lightning's manual optimization), a run without them lets
+    Lightning's loop do it (automatic): each counts its optimizer steps, the trainer's ``global_step``, in its own
+    progress record of ``meta.pt``'s loops. Rewrite ``checkpoint`` (in place) so that the record this run reads
+    (``manual`` or not) holds the saved count when the other one does: a checkpoint resumes across ``pp``."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    if AUTOMATIC not in loop or MANUAL not in loop:
+        return
+    automatic, by_hand = loop[AUTOMATIC]["optimizer"]["step"], loop[MANUAL]
+    source, target = (automatic, by_hand) if manual else (by_hand, automatic)
+    if target["total"]["completed"] >= source["total"]["completed"]:
+        return
+    for part in ("total", "current"):
+        for key in ("ready", "completed"):
+            target[part][key] = source[part][key]
+    if not manual:  # the loop's zero_grad record goes with its steps
+        zero = loop[AUTOMATIC]["optimizer"]["zero_grad"]
+        for part in ("total", "current"):
+            for key in ("ready", "started", "completed"):
+                zero[part][key] = source[part]["completed"]
+
+
 def adapt_to_layout(checkpoint: dict[str, Any], now: RunLayout, source: str = "the checkpoint",
                     quiet: bool = False) -> RunLayout:
     """Rewrite ``checkpoint`` (``meta.pt``'s contents, in place) for a resume under ``now``; returns the saved layout.

@@ -220,19 +220,29 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, script: str | Path | N
     logger = spec.logger(output_dir, resume_step=resume_step) if spec.logger is not None else False
     preemption = Preemption(spec.preemption.signals, spec.preemption.exit_code) if spec.preemption.signals else None
     callbacks = [checkpointing, *spec.callbacks, *([preemption] if preemption else [])]
-    trainer = L.Trainer(strategy=DSV4Strategy.from_spec(spec), logger=logger, callbacks=callbacks,
+    stages = spec.parallel.pp > 1 or spec.parallel.pp_virtual > 1
+    trainer_keys = dict(spec.trainer)
+    if stages:  # the pipeline step clips itself (manual optimization: dsv4.training.pipeline_step)
+        trainer_keys.pop("gradient_clip_val", None)
+    strategy = DSV4Strategy.from_spec(spec)
+    trainer = L.Trainer(strategy=strategy, logger=logger, callbacks=callbacks,
                         plugins=cluster_plugins(os.environ), use_distributed_sampler=False,
-                        default_root_dir=str(output_dir), precision="32-true", **spec.trainer)
+                        default_root_dir=str(output_dir), precision="32-true", **trainer_keys)
     # gradient accumulation from global_batch_size (the world size is known here also when the config left it open)
-    trainer.accumulate_grad_batches = spec.accumulation(trainer.world_size)
+    accumulation = spec.accumulation(trainer.world_size)
+    micro_batch_size = spec.micro_batch_size
+    if stages:  # one batch of every microbatch per step, the pipeline's schedule runs them
+        strategy.microbatches, micro_batch_size, accumulation = accumulation, micro_batch_size * accumulation, 1
+        data.micro_batch_size = micro_batch_size
+    trainer.accumulate_grad_batches = accumulation
     if resume:  # another layout is refused here, in the launching process, not after every rank started
         from dsv4.parallel.mesh import ParallelDims
         from dsv4.training.resume import RunLayout, check_resume
 
         p = spec.parallel
-        dp = ParallelDims(world_size=trainer.world_size, cp=p.cp, dp=p.dp, ep=p.ep).validate()
-        check_resume(resume, RunLayout(dp=dp, cp=p.cp, ep=p.ep, micro_batch_size=spec.micro_batch_size,
-                                       accumulation=trainer.accumulate_grad_batches))
+        dp = ParallelDims(world_size=trainer.world_size, cp=p.cp, dp=p.dp, ep=p.ep, pp=p.pp).validate()
+        check_resume(resume, RunLayout(dp=dp, cp=p.cp, ep=p.ep, micro_batch_size=micro_batch_size,
+                                       accumulation=accumulation))
     if trainer.global_rank == 0:
         OmegaConf.save(OmegaConf.create(dict(spec.resolved)), output_dir / "resolved_config.yaml")
     if logger:

@@ -172,7 +172,7 @@ class FinetuneConfig:
     cp_balance: str = "none"
     dp: int = -1
     ep: int = 1
-    pp: int = 1  # pipeline stages' ranks (planned: plan.only=true; dsv4.plan.stages)
+    pp: int = 1  # pipeline stages' ranks (dsv4.training.pipeline_step)
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
     seq_len: int = 2048

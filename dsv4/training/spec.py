@@ -66,14 +66,14 @@ from dsv4.training.schema import lora_config, model_config
 class ParallelSpec:
     """``cp`` x ``dp`` ranks (``dp`` -1: the world divided by ``pp x cp``), ``ep`` expert-parallel ranks borrowed from
     them, the CP layout ``cp_balance``; ``world_size``: devices x nodes when the trainer config fixes it, else None
-    (known at launch); ``pp`` pipeline ranks (``pp_schedule``, ``pp_virtual`` stages each), planned only."""
+    (known at launch); ``pp`` pipeline ranks (``pp_schedule``, ``pp_virtual`` stages each)."""
 
     cp: int = 1
     dp: int = -1
     ep: int = 1
     cp_balance: str = "none"
     world_size: int | None = None
-    pp: int = 1  # pipeline stages' ranks (planned only: dsv4.plan.stages)
+    pp: int = 1  # pipeline stages' ranks (dsv4.training.pipeline_step)
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
 
@@ -165,6 +165,8 @@ def build_dspark_run_spec(cfg: DictConfig) -> RunSpec:
 
     if cfg.peft.get("name", "none") not in (None, "none") or lora_config(cfg.peft) is not None:
         raise ValueError("`peft`: drafter training trains the whole drafter and freezes the target; use peft=none")
+    if cfg.get("pp", 1) > 1 or cfg.get("pp_virtual", 1) > 1:
+        raise ValueError(f"`pp`={cfg.get('pp', 1)}: drafter training does not run in pipeline stages; use pp=1")
     spec = build_run_spec(cfg, export_beside=True)
     vocab = build_tokenizer(spec.data["tokenizer"]).vocab_size
     dspark = dspark_spec(OmegaConf.to_container(cfg, resolve=True), spec.model, spec.model_checkpoint,
@@ -205,9 +207,10 @@ def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> N
 
 
 def check_pipeline_keys(cfg: DictConfig, config: DSV4Config) -> None:
-    """``pp``, ``pp_schedule``, ``pp_virtual``: ValueError naming the key. Pipeline stages are planned
-    (``plan.only=true``, :mod:`dsv4.plan.stages`); the recipes do not train them yet (the API:
-    :mod:`dsv4.parallel.pipeline`)."""
+    """``pp``, ``pp_schedule``, ``pp_virtual``: ValueError naming the key, and what a run in pipeline stages
+    (:mod:`dsv4.training.pipeline_step`) does not do yet: LoRA, the indexer loss, host offload, balanced CP,
+    validation and the export at the end of training (the run's checkpoints export with ``python -m
+    dsv4.checkpoint export``)."""
     from dsv4.parallel.pipeline import SCHEDULES, check_pipeline
 
     pp, schedule, virtual = cfg.get("pp", 1), cfg.get("pp_schedule", "1f1b"), cfg.get("pp_virtual", 1)
@@ -222,13 +225,20 @@ def check_pipeline_keys(cfg: DictConfig, config: DSV4Config) -> None:
     if pp == 1 and virtual == 1:
         return
     check_pipeline(config, pp, lora_config(cfg.peft) if "peft" in cfg else None)
-    if not plan_options(cfg.get("plan")).only:
-        raise ValueError(f"`pp`={pp}: the recipes plan pipeline stages (add plan.only=true: the per-stage memory and "
-                         "traffic, docs/scale.md) but do not train them yet; dsv4.parallel.pipeline is the API for a "
-                         "training loop of your own")
     if (cfg.get("trainer") or {}).get("offload", "none") != "none":
         raise ValueError(f"`pp`={pp} with trainer.offload={cfg.trainer.offload}: host offload is not planned under a "
                          "pipeline")
+    if cfg.get("cp_balance", "none") != "none":
+        raise ValueError(f"`pp`={pp} with `cp_balance`={cfg.cp_balance}: pipeline stages run the contiguous CP "
+                         "split (cp_balance=none)")
+    data, export = cfg.get("data") or {}, cfg.get("export") or {}
+    if data.get("val") or data.get("val_fraction"):
+        raise ValueError(f"`pp`={pp} with data.val / data.val_fraction: validation does not run in pipeline stages "
+                         "yet")
+    if export.get("hf_dir") or export.get("adapter_dir"):
+        raise ValueError(f"`pp`={pp} with export.hf_dir / export.adapter_dir: the end-of-training export does not "
+                         "run in pipeline stages yet; export the run's checkpoint with `python -m dsv4.checkpoint "
+                         "export RUN_DIR --out DIR` (docs/checkpoints.md)")
 
 
 def build_run_spec(cfg: DictConfig, export_beside: bool = False) -> RunSpec:

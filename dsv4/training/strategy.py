@@ -19,6 +19,12 @@
   optimizer state and gradient reduction; :func:`~dsv4.training.options.trainer.compute_dtype_for` maps the trainer's precision).
   ``offload`` (``trainer.offload=optimizer``): FSDP2's CPU offload policy, the shards, gradients and optimizer state
   in host memory; FSDP places parameters and buffers itself, so the model is not moved to the device afterwards.
+* Pipeline stages (``pp > 1``): the meshes are ("pp", "dp", "cp"), ``parallelize`` builds this rank's stages with
+  FSDP2 inside them (:attr:`DSV4Strategy.pipeline`, :mod:`dsv4.training.pipeline_step`) instead of sharding the whole
+  model, and a checkpoint holds each rank's stages' tensors only (the other stages' blocks are never trained here);
+  a step is one batch of every microbatch (the layout records ``micro_batch_size x microbatches`` rows and no
+  accumulation), and the optimizer step count moves between Lightning's automatic and manual records on a resume
+  across ``pp`` (:func:`~dsv4.training.resume.carry_optimizer_steps`).
 * Checkpoints: distributed (DCP) save/load of model and optimizer; loop, scheduler, data position, RNG and the
   run's :class:`~dsv4.training.resume.RunLayout` travel in ``meta.pt``. Routed experts sliced over EP ranks are
   saved at their global shapes (:mod:`dsv4.parallel.expert_state`), so every expert is in the checkpoint once and a
@@ -36,7 +42,7 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -54,8 +60,11 @@ from dsv4.peft.lora import is_adapter_name
 from dsv4.training.checkpoint_writer import CheckpointWriter
 from dsv4.training.elastic import form_process_group
 from dsv4.training.options.trainer import ENGRAM_TABLES, offload_mode
-from dsv4.training.resume import LAYOUT_KEY, RunLayout, adapt_to_layout
+from dsv4.training.resume import LAYOUT_KEY, RunLayout, adapt_to_layout, carry_optimizer_steps
 from dsv4.training.spec import RunSpec
+
+if TYPE_CHECKING:
+    from dsv4.training.pipeline_step import PipelineRun
 
 log = logging.getLogger("dsv4")
 
@@ -87,7 +96,8 @@ class DSV4Strategy(ModelParallelStrategy):
     def __init__(self, cp: int = 1, dp: int = -1, ep: int = 1, dispatcher: str = "local",
                  compute_dtype: torch.dtype = torch.float32, cp_balance: str = "none", async_save: bool = False,
                  offload: str = "none", micro_batch_size: int = 1, startup_timeout: float = 300.0,
-                 engram_tables: str = "device", **kwargs: Any) -> None:
+                 engram_tables: str = "device", pp: int = 1, pp_schedule: str = "1f1b", pp_virtual: int = 1,
+                 seq_len: int | None = None, **kwargs: Any) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
         self.startup_timeout = timedelta(seconds=startup_timeout)
         self.cp_size, self._dp, self.ep_size = cp, dp, ep
@@ -104,6 +114,9 @@ class DSV4Strategy(ModelParallelStrategy):
         self.async_save = async_save
         self.micro_batch_size = micro_batch_size
         self._writer: CheckpointWriter | None = None
+        self.pp_size, self.pp_schedule, self.pp_virtual, self.seq_len = pp, pp_schedule, pp_virtual, seq_len
+        self.microbatches = 1  # per step under pipeline stages (the run's accumulation; set by the recipe)
+        self.pipeline: PipelineRun | None = None  # this rank's stages under pp > 1 (set by parallelize)
 
     @classmethod
     def from_spec(cls, spec: RunSpec, **kwargs: Any) -> "DSV4Strategy":
@@ -112,7 +125,8 @@ class DSV4Strategy(ModelParallelStrategy):
         return cls(cp=p.cp, dp=p.dp, ep=p.ep, cp_balance=p.cp_balance, dispatcher=spec.dispatcher,
                    compute_dtype=spec.compute_dtype, async_save=spec.checkpoint.async_save,
                    offload=spec.offload, micro_batch_size=spec.micro_batch_size,
-                   startup_timeout=spec.startup_timeout_s, engram_tables=spec.engram_tables, **kwargs)
+                   startup_timeout=spec.startup_timeout_s, engram_tables=spec.engram_tables, pp=p.pp,
+                   pp_schedule=p.pp_schedule, pp_virtual=p.pp_virtual, seq_len=spec.seq_len, **kwargs)
 
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)  # skip the parent's hard-coded ("data_parallel", "tensor_parallel") mesh
@@ -121,7 +135,8 @@ class DSV4Strategy(ModelParallelStrategy):
         # how many threads a process gets (as torchrun sets it)
         if self.root_device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.num_processes, 1)))
-        dims = ParallelDims(world_size=self.world_size, cp=self.cp_size, dp=self._dp, ep=self.ep_size).resolved()
+        dims = ParallelDims(world_size=self.world_size, cp=self.cp_size, dp=self._dp, ep=self.ep_size,
+                            pp=self.pp_size).resolved()
         self.meshes = build_meshes(dims, self.root_device)
         self._device_mesh = self.meshes.world
         self.lightning_module._device_mesh = self._device_mesh
@@ -169,9 +184,18 @@ class DSV4Strategy(ModelParallelStrategy):
         return count
 
     def parallelize(self, model: torch.nn.Module) -> None:
-        """Expert parallelism (when ``ep > 1`` or an EP dispatcher is chosen), then FSDP2."""
+        """Expert parallelism (when ``ep > 1`` or an EP dispatcher is chosen), then FSDP2; with ``pp > 1`` this
+        rank's pipeline stages, FSDP2 inside them (:attr:`pipeline`, :mod:`dsv4.training.pipeline_step`)."""
         if self.ep_size > 1 or self.dispatcher != "local":
             apply_expert_parallel(model, self.dispatcher, self.meshes.ep.get_group(), self.root_device.type)
+        if self.pp_size > 1 or self.pp_virtual > 1:
+            from dsv4.training.pipeline_step import build_pipeline_run
+
+            self.pipeline = build_pipeline_run(
+                model, self.meshes, pp=self.pp_size, virtual=self.pp_virtual, schedule=self.pp_schedule,
+                seq_len=self.seq_len, micro_batch_size=self.micro_batch_size, compute_dtype=self.compute_dtype,
+                device=self.root_device, cp=self.parallel.cp)
+            return
         apply_fsdp(model, self.meshes, compute_dtype=self.compute_dtype, offload=self.offload == "optimizer",
                    engram_on_host=self.engram_tables == "host")
 
@@ -188,6 +212,9 @@ class DSV4Strategy(ModelParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         accumulation = int(trainer.accumulate_grad_batches) if trainer is not None else 1
         p = self.parallel
+        if self.pp_size > 1 or self.pp_virtual > 1:  # one batch of every microbatch per step (module docstring)
+            return RunLayout(dp=p.dp_size, cp=p.cp_size, ep=p.ep_size,
+                             micro_batch_size=self.micro_batch_size * self.microbatches, accumulation=1)
         return RunLayout(dp=p.dp_size, cp=p.cp_size, ep=p.ep_size, micro_batch_size=self.micro_batch_size,
                          accumulation=accumulation)
 
@@ -206,8 +233,18 @@ class DSV4Strategy(ModelParallelStrategy):
         state = get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=not self.async_save))
         if self.model is not None and is_lora_model(self.model):
             state = {k: v for k, v in state.items() if is_adapter_name(k)}
+        state = self._own(state)
         layout = self._expert_state()
         return layout.model_state(state) if layout is not None else state
+
+    def _own(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` less what this rank does not hold under pipeline stages (the other stages' blocks, as built and
+        never trained here); all of it otherwise."""
+        if self.pipeline is None:
+            return state
+        name = next(n for n, m in self.model.named_modules() if m is self.pipeline.model)  # the causal LM's
+        prefix = f"{name}." if name else ""
+        return {k: v for k, v in state.items() if k.startswith(prefix) and self.pipeline.owns(k[len(prefix):])}
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -267,16 +304,18 @@ class DSV4Strategy(ModelParallelStrategy):
                              f"(it needs {_METADATA_FILENAME} and .metadata){hint}")
         meta = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
         adapt_to_layout(meta, self.layout, source=str(path))
+        carry_optimizer_steps(meta, manual=self.pp_size > 1 or self.pp_virtual > 1)
         layout = self._expert_state()
         saved_shapes = _saved_shapes(path)
 
-        model_state = get_model_state_dict(self.model)
+        model_state = self._own(get_model_state_dict(self.model))
         if lora:
             model_state = {k: v for k, v in model_state.items() if is_adapter_name(k)}
         on_disk = {"state_dict": layout.model_state(model_state) if layout is not None else model_state}
         _check_shapes(path, on_disk, saved_shapes)
         _distributed_checkpoint_load(on_disk, path)  # fills model_state's tensors in place (same storage)
-        set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=not lora))
+        set_model_state_dict(self.model, model_state,
+                             options=StateDictOptions(strict=not lora and self.pipeline is None))
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
             optim_state = get_optimizer_state_dict(self.model, optimizer)

@@ -40,6 +40,7 @@ def test_defaults_resolve(tmp_path):
     (["drafter.gamma=-2"], "`drafter.gamma` must be >= 0 or null"),
     (["cp=2", "cp_balance=full"], "`cp_balance`='full': drafter training under CP splits rows contiguously"),
     (["peft=lora"], "`peft`: drafter training trains the whole drafter"),
+    (["pp=2"], "`pp`=2: drafter training does not run in pipeline stages"),
     (["plan.checkpoint_form=fp8"], "`plan.checkpoint_form` must be one of auto, release, got 'fp8'"),
     (["plan.checkpoint_form=release"], "`plan.checkpoint_form`=release .* needs plan.only=true"),
     (["plan.checkpoint_form=release", "plan.only=true", f"model.checkpoint={CONF}"],

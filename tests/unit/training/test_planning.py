@@ -174,7 +174,7 @@ def test_plan_checkpoint_form_release_plans_the_released_engram_tables_in_fp8():
     assert fp32 * (head + head // 32) == fp8 * head * 4
 
 
-def test_pp_is_planned_per_stage_and_not_trained(tmp_path):
+def test_pp_is_planned_per_stage_and_its_limits_named(tmp_path):
     run = tmp_path / "run"
     overrides = ["pp=2", "trainer.devices=4", "global_batch_size=4", "pp_schedule=gpipe"]
     assert run_finetune(_compose(["plan=true", *overrides]), run) is None
@@ -182,7 +182,12 @@ def test_pp_is_planned_per_stage_and_not_trained(tmp_path):
     assert plan["setup"]["pp"] == 2 and plan["setup"]["dp"] == 2 and plan["setup"]["gpus"] == 4
     assert plan["pipeline"]["schedule"] == "gpipe" and plan["pipeline"]["microbatches"] == 2  # 4 rows over dp 2
     assert [r["rank"] for r in plan["pipeline"]["ranks"]] == [0, 1]
-    for bad, needle in ((overrides, r"`pp`=2: the recipes plan pipeline stages \(add plan.only=true"),
+    for bad, needle in ((["pp=2", "trainer.devices=2", "data.val_fraction=0.1", "plan=true"],
+                         r"`pp`=2 with data.val / data.val_fraction: validation does not run in pipeline stages"),
+                        (["pp=2", "trainer.devices=2", "export.hf_dir=x", "plan=true"],
+                         r"the end-of-training export does not run in pipeline stages yet"),
+                        (["pp=2", "trainer.devices=2", "cp=2", "cp_balance=full", "trainer.devices=4", "plan=true",
+                          "seq_len=512"], r"`pp`=2 with `cp_balance`=full"),
                         (["pp=2", "trainer.devices=2", "pp_virtual=2", "plan=true"], r"`pp_virtual`=2 needs an interleaved `pp_schedule`"),
                         (["pp=2", "trainer.devices=2", "plan=true", "trainer.offload=optimizer"], r"host offload is not planned"),
                         (["pp=2", "trainer.devices=2", "plan=true", "peft=lora"], r"`pp`=2 with `peft`=lora"),
@@ -191,7 +196,7 @@ def test_pp_is_planned_per_stage_and_not_trained(tmp_path):
             run_finetune(_compose(bad), tmp_path / "refused")
 
 
-def test_what_would_fit_considers_pipeline_stages_when_planning_only():
+def test_what_would_fit_considers_pipeline_stages():
     from dsv4.plan.plan import memory_plan
     from dsv4.plan.suggest import activation_key
     from dsv4.training.planning import candidate_setup, plan_changes, plan_setup
@@ -199,9 +204,8 @@ def test_what_would_fit_considers_pipeline_stages_when_planning_only():
 
     cfg = _compose(["trainer.devices=4", "plan.only=true", "global_batch_size=16"])
     base = memory_plan(plan_setup(build_run_spec(cfg), 2**40))
-    pp = [c for c in plan_changes(cfg, base.setup, 4, pipelines=True) if c.group == "pp"]
+    pp = [c for c in plan_changes(cfg, base.setup, 4) if c.group == "pp"]
     assert [c.settings for c in pp] == [(("pp", 2), ("dp", 2))]
-    assert not [c for c in plan_changes(cfg, base.setup, 4) if c.group == "pp"]  # a training run: no pipeline
     setup = candidate_setup(cfg, tuple(pp), 2**40)
     assert (setup.pp, setup.dp, setup.gpus, setup.microbatches) == (2, 2, 4, 8)
     # the stages compose the same trace: the candidate reuses it, and plans as a fresh trace does
