@@ -42,8 +42,11 @@ range of its decoder blocks.
 * **FSDP2 inside a stage** (:func:`shard_stages`): each stage's units sharded over its ``dp x cp`` ranks, gathered
   once per step.
 
-Not yet composed with LoRA: :func:`check_pipeline` refuses it naming the key. The indexer's KL loss
-(``indexer_loss_coeff > 0``) is refused too.
+* **LoRA**: the adapters train, the frozen base is gathered and never reduced (FSDP's units as without stages); the
+  embedding, frozen, takes no gradient on either stage.
+
+Not yet composed with the indexer's KL loss (``indexer_loss_coeff > 0``): :func:`check_pipeline` refuses it naming
+the key.
 """
 
 from __future__ import annotations
@@ -143,14 +146,12 @@ def stage_layers(config: Any, seq_len: int, stages: int) -> list[StageSpan]:
     return [StageSpan(k, stages, i, j, cost(i, j, last=k == stages - 1)) for k, (i, j) in enumerate(spans)]
 
 
-def check_pipeline(config: Any, pp: int, lora: Any = None) -> None:
+def check_pipeline(config: Any, pp: int) -> None:
     """ValueError naming the key for what the pipeline does not compose with yet (module docstring)."""
     family = getattr(config, "model_type", "deepseek_v4")
     if family not in ("deepseek_v4", "deepseek_v41"):
         raise ValueError(f"`pp`={pp}: pipeline stages are built for DeepSeek-V4 and V4.1 models; "
                          f"model_type={family!r}")
-    if lora is not None:
-        raise ValueError(f"`pp`={pp} with `peft`=lora: pipeline stages do not compose with LoRA yet")
     if getattr(config, "indexer_loss_coeff", 0) > 0:
         raise ValueError(f"`pp`={pp} with `model.indexer_loss_coeff`={config.indexer_loss_coeff}: the indexer's KL "
                          "loss is not carried across stages yet")
@@ -397,6 +398,8 @@ def reduce_embedding_grads(model: nn.Module, pair_group: Any) -> None:
     from torch.distributed.tensor import DTensor
 
     weight = model.model.embed_tokens.weight
+    if not weight.requires_grad:  # frozen (a LoRA base): nothing to sum, on either rank
+        return
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
     grad = weight.grad

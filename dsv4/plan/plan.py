@@ -142,7 +142,7 @@ class PlanSetup:
         if self.pp > 1 or self.pp_virtual > 1:
             from dsv4.parallel.pipeline import SCHEDULES, check_pipeline
 
-            check_pipeline(self.config, self.pp, self.lora)
+            check_pipeline(self.config, self.pp)
             if self.pp_schedule not in SCHEDULES:
                 raise ValueError(f"memory plan: `pp_schedule`={self.pp_schedule!r} must be one of "
                                  f"{', '.join(SCHEDULES)}")

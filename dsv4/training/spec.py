@@ -208,7 +208,7 @@ def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> N
 
 def check_pipeline_keys(cfg: DictConfig, config: DSV4Config) -> None:
     """``pp``, ``pp_schedule``, ``pp_virtual``: ValueError naming the key, and what a run in pipeline stages
-    (:mod:`dsv4.training.pipeline_step`) does not do yet: LoRA, the indexer loss, host offload, balanced CP,
+    (:mod:`dsv4.training.pipeline_step`) does not do yet: the indexer loss, host offload, balanced CP,
     validation and the export at the end of training (the run's checkpoints export with ``python -m
     dsv4.checkpoint export``)."""
     from dsv4.parallel.pipeline import SCHEDULES, check_pipeline
@@ -224,7 +224,7 @@ def check_pipeline_keys(cfg: DictConfig, config: DSV4Config) -> None:
                          f"got {schedule}")
     if pp == 1 and virtual == 1:
         return
-    check_pipeline(config, pp, lora_config(cfg.peft) if "peft" in cfg else None)
+    check_pipeline(config, pp)
     if (cfg.get("trainer") or {}).get("offload", "none") != "none":
         raise ValueError(f"`pp`={pp} with trainer.offload={cfg.trainer.offload}: host offload is not planned under a "
                          "pipeline")

@@ -15,7 +15,9 @@ expert sums does it, and so does clipping both runs to norm 0.3; with fake_quant
 at step 3), which a 3-step trajectory cannot tell from a bug; clipping's scale is checked against torch's in
 tests/unit/parallel/test_pipeline_split.py. With FSDP2 inside the stages (``pp=2 dp=2``, 1F1B and interleaved 1F1B) the
 oracle is one process again, and each rank's FSDP bytes of a step are the plan's (dsv4.plan.stages); every layout's
-microbatches in flight after each compute action, and its ``pp sends`` bytes, are the plan's too."""
+microbatches in flight after each compute action, and its ``pp sends`` bytes, are the plan's too. Variants of V4
+tiny at ``pp=2``: ``tiny+block`` (block recompute inside the stages) and ``tiny+lora`` (LoRA r=4 on every target, the
+adapters at random values; the embedding, frozen, takes no gradient on either stage)."""
 
 from __future__ import annotations
 
@@ -47,14 +49,37 @@ def _batch(step: int):
     return ids, pos, seq, torch.zeros(ROWS, LENGTH, dtype=torch.bool), labels
 
 
-def _model(preset: str, **overrides):
+LORA = {"rank": 4, "alpha": 8.0}  # the "+lora" variant: adapters on every target, the base frozen
+
+
+def _config(preset: str, **overrides):
+    """``(config, LoRA config or None)`` of a preset name with an optional variant: ``tiny+block`` (block
+    recompute), ``tiny+lora`` (LoRA adapters)."""
     from dsv4.config import DSV4Config
+    from dsv4.peft import LoRAConfig
+
+    name, _, variant = preset.partition("+")
+    if variant == "block":
+        overrides["activation_checkpointing"] = "block"
+    return DSV4Config.preset(name, **overrides), LoRAConfig(**LORA) if variant == "lora" else None
+
+
+def _model(preset: str, **overrides):
     from dsv4.data.tokenizers import ByteTokenizer
     from dsv4.model import build_causal_lm
+    from dsv4.peft import apply_lora
 
     torch.manual_seed(0)
-    config = DSV4Config.preset(preset, **overrides)
-    return build_causal_lm(config, tokenizer=ByteTokenizer()) if preset == "v41_tiny" else build_causal_lm(config)
+    config, lora = _config(preset, **overrides)
+    model = build_causal_lm(config, tokenizer=ByteTokenizer()) if preset == "v41_tiny" else build_causal_lm(config)
+    if lora is not None:
+        apply_lora(model, lora)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # B starts at zero: every adapter takes part from the first step
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
 
 
 def _accumulate(model, rows, count: int) -> float:
@@ -282,7 +307,7 @@ def references():
     ("tiny", "1f1b", 1, 1), ("tiny", "gpipe", 1, 1), ("tiny", "interleaved_1f1b", 1, 1),
     ("tiny", "interleaved_zero_bubble", 1, 1), ("v41_tiny", "1f1b", 1, 1),
     ("v41_tiny", "interleaved_1f1b", 1, 1), ("tiny", "1f1b", 2, 1), ("v41_tiny", "1f1b", 2, 1),
-    ("tiny", "1f1b", 1, 2), ("v41_tiny", "1f1b", 1, 2),
+    ("tiny", "1f1b", 1, 2), ("v41_tiny", "1f1b", 1, 2), ("tiny+block", "1f1b", 1, 1), ("tiny+lora", "1f1b", 1, 1),
 ])
 def test_pp2_equals_one_process(preset, schedule, cp, ep, references):
     if (preset, 1) not in references:
@@ -298,7 +323,7 @@ def test_pp2_equals_one_process(preset, schedule, cp, ep, references):
     ref_losses, ref_grads, _ = references[preset, ep]
     inner = cp * ep
     ranks = run_on_ranks(_body, WORLD * inner, (preset, schedule, cp, ep))
-    assert ranks[0]["spans"] == SPANS[preset, 4 if schedule.startswith("interleaved") else 2]
+    assert ranks[0]["spans"] == SPANS[preset.partition("+")[0], 4 if schedule.startswith("interleaved") else 2]
     for last in ranks[inner:]:  # the last stage's ranks (stage 1 of 2, stage 3 of 4): the step's loss
         for got, want in zip(last["losses"], ref_losses, strict=True):
             assert abs(got - want) <= 1e-6 * abs(want), (schedule, cp, ep, last["losses"], ref_losses)
@@ -322,18 +347,24 @@ def test_pp2_equals_one_process(preset, schedule, cp, ep, references):
         assert "model.embed_tokens.weight" in ranks[0]["grads"] and "model.embed_tokens.weight" in ranks[-1]["grads"]
 
 
+_TRACES: dict = {}  # activation_key -> the traced step (dsv4.plan.suggest)
+
+
 def _check_plan(preset: str, schedule: str, cp: int, ep: int, ranks: list[dict]) -> None:
     """The memory plan of the same layout (dsv4.plan.stages): every rank's microbatches in flight after each compute
     action are the engine's, and its ``pp sends`` row is the bytes the rank's pipeline sends and receives per step."""
-    from dsv4.config import DSV4Config
     from dsv4.plan.plan import PlanSetup, memory_plan
     from dsv4.plan.stages import in_flight_timeline
+    from dsv4.plan.suggest import activation_key
 
     virtual = 2 if schedule.startswith("interleaved") else 1
     microbatches = ROWS // ep
-    plan = memory_plan(PlanSetup(DSV4Config.preset(preset), seq_len=LENGTH, cp=cp, dp=ep, ep=ep, pp=WORLD,
-                                 pp_schedule=schedule, pp_virtual=virtual, microbatches=microbatches,
-                                 dispatcher="alltoall"))
+    config, lora = _config(preset)
+    setup = PlanSetup(config, seq_len=LENGTH, cp=cp, dp=ep, ep=ep, pp=WORLD, pp_schedule=schedule,
+                      pp_virtual=virtual, microbatches=microbatches, dispatcher="alltoall", lora=lora)
+    key = activation_key(setup)  # the layouts of one model, cp and ep share the step's trace
+    plan = memory_plan(setup, _TRACES.get(key))
+    _TRACES[key] = plan.traced
     by_rank = {p.stages.rank: p.comm.by_kind()["pp sends"] for p in plan.ranks}
     inner = cp * ep
     for rank, res in enumerate(ranks):

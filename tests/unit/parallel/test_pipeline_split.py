@@ -69,7 +69,6 @@ def test_v41_stages_start_where_no_layer_reads_an_earlier_stages_state():
 
 @pytest.mark.parametrize(("config", "kw", "match"), [
     (DSV4Config.preset("tiny"), dict(pp=2, stages=5), r"5 stages for 4 decoder blocks"),
-    (DSV4Config.preset("tiny"), dict(pp=2, lora=object()), r"`pp`=2 with `peft`=lora"),
     (replace(DSV4Config.preset("tiny"), indexer_loss_coeff=0.1), dict(pp=2), r"`model.indexer_loss_coeff`=0.1"),
 ])
 def test_what_the_pipeline_does_not_compose_with_is_refused(config, kw, match):

@@ -190,7 +190,6 @@ def test_pp_is_planned_per_stage_and_its_limits_named(tmp_path):
                           "seq_len=512"], r"`pp`=2 with `cp_balance`=full"),
                         (["pp=2", "trainer.devices=2", "pp_virtual=2", "plan=true"], r"`pp_virtual`=2 needs an interleaved `pp_schedule`"),
                         (["pp=2", "trainer.devices=2", "plan=true", "trainer.offload=optimizer"], r"host offload is not planned"),
-                        (["pp=2", "trainer.devices=2", "plan=true", "peft=lora"], r"`pp`=2 with `peft`=lora"),
                         (["pp=3", "trainer.devices=4", "plan=true"], r"`pp`=3 x `cp`=1 does not divide the world")):
         with pytest.raises(ValueError, match=needle):
             run_finetune(_compose(bad), tmp_path / "refused")
