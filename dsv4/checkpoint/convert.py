@@ -141,11 +141,12 @@ def _config(ckpt: Path):
 
 def export_run(run_dir: str | os.PathLike, out: str, *, step: int | None = None, dtype: str = "bfloat16",
                progress: bool = False, max_shard_bytes: int | None = None, adapter: bool = False,
-               merge: bool = False, overwrite: bool = False) -> ExportReport:
+               merge: bool = False, overwrite: bool = False, group=None) -> ExportReport:
     """Write the HF-format export of ``run_dir``'s checkpoint to ``out`` (see the module docstring). A LoRA run:
     ``adapter`` writes its PEFT adapter (``export.adapter_dir``), ``merge`` the merged model. ``out`` must be absent
     or empty (checked first) unless ``overwrite`` (``--overwrite``: every file the export does not write is
-    removed from it)."""
+    removed from it). ``group``: the process group the export runs on (a one-rank group from a process of a
+    distributed run, which then writes every file itself; None: the world, or none without ``torch.distributed``)."""
     from dsv4.model import build_causal_lm
     from dsv4.peft.lora import is_adapter_name
 
@@ -159,7 +160,7 @@ def export_run(run_dir: str | os.PathLike, out: str, *, step: int | None = None,
         if adapter:
             return _export_adapter(ckpt, out, config, tensors, overwrite)
         if merge:
-            return _export_merged(ckpt, out, config, tensors, dtype, progress, max_shard_bytes, overwrite)
+            return _export_merged(ckpt, out, config, tensors, dtype, progress, max_shard_bytes, overwrite, group)
         raise ValueError(f"{ckpt}: a LoRA run's checkpoint (adapters only): pass --adapter for the PEFT adapter or "
                          "--merge for the merged model")
     if adapter or merge:
@@ -178,7 +179,7 @@ def export_run(run_dir: str | os.PathLike, out: str, *, step: int | None = None,
     tensors.check_files([MODEL_PREFIX + n for n in names])
     sources = [ExportSource(n, tensors.shape(MODEL_PREFIX + n), tensors.dtype(MODEL_PREFIX + n).is_floating_point,
                             lambda n=n: _read_model_tensor(tensors, n)) for n in names]
-    return _export_sources(model, out, config, sources, dtype, ckpt, progress, max_shard_bytes, overwrite)
+    return _export_sources(model, out, config, sources, dtype, ckpt, progress, max_shard_bytes, overwrite, group)
 
 
 def _read_model_tensor(tensors: DCPTensors, name: str) -> torch.Tensor:
@@ -194,7 +195,7 @@ def _read_model_tensor(tensors: DCPTensors, name: str) -> torch.Tensor:
 
 
 def _export_sources(model, out: str, config, sources: list[ExportSource], dtype: str, ckpt: Path, progress: bool,
-                    max_shard_bytes: int | None, overwrite: bool) -> ExportReport:
+                    max_shard_bytes: int | None, overwrite: bool, group=None) -> ExportReport:
     """``export_hf_checkpoint`` of ``sources``, with a progress bar over the tensors when asked."""
     bar = None
     if progress:
@@ -213,7 +214,7 @@ def _export_sources(model, out: str, config, sources: list[ExportSource], dtype:
     kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     try:
         return export_hf_checkpoint(model, out, dtype=dtype, config=config, sources=sources, overwrite=overwrite,
-                                    **kwargs)
+                                    group=group, **kwargs)
     finally:
         if bar is not None:
             bar.close()
@@ -328,7 +329,7 @@ class _BlockLoader:
 
 
 def _export_merged(ckpt: Path, out: str, config, tensors: DCPTensors, dtype: str, progress: bool,
-                   max_shard_bytes: int | None, overwrite: bool) -> ExportReport:
+                   max_shard_bytes: int | None, overwrite: bool, group=None) -> ExportReport:
     """A LoRA run's merged model (``export.merge`` with ``export.hf_dir``): base + alpha/r B A, streamed by block."""
     from dsv4.peft.apply import merged_sources
 
@@ -342,7 +343,7 @@ def _export_merged(ckpt: Path, out: str, config, tensors: DCPTensors, dtype: str
     _check_adapters(ckpt, tensors, model, str(ckpt.parent.parent / "resolved_config.yaml"))
     loader = _BlockLoader(model, str(base), tensors)
     sources = [ExportSource(s.name, s.shape, s.is_float, lambda s=s: loader.fetch(s)) for s in merged_sources(model)]
-    return _export_sources(model, out, config, sources, dtype, ckpt, progress, max_shard_bytes, overwrite)
+    return _export_sources(model, out, config, sources, dtype, ckpt, progress, max_shard_bytes, overwrite, group)
 
 
 def _export_adapter(ckpt: Path, out: str, config, tensors: DCPTensors, overwrite: bool) -> ExportReport:

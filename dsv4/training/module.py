@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Callable, Iterable
 
 import lightning as L
@@ -154,6 +155,9 @@ class DSV4LightningModule(L.LightningModule):
         ``export.hf_dir``: the trained model in the HF layout (merged under LoRA), each rank writing the tensors it
         owns (:func:`~dsv4.checkpoint.export_hf_checkpoint`), under any cp / dp / ep."""
         write = self.trainer.global_rank == 0
+        if self.pipeline is not None:
+            self._export_from_checkpoint(write)
+            return
         if self.spec.export.adapter_dir:
             from dsv4.peft.peft_format import export_peft_adapter
 
@@ -187,6 +191,28 @@ class DSV4LightningModule(L.LightningModule):
         """This rank's :class:`~dsv4.training.pipeline_step.PipelineRun` under pipeline stages, else None."""
         strategy = self._trainer.strategy if self._trainer is not None else None
         return getattr(strategy, "pipeline", None)
+
+    def _export_from_checkpoint(self, write: bool) -> None:
+        """The end-of-training export in pipeline stages: each rank holds only its stages, so global rank 0 converts
+        the run's final checkpoint, which holds them all (:func:`dsv4.checkpoint.convert.export_run`: the files
+        ``python -m dsv4.checkpoint export`` writes, those of :func:`~dsv4.checkpoint.export_hf_checkpoint`)."""
+        export = self.spec.export
+        if not (export.hf_dir or export.adapter_dir):
+            return
+        from dsv4.checkpoint.convert import export_run
+
+        self.trainer.strategy.finish_checkpoint()  # the final step's save, committed
+        run = Path(self.trainer.checkpoint_callback.dirpath) / "last.ckpt"
+        alone = torch.distributed.new_group([0]) if torch.distributed.is_initialized() else None  # (every rank)
+        if write:
+            if export.adapter_dir:
+                export_run(run, export.adapter_dir, adapter=True, overwrite=export.overwrite, group=alone)
+                log.info("wrote the LoRA adapters (PEFT format) to %s from %s", export.adapter_dir, run)
+            if export.hf_dir:
+                export_run(run, export.hf_dir, dtype=export.dtype, merge=self.lora is not None,
+                           overwrite=export.overwrite, group=alone)
+                log.info("wrote the model (HF layout) to %s from %s", export.hf_dir, run)
+        self.trainer.strategy.barrier("dsv4-export")
 
     def configure_optimizers(self):
         held = self.pipeline.parameters() if self.pipeline is not None else self.parameters()  # stages: this rank's

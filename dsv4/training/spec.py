@@ -208,9 +208,8 @@ def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> N
 
 def check_pipeline_keys(cfg: DictConfig, config: DSV4Config) -> None:
     """``pp``, ``pp_schedule``, ``pp_virtual``: ValueError naming the key, and what a run in pipeline stages
-    (:mod:`dsv4.training.pipeline_step`) does not do yet: the indexer loss, host offload, balanced CP,
-    validation and the export at the end of training (the run's checkpoints export with ``python -m
-    dsv4.checkpoint export``)."""
+    (:mod:`dsv4.training.pipeline_step`) does not do yet: the indexer loss, host offload, balanced CP and
+    validation."""
     from dsv4.parallel.pipeline import SCHEDULES, check_pipeline
 
     pp, schedule, virtual = cfg.get("pp", 1), cfg.get("pp_schedule", "1f1b"), cfg.get("pp_virtual", 1)
@@ -231,14 +230,10 @@ def check_pipeline_keys(cfg: DictConfig, config: DSV4Config) -> None:
     if cfg.get("cp_balance", "none") != "none":
         raise ValueError(f"`pp`={pp} with `cp_balance`={cfg.cp_balance}: pipeline stages run the contiguous CP "
                          "split (cp_balance=none)")
-    data, export = cfg.get("data") or {}, cfg.get("export") or {}
+    data = cfg.get("data") or {}
     if data.get("val") or data.get("val_fraction"):
         raise ValueError(f"`pp`={pp} with data.val / data.val_fraction: validation does not run in pipeline stages "
                          "yet")
-    if export.get("hf_dir") or export.get("adapter_dir"):
-        raise ValueError(f"`pp`={pp} with export.hf_dir / export.adapter_dir: the end-of-training export does not "
-                         "run in pipeline stages yet; export the run's checkpoint with `python -m dsv4.checkpoint "
-                         "export RUN_DIR --out DIR` (docs/checkpoints.md)")
 
 
 def build_run_spec(cfg: DictConfig, export_beside: bool = False) -> RunSpec:

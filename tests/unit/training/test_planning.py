@@ -184,8 +184,6 @@ def test_pp_is_planned_per_stage_and_its_limits_named(tmp_path):
     assert [r["rank"] for r in plan["pipeline"]["ranks"]] == [0, 1]
     for bad, needle in ((["pp=2", "trainer.devices=2", "data.val_fraction=0.1", "plan=true"],
                          r"`pp`=2 with data.val / data.val_fraction: validation does not run in pipeline stages"),
-                        (["pp=2", "trainer.devices=2", "export.hf_dir=x", "plan=true"],
-                         r"the end-of-training export does not run in pipeline stages yet"),
                         (["pp=2", "trainer.devices=2", "cp=2", "cp_balance=full", "trainer.devices=4", "plan=true",
                           "seq_len=512"], r"`pp`=2 with `cp_balance`=full"),
                         (["pp=2", "trainer.devices=2", "pp_virtual=2", "plan=true"], r"`pp_virtual`=2 needs an interleaved `pp_schedule`"),
