@@ -52,6 +52,7 @@ class DSV4DataModule(L.LightningDataModule):
         self.source = dict(source)
         self.seq_len, self.shard_multiple, self.cp_size = seq_len, shard_multiple, cp_size
         self.micro_batch_size, self.seed, self.pad_id, self.shuffle = micro_batch_size, seed, pad_id, shuffle
+        self.train_batch_rows = micro_batch_size  # rows per training batch (a pipeline's step: every microbatch)
         self.overlong, self.cache_dir, self.num_proc = overlong, cache_dir, num_proc
         self.dataset: PackedRows | PreparedRows | None = None
         self.sampler: DistributedPackedSampler | None = None
@@ -135,7 +136,7 @@ class DSV4DataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
-            self.dataset, batch_size=self.micro_batch_size, sampler=self.sampler, collate_fn=TokenBatch.stack,
+            self.dataset, batch_size=self.train_batch_rows, sampler=self.sampler, collate_fn=TokenBatch.stack,
             num_workers=0, drop_last=True,
         )
 
@@ -155,8 +156,8 @@ class DSV4DataModule(L.LightningDataModule):
         consumed = None
         if self.trainer is not None:  # the loader prefetches one batch: save what training actually consumed
             batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-            consumed = min(batches * self.micro_batch_size, len(self.sampler))
-            if len(self.sampler) - consumed < self.micro_batch_size:  # the loader drops what no whole micro-batch
+            consumed = min(batches * self.train_batch_rows, len(self.sampler))
+            if len(self.sampler) - consumed < self.train_batch_rows:  # the loader drops what no whole micro-batch
                 consumed = len(self.sampler)  # fills: the epoch is over, under any layout it resumes with
         return {"sampler": self.sampler.state_dict(consumed=consumed)}
 

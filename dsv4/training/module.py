@@ -445,8 +445,13 @@ class DSV4LightningModule(L.LightningModule):
         was_training = self.model.training
         self.model.eval()
         try:
-            loss, tokens = evaluate_token_loss(self.model, loader, self.parallel, self.config.shard_multiple,
-                                               self.device, limit)
+            if self.pipeline is not None:
+                p = self.parallel
+                loss, tokens = self.pipeline.evaluate(loader, p.cp_rank, p.cp_size, self.config.shard_multiple,
+                                                      self.device, limit)
+            else:
+                loss, tokens = evaluate_token_loss(self.model, loader, self.parallel, self.config.shard_multiple,
+                                                   self.device, limit)
         finally:
             self.model.train(was_training)
         if self.parallel.cp is not None:

@@ -17,6 +17,8 @@ rank's stages (:mod:`dsv4.parallel.pipeline`) and driven by the module once per 
 * **The step's loss** (``train/loss``) is the last stage's microbatch losses summed over its ranks, then given to
   every rank of the pipeline (the logging rank 0 holds the first stage).
 * **Clipping**: :func:`~dsv4.parallel.pipeline.clip_pipeline_grad_norm_`, the global norm over every stage.
+* **Validation** (:meth:`PipelineRun.evaluate`): the held-out rows forward only through the schedule, in groups of a
+  step's microbatches (the last filled with rows of padding), the token-mean loss as without stages.
 * **Checkpoints** hold each rank's stages' tensors under the model's names (:meth:`PipelineRun.owns`): a checkpoint
   written under one ``pp`` resumes under another, ``pp=1`` included, and ``python -m dsv4.checkpoint export``
   converts it as any run's.
@@ -47,6 +49,7 @@ class PipelineRun:
     engine: list[Any]
     schedule: str
     micro_batch_size: int
+    microbatches: int  # per training step
     groups: dict[str, Any]
     _names: set[str] | None = None
 
@@ -91,6 +94,41 @@ class PipelineRun:
         device = batch.input_ids.device
         return torch.stack(losses).sum().to(torch.float32) if losses else torch.zeros((), device=device)
 
+    @torch.no_grad()
+    def evaluate(self, batches: Any, cp_rank: int, cp_size: int, shard_multiple: int, device: Any,
+                 limit: int | None = None) -> tuple[float, int]:
+        """``(token-mean loss, supervised tokens)`` of ``batches`` (this dp replica's held-out micro-batches, every
+        rank of a pipeline the same; the first ``limit``), forward only through the schedule (its ``eval``), as
+        :func:`~dsv4.training.validation.evaluate_token_loss` computes it without stages: the rows go through in
+        groups of a training step's microbatches (the schedule's shape), the last group filled with rows of padding,
+        which hold no label."""
+        import itertools
+
+        from dsv4.parallel.pipeline import build_schedule, pipeline_loss
+
+        rows = [b.select(slice(i, i + 1)) for b in itertools.islice(batches, limit) for i in range(b.num_rows)]
+        group = self.micro_batch_size * self.microbatches
+        if rows and len(rows) % group:
+            pad = rows[0]
+            blank = TokenBatch(torch.zeros_like(pad.input_ids), torch.full_like(pad.labels, -100),
+                               torch.zeros_like(pad.seq_ids), torch.zeros_like(pad.positions))
+            rows += [blank] * (group - len(rows) % group)
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        for start in range(0, len(rows), group):
+            local = TokenBatch.stack(rows[start:start + group]).to(device).cut(cp_rank, cp_size, shard_multiple)
+            schedule = build_schedule(self.engine, self.microbatches, self.schedule, pipeline_loss(1))
+            losses: list[torch.Tensor] = []
+            args = (local.input_ids, local.positions, local.seq_ids, local.padding, local.labels) if self.first else ()
+            target = {"target": torch.zeros(group, device=device), "losses": losses} if self.last else {}
+            schedule.eval(*args, **target)
+            loss = torch.stack(losses).sum().to(torch.float64) if losses else torch.zeros((), dtype=torch.float64,
+                                                                                          device=device)
+            sums += torch.stack([loss, local.label_count().to(torch.float64) if self.last else loss * 0])
+        dist.all_reduce(sums, group=self.groups["stage"])
+        dist.all_reduce(sums, group=self.groups["pp"])
+        total, tokens = float(sums[0]), int(sums[1])
+        return (total / tokens if tokens else float("nan")), tokens
+
     def step_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The step's loss on every rank: ``local`` summed over the stage's ranks and the pipeline."""
         total = local.detach().to(torch.float64).clone()
@@ -106,7 +144,7 @@ class PipelineRun:
 
 
 def build_pipeline_run(model: nn.Module, meshes: Any, *, pp: int, virtual: int, schedule: str, seq_len: int,
-                       micro_batch_size: int, compute_dtype: torch.dtype, device: torch.device,
+                       micro_batch_size: int, microbatches: int, compute_dtype: torch.dtype, device: torch.device,
                        cp: Any = None) -> PipelineRun:
     """This rank's :class:`PipelineRun` of ``model`` (experts already sharded for EP): its stages split for
     ``seq_len``, sharded with FSDP2 over ``meshes.dp_cp``, wrapped for the engine on ``meshes.pp``; the pair groups
@@ -132,4 +170,4 @@ def build_pipeline_run(model: nn.Module, meshes: Any, *, pp: int, virtual: int, 
     pair_groups = [dist.new_group([p * stage_size + i for p in pair]) for i in range(stage_size)] if pair else None
     groups = {"pp": group, "stage": meshes.dp_cp.get_group(),
               "pair": pair_groups[inner] if pair and pp_rank in pair else None}
-    return PipelineRun(model, modules, engine, schedule, micro_batch_size, groups)
+    return PipelineRun(model, modules, engine, schedule, micro_batch_size, microbatches, groups)

@@ -233,7 +233,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, script: str | Path | N
     micro_batch_size = spec.micro_batch_size
     if stages:  # one batch of every microbatch per step, the pipeline's schedule runs them
         strategy.microbatches, micro_batch_size, accumulation = accumulation, micro_batch_size * accumulation, 1
-        data.micro_batch_size = micro_batch_size
+        data.train_batch_rows = micro_batch_size
     trainer.accumulate_grad_batches = accumulation
     if resume:  # another layout is refused here, in the launching process, not after every rank started
         from dsv4.parallel.mesh import ParallelDims

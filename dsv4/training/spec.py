@@ -208,8 +208,7 @@ def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> N
 
 def check_pipeline_keys(cfg: DictConfig, config: DSV4Config) -> None:
     """``pp``, ``pp_schedule``, ``pp_virtual``: ValueError naming the key, and what a run in pipeline stages
-    (:mod:`dsv4.training.pipeline_step`) does not do yet: the indexer loss, host offload, balanced CP and
-    validation."""
+    (:mod:`dsv4.training.pipeline_step`) does not do yet: the indexer loss, host offload and balanced CP."""
     from dsv4.parallel.pipeline import SCHEDULES, check_pipeline
 
     pp, schedule, virtual = cfg.get("pp", 1), cfg.get("pp_schedule", "1f1b"), cfg.get("pp_virtual", 1)
@@ -230,10 +229,6 @@ def check_pipeline_keys(cfg: DictConfig, config: DSV4Config) -> None:
     if cfg.get("cp_balance", "none") != "none":
         raise ValueError(f"`pp`={pp} with `cp_balance`={cfg.cp_balance}: pipeline stages run the contiguous CP "
                          "split (cp_balance=none)")
-    data = cfg.get("data") or {}
-    if data.get("val") or data.get("val_fraction"):
-        raise ValueError(f"`pp`={pp} with data.val / data.val_fraction: validation does not run in pipeline stages "
-                         "yet")
 
 
 def build_run_spec(cfg: DictConfig, export_beside: bool = False) -> RunSpec:

@@ -193,7 +193,8 @@ class DSV4Strategy(ModelParallelStrategy):
 
             self.pipeline = build_pipeline_run(
                 model, self.meshes, pp=self.pp_size, virtual=self.pp_virtual, schedule=self.pp_schedule,
-                seq_len=self.seq_len, micro_batch_size=self.micro_batch_size, compute_dtype=self.compute_dtype,
+                seq_len=self.seq_len, micro_batch_size=self.micro_batch_size, microbatches=self.microbatches,
+                compute_dtype=self.compute_dtype,
                 device=self.root_device, cp=self.parallel.cp)
             return
         apply_fsdp(model, self.meshes, compute_dtype=self.compute_dtype, offload=self.offload == "optimizer",
