@@ -222,8 +222,11 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, script: str | Path | N
     callbacks = [checkpointing, *spec.callbacks, *([preemption] if preemption else [])]
     stages = spec.parallel.pp > 1 or spec.parallel.pp_virtual > 1
     trainer_keys = dict(spec.trainer)
-    if stages:  # the pipeline step clips itself (manual optimization: dsv4.training.pipeline_step)
+    if stages:  # the pipeline step clips by the global norm itself (manual optimization: dsv4.training.pipeline_step)
         trainer_keys.pop("gradient_clip_val", None)
+        if trainer_keys.pop("gradient_clip_algorithm", "norm") not in (None, "norm"):
+            raise ValueError(f"`trainer.gradient_clip_algorithm`={spec.trainer['gradient_clip_algorithm']!r}: only "
+                             "'norm' is supported")
     strategy = DSV4Strategy.from_spec(spec)
     trainer = L.Trainer(strategy=strategy, logger=logger, callbacks=callbacks,
                         plugins=cluster_plugins(os.environ), use_distributed_sampler=False,

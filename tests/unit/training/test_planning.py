@@ -182,11 +182,12 @@ def test_pp_is_planned_per_stage_and_its_limits_named(tmp_path):
     assert plan["setup"]["pp"] == 2 and plan["setup"]["dp"] == 2 and plan["setup"]["gpus"] == 4
     assert plan["pipeline"]["schedule"] == "gpipe" and plan["pipeline"]["microbatches"] == 2  # 4 rows over dp 2
     assert [r["rank"] for r in plan["pipeline"]["ranks"]] == [0, 1]
-    for bad, needle in ((["pp=2", "trainer.devices=2", "data.val_fraction=0.1", "plan=true"],
-                         r"`pp`=2 with data.val / data.val_fraction: validation does not run in pipeline stages"),
-                        (["pp=2", "trainer.devices=2", "cp=2", "cp_balance=full", "trainer.devices=4", "plan=true",
-                          "seq_len=512"], r"`pp`=2 with `cp_balance`=full"),
-                        (["pp=2", "trainer.devices=2", "pp_virtual=2", "plan=true"], r"`pp_virtual`=2 needs an interleaved `pp_schedule`"),
+    for bad, needle in ((["pp=2", "trainer.devices=2", "model.indexer_loss_coeff=0.1", "plan=true"],
+                         r"`pp`=2 with `model.indexer_loss_coeff`=0.1: the indexer's KL loss is not carried"),
+                        (["pp=2", "cp=2", "cp_balance=full", "trainer.devices=4", "plan=true", "seq_len=512"],
+                         r"`pp`=2 with `cp_balance`=full"),
+                        (["pp=2", "trainer.devices=2", "pp_virtual=2", "plan=true"],
+                         r"`pp_virtual`=2 needs an interleaved `pp_schedule`"),
                         (["pp=2", "trainer.devices=2", "plan=true", "trainer.offload=optimizer"], r"host offload is not planned"),
                         (["pp=3", "trainer.devices=4", "plan=true"], r"`pp`=3 x `cp`=1 does not divide the world")):
         with pytest.raises(ValueError, match=needle):
