@@ -58,8 +58,8 @@ from dsv4.plan.activations import ActivationPlan, Phase, cast_for_compute, plan_
 from dsv4.plan.comm import CommPlan, LinkSpeeds, StageComm, comm_plan, format_seconds, unit_gathers
 from dsv4.plan.offload import OffloadBytes, offload_bytes
 from dsv4.plan.stand_ins import DISPATCHER_TRAFFIC
-from dsv4.plan.stages import (bubble, flops_share, in_flight_timeline, pp_sends, rank_stages, receive_buffers,
-                              stage_activations, stage_traced)
+from dsv4.plan.stages import (bubble, check_microbatches, flops_share, in_flight_timeline, pp_sends, rank_stages,
+                              receive_buffers, stage_activations, stage_traced)
 from dsv4.plan.states import (OptimizerProfile, StateBytes, engram_table_bytes, gradient_shard_bytes,
                               parameter_owners, shard_elements, state_bytes, table_tensors)
 
@@ -149,6 +149,7 @@ class PlanSetup:
             if self.offload != "none":
                 raise ValueError(f"memory plan: `pp`={self.pp} with trainer.offload={self.offload}: host offload is "
                                  "not planned under a pipeline")
+            check_microbatches(self.pp_schedule, self.pp, self.pp_virtual, self.microbatches)
 
     @property
     def usable_memory_bytes(self) -> int:

@@ -107,6 +107,17 @@ def in_flight_timeline(schedule: str, pp: int, virtual: int, n_microbatches: int
     return timeline
 
 
+def check_microbatches(schedule: str, pp: int, virtual: int, microbatches: int) -> None:
+    """ValueError naming ``global_batch_size`` when ``schedule`` cannot run ``microbatches`` per step on ``pp x
+    virtual`` stages: 1F1B needs at least ``pp``; the interleaved schedules what the engine's own order accepts."""
+    if schedule == "1f1b" and microbatches < pp:
+        raise ValueError(f"`pp_schedule`=1f1b needs at least pp={pp} microbatches per step, got {microbatches} "
+                         "(the gradient accumulation: global_batch_size / (micro_batch_size x dp)); raise "
+                         "global_batch_size")
+    if schedule in INTERLEAVED:
+        _engine_order(schedule, pp, virtual, microbatches, 0)
+
+
 def _engine_order(schedule: str, pp: int, virtual: int, n_microbatches: int, rank: int) -> list[Any]:
     """``torch.distributed.pipelining``'s action list of ``rank`` for an interleaved schedule: the schedule built over
     stand-ins of the rank's stages (what its constructor reads of a stage: the pipeline's size, the rank, the stage

@@ -201,14 +201,15 @@ def _check_parallel(cfg: DictConfig, config: DSV4Config, world: int | None) -> N
     gbs = cfg.get("global_batch_size")
     if gbs is not None and gbs < 1:
         raise ValueError(f"`global_batch_size` must be >= 1 or null, got {gbs}")
-    if dp is not None:
-        accumulation_steps(gbs, cfg.micro_batch_size, dp)
-    check_pipeline_keys(cfg, config)
+    microbatches = accumulation_steps(gbs, cfg.micro_batch_size, dp) if dp is not None else None
+    check_pipeline_keys(cfg, config, microbatches)
 
 
-def check_pipeline_keys(cfg: DictConfig, config: DSV4Config) -> None:
+def check_pipeline_keys(cfg: DictConfig, config: DSV4Config, microbatches: int | None = None) -> None:
     """``pp``, ``pp_schedule``, ``pp_virtual``: ValueError naming the key, and what a run in pipeline stages
-    (:mod:`dsv4.training.pipeline_step`) does not do yet: the indexer loss, host offload and balanced CP."""
+    (:mod:`dsv4.training.pipeline_step`) does not do yet: the indexer loss, host offload and balanced CP; and, with
+    the step's ``microbatches`` known (the world size fixed), whether the schedule runs that many
+    (:func:`dsv4.plan.stages.check_microbatches`)."""
     from dsv4.parallel.pipeline import SCHEDULES, check_pipeline
 
     pp, schedule, virtual = cfg.get("pp", 1), cfg.get("pp_schedule", "1f1b"), cfg.get("pp_virtual", 1)
@@ -229,6 +230,10 @@ def check_pipeline_keys(cfg: DictConfig, config: DSV4Config) -> None:
     if cfg.get("cp_balance", "none") != "none":
         raise ValueError(f"`pp`={pp} with `cp_balance`={cfg.cp_balance}: pipeline stages run the contiguous CP "
                          "split (cp_balance=none)")
+    if microbatches is not None:
+        from dsv4.plan.stages import check_microbatches
+
+        check_microbatches(schedule, pp, virtual, microbatches)
 
 
 def build_run_spec(cfg: DictConfig, export_beside: bool = False) -> RunSpec:

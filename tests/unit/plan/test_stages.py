@@ -82,4 +82,7 @@ def test_pipeline_keys_and_what_they_refuse():
     with pytest.raises(ValueError, match=r"`pp_schedule`='zb' must be one of"):
         memory_plan(PlanSetup(config, seq_len=SEQ, pp=2, pp_schedule="zb"))
     with pytest.raises(ValueError, match=r"`pp` x virtual stages = 8 stages for 4 decoder blocks"):
-        memory_plan(PlanSetup(config, seq_len=SEQ, pp=8))
+        memory_plan(PlanSetup(config, seq_len=SEQ, pp=8, microbatches=8))
+    with pytest.raises(ValueError, match=r"`pp_schedule`=1f1b needs at least pp=2 microbatches per step, got 1 .* "
+                                         r"raise global_batch_size"):
+        memory_plan(PlanSetup(config, seq_len=SEQ, pp=2))

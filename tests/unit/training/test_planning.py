@@ -189,7 +189,12 @@ def test_pp_is_planned_per_stage_and_its_limits_named(tmp_path):
                         (["pp=2", "trainer.devices=2", "pp_virtual=2", "plan=true"],
                          r"`pp_virtual`=2 needs an interleaved `pp_schedule`"),
                         (["pp=2", "trainer.devices=2", "plan=true", "trainer.offload=optimizer"], r"host offload is not planned"),
-                        (["pp=3", "trainer.devices=4", "plan=true"], r"`pp`=3 x `cp`=1 does not divide the world")):
+                        (["pp=3", "trainer.devices=4", "plan=true"], r"`pp`=3 x `cp`=1 does not divide the world"),
+                        (["pp=2", "trainer.devices=2", "plan=true"], r"`pp_schedule`=1f1b needs at least pp=2 "
+                         r"microbatches per step, got 1"),
+                        (["pp=2", "trainer.devices=4", "global_batch_size=10", "pp_virtual=2",
+                          "pp_schedule=interleaved_1f1b", "plan=true"],
+                         r"`pp_schedule`=interleaved_1f1b with pp=2, pp_virtual=2 and 5 microbatches")):
         with pytest.raises(ValueError, match=needle):
             run_finetune(_compose(bad), tmp_path / "refused")
 
