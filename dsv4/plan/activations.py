@@ -111,13 +111,7 @@ class ActivationPlan:
     def traffic(self) -> dict[str, dict[str, int]]:
         """The traced rank's CP and EP bytes of one step by kind: every segment's (each block of a kind counted once
         per block) and the metadata's, ``{kind: {"calls", "bytes_sent", "bytes_received"}}``."""
-        total: dict[str, dict[str, int]] = {}
-        for record in (self.metadata_traffic, *(seg.traffic for seg in self.segments)):
-            for kind, counts in record.items():
-                into = total.setdefault(kind, {"calls": 0, "bytes_sent": 0, "bytes_received": 0})
-                for key in into:
-                    into[key] += counts[key]
-        return dict(sorted(total.items()))
+        return sum_traffic([self.metadata_traffic, *(seg.traffic for seg in self.segments)])
 
     @property
     def peak(self) -> int:
@@ -134,6 +128,17 @@ class ActivationPlan:
             if seg.name.startswith("block"):
                 counts.setdefault(id(seg), [seg, 0])[1] += 1
         return [(seg, n) for seg, n in counts.values()]
+
+
+def sum_traffic(records: Sequence[dict[str, dict[str, int]]], times: int = 1) -> dict[str, dict[str, int]]:
+    """``records`` (each ``{kind: {"calls", "bytes_sent", "bytes_received"}}``) summed by kind, times ``times``."""
+    total: dict[str, dict[str, int]] = {}
+    for record in records:
+        for kind, counts in record.items():
+            into = total.setdefault(kind, {"calls": 0, "bytes_sent": 0, "bytes_received": 0})
+            for key in into:
+                into[key] += counts[key] * times
+    return dict(sorted(total.items()))
 
 
 def trace_segment(name: str, kind: str, run: Callable[[torch.Tensor | None], torch.Tensor], source: torch.Tensor | None,

@@ -111,6 +111,11 @@ class PlanSetup:
         """Every rank of the layout: ``pp x dp x cp``."""
         return self.pp * self.world
 
+    @property
+    def pipelined(self) -> bool:
+        """Planned in pipeline stages (``pp > 1`` or virtual stages: :mod:`dsv4.plan.stages`)."""
+        return self.pp > 1 or self.pp_virtual > 1
+
     def check(self) -> None:
         """ValueError naming the setting before anything is built."""
         for name in ("seq_len", "micro_batch_size", "cp", "dp", "ep", "pp", "pp_virtual", "microbatches"):
@@ -139,7 +144,7 @@ class PlanSetup:
             raise ValueError(f"memory plan: `dispatcher`={self.dispatcher!r} must be one of "
                              f"{', '.join(DISPATCHER_TRAFFIC)}")
         self.links.check()
-        if self.pp > 1 or self.pp_virtual > 1:
+        if self.pipelined:
             from dsv4.parallel.pipeline import SCHEDULES, check_pipeline
 
             check_pipeline(self.config, self.pp)
@@ -515,7 +520,7 @@ def memory_plan(setup: PlanSetup, activations: ActivationPlan | None = None) -> 
                               for m in [*model.model.layers, *([mtp] if mtp is not None else [nn.Identity()])])]
     engram = engram_table_bytes(model, setup.world)
     pipeline = None
-    if setup.pp > 1 or setup.pp_virtual > 1:  # the stages hold the parameters as stored (before the cast below)
+    if setup.pipelined:  # the stages hold the parameters as stored (before the cast below)
         pipeline = [(stages, state_bytes(model, world=setup.world, ep=setup.ep, compute_dtype=setup.compute_dtype,
                                          optimizer=setup.optimizer,
                                          only={id(t) for t in [*stages.parameters, *stages.buffers]}))

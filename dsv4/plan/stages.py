@@ -59,7 +59,7 @@ from dsv4.parallel.pipeline import (
     stage_layers,
     stage_traffic,
 )
-from dsv4.plan.activations import ActivationPlan, Phase
+from dsv4.plan.activations import ActivationPlan, Phase, sum_traffic
 
 INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")
 
@@ -223,15 +223,9 @@ def stage_activations(full: ActivationPlan, stages: RankStages, timeline: list[d
 def stage_traced(full: ActivationPlan, stages: RankStages, n_microbatches: int) -> dict[str, dict[str, int]]:
     """The rank's CP and EP bytes of one step by kind: its stages' segments' and the metadata each stage builds, per
     microbatch (:meth:`~dsv4.plan.activations.ActivationPlan.traffic`'s form)."""
-    total: dict[str, dict[str, int]] = {}
     records = [full.metadata_traffic] * len(stages.spans) + [full.segments[i].traffic for s in stages.segments
                                                              for i in s]
-    for record in records:
-        for kind, counts in record.items():
-            into = total.setdefault(kind, {"calls": 0, "bytes_sent": 0, "bytes_received": 0})
-            for key in into:
-                into[key] += counts[key] * n_microbatches
-    return dict(sorted(total.items()))
+    return sum_traffic(records, n_microbatches)
 
 
 def flops_share(config: Any, seq_len: int, spans: list[StageSpan]) -> float:

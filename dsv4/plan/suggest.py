@@ -298,7 +298,7 @@ def optimistic_activations(base: MemoryPlan, setup: PlanSetup) -> ActivationPlan
     known = replace(setup, micro_batch_size=b.micro_batch_size, seq_len=b.seq_len, cp=b.cp, ep=b.ep,
                     config=replace(c, moe_chunk_tokens=bc.moe_chunk_tokens, loss_chunk_size=bc.loss_chunk_size,
                                    activation_checkpointing=bc.activation_checkpointing))
-    if activation_key(known) != activation_key(b) or setup.pp > 1 or setup.pp_virtual > 1:
+    if activation_key(known) != activation_key(b) or setup.pipelined:
         return replace(acts, metadata=0, phases=[replace(p, activations=0) for p in acts.phases],
                        segments=[replace(seg, forward_peak=0, retained=0, backward_peak=0) for seg in acts.segments])
     ratio = (setup.micro_batch_size * setup.seq_len / setup.cp) / (b.micro_batch_size * b.seq_len / b.cp)

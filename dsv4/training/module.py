@@ -99,7 +99,7 @@ class DSV4LightningModule(L.LightningModule):
         self._step_loss: torch.Tensor | None = None  # the step's global train/loss (checked with the grad norm)
         self.skipped_nonfinite = 0  # steps skipped for a non-finite loss / gradient norm over the run
         self._skipping = False  # this optimizer step was skipped (no update, no LR step, no bias update)
-        if spec.parallel.pp > 1 or spec.parallel.pp_virtual > 1:  # the pipeline's schedule runs backward itself
+        if spec.parallel.pipelined:  # the pipeline's schedule runs backward itself
             self.automatic_optimization = False
 
     @property
@@ -229,8 +229,12 @@ class DSV4LightningModule(L.LightningModule):
         if gradient_clip_algorithm is not None and gradient_clip_algorithm != "norm":
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: only 'norm' is supported")
         norm = clip_grad_norm_(self.parameters(), gradient_clip_val)  # leaves non-finite gradients as they are
-        self.log("train/grad_norm", norm, on_step=True, rank_zero_only=True)
         loss, self._step_loss = self._step_loss, None
+        self._check_step(loss, norm)
+
+    def _check_step(self, loss: torch.Tensor | None, norm: torch.Tensor) -> None:
+        """Log the gradient norm; a non-finite ``train/loss`` or norm stops the run or skips the step."""
+        self.log("train/grad_norm", norm, on_step=True, rank_zero_only=True)
         if not bool(torch.isfinite(norm)) or (loss is not None and not bool(torch.isfinite(loss))):
             self._nonfinite_step(loss, norm)
 
@@ -319,21 +323,16 @@ class DSV4LightningModule(L.LightningModule):
         count = all_reduce_sum(count, parallel.loss_group) if parallel.loss_group is not None else count
         loss = run.step_loss(run.step(local, int(count.item())))
         self.log("train/loss", loss, prog_bar=True, on_step=True, rank_zero_only=True)
-        norm = run.clip(self.spec.trainer.get("gradient_clip_val"))
-        self.log("train/grad_norm", norm, on_step=True, rank_zero_only=True)
-        if not bool(torch.isfinite(norm)) or not bool(torch.isfinite(loss)):
-            self._nonfinite_step(loss, norm)
+        self._check_step(loss, run.clip(self.spec.trainer.get("gradient_clip_val")))
         optimizer = self.optimizers()
         lr = float(optimizer.param_groups[0]["lr"])
         step = self.trainer.global_step + 1  # (a manual optimizer step counts itself at once)
         optimizer.step()
         optimizer.zero_grad()
         scheduler = self.lr_schedulers()
-        if scheduler is not None and not self._skipping:
-            scheduler.step()
-        self.log("train/lr", lr, on_step=True, rank_zero_only=True)
-        if self.spec.skip_nonfinite_steps:
-            self.log("train/skipped_nonfinite", float(self.skipped_nonfinite), on_step=True, rank_zero_only=True)
+        if scheduler is not None:
+            self.lr_scheduler_step(scheduler, None)
+        self._log_applied(lr)
         self._after_optimizer_step(step)
         return loss
 
@@ -392,10 +391,14 @@ class DSV4LightningModule(L.LightningModule):
         statistics, so that callbacks' ``on_train_batch_end`` see this step's numbers."""
         lr = float(optimizer.param_groups[0]["lr"])  # a value: some optimizers keep a tensor the schedule fills
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self._log_applied(lr)
+        self._after_optimizer_step()
+
+    def _log_applied(self, lr: float) -> None:
+        """``train/lr`` the step used, and with ``skip_nonfinite_steps`` the skips so far."""
         self.log("train/lr", lr, on_step=True, rank_zero_only=True)
         if self.spec.skip_nonfinite_steps:
             self.log("train/skipped_nonfinite", float(self.skipped_nonfinite), on_step=True, rank_zero_only=True)
-        self._after_optimizer_step()
 
     def lr_scheduler_step(self, scheduler, metric) -> None:
         """The schedule counts applied updates: a skipped non-finite step does not advance it."""

@@ -86,13 +86,20 @@ class PipelineRun:
         # a schedule per step: its loss divides by this step's label count
         schedule = build_schedule(self.engine, rows // self.micro_batch_size, self.schedule, pipeline_loss(label_count))
         losses: list[torch.Tensor] = []
-        args = (batch.input_ids, batch.positions, batch.seq_ids, batch.padding, batch.labels) if self.first else ()
-        target = {"target": torch.zeros(rows, device=batch.input_ids.device), "losses": losses} if self.last else {}
+        args, target = self._inputs(batch, losses)
         schedule.step(*args, **target)
         if self.groups.get("pair") is not None:
             reduce_embedding_grads(self.model, self.groups["pair"])
         device = batch.input_ids.device
         return torch.stack(losses).sum().to(torch.float32) if losses else torch.zeros((), device=device)
+
+    def _inputs(self, batch: TokenBatch, losses: list) -> tuple[tuple, dict[str, Any]]:
+        """The schedule's arguments for ``batch`` on this rank: the rows' tensors where it holds the first stage, the
+        (unread) target and the list collecting the microbatches' losses where it holds the last."""
+        args = (batch.input_ids, batch.positions, batch.seq_ids, batch.padding, batch.labels) if self.first else ()
+        target = {"target": torch.zeros(batch.num_rows, device=batch.input_ids.device), "losses": losses} \
+            if self.last else {}
+        return args, target
 
     @torch.no_grad()
     def evaluate(self, batches: Any, cp_rank: int, cp_size: int, shard_multiple: int, device: Any,
@@ -118,8 +125,7 @@ class PipelineRun:
             local = TokenBatch.stack(rows[start:start + group]).to(device).cut(cp_rank, cp_size, shard_multiple)
             schedule = build_schedule(self.engine, self.microbatches, self.schedule, pipeline_loss(1))
             losses: list[torch.Tensor] = []
-            args = (local.input_ids, local.positions, local.seq_ids, local.padding, local.labels) if self.first else ()
-            target = {"target": torch.zeros(group, device=device), "losses": losses} if self.last else {}
+            args, target = self._inputs(local, losses)
             schedule.eval(*args, **target)
             loss = torch.stack(losses).sum().to(torch.float64) if losses else torch.zeros((), dtype=torch.float64,
                                                                                           device=device)

@@ -220,7 +220,7 @@ def run_finetune(cfg: DictConfig, output_dir: str | Path, script: str | Path | N
     logger = spec.logger(output_dir, resume_step=resume_step) if spec.logger is not None else False
     preemption = Preemption(spec.preemption.signals, spec.preemption.exit_code) if spec.preemption.signals else None
     callbacks = [checkpointing, *spec.callbacks, *([preemption] if preemption else [])]
-    stages = spec.parallel.pp > 1 or spec.parallel.pp_virtual > 1
+    stages = spec.parallel.pipelined
     trainer_keys = dict(spec.trainer)
     if stages:  # the pipeline step clips by the global norm itself (manual optimization: dsv4.training.pipeline_step)
         trainer_keys.pop("gradient_clip_val", None)

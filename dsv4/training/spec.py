@@ -82,6 +82,11 @@ class ParallelSpec:
         """Equal chunks every row is cut into (``cp``, or ``2 cp`` balanced)."""
         return cp_chunks(self.cp, self.cp_balance)
 
+    @property
+    def pipelined(self) -> bool:
+        """The run is split into pipeline stages (``pp > 1`` or virtual stages)."""
+        return self.pp > 1 or self.pp_virtual > 1
+
 
 @dataclass(frozen=True)
 class RunSpec:

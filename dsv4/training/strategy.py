@@ -183,12 +183,17 @@ class DSV4Strategy(ModelParallelStrategy):
                      "0; each lookup copies the rows it reads to the device", len(tables), held / 2**20)
         return count
 
+    @property
+    def pipelined(self) -> bool:
+        """The run is split into pipeline stages (``pp > 1`` or virtual stages)."""
+        return self.pp_size > 1 or self.pp_virtual > 1
+
     def parallelize(self, model: torch.nn.Module) -> None:
         """Expert parallelism (when ``ep > 1`` or an EP dispatcher is chosen), then FSDP2; with ``pp > 1`` this
         rank's pipeline stages, FSDP2 inside them (:attr:`pipeline`, :mod:`dsv4.training.pipeline_step`)."""
         if self.ep_size > 1 or self.dispatcher != "local":
             apply_expert_parallel(model, self.dispatcher, self.meshes.ep.get_group(), self.root_device.type)
-        if self.pp_size > 1 or self.pp_virtual > 1:
+        if self.pipelined:
             from dsv4.training.pipeline_step import build_pipeline_run
 
             self.pipeline = build_pipeline_run(
@@ -213,7 +218,7 @@ class DSV4Strategy(ModelParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         accumulation = int(trainer.accumulate_grad_batches) if trainer is not None else 1
         p = self.parallel
-        if self.pp_size > 1 or self.pp_virtual > 1:  # one batch of every microbatch per step (module docstring)
+        if self.pipelined:  # one batch of every microbatch per step (module docstring)
             return RunLayout(dp=p.dp_size, cp=p.cp_size, ep=p.ep_size,
                              micro_batch_size=self.micro_batch_size * self.microbatches, accumulation=1)
         return RunLayout(dp=p.dp_size, cp=p.cp_size, ep=p.ep_size, micro_batch_size=self.micro_batch_size,
@@ -305,7 +310,7 @@ class DSV4Strategy(ModelParallelStrategy):
                              f"(it needs {_METADATA_FILENAME} and .metadata){hint}")
         meta = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
         adapt_to_layout(meta, self.layout, source=str(path))
-        carry_optimizer_steps(meta, manual=self.pp_size > 1 or self.pp_virtual > 1)
+        carry_optimizer_steps(meta, manual=self.pipelined)
         layout = self._expert_state()
         saved_shapes = _saved_shapes(path)
 

@@ -175,4 +175,4 @@ def test_pro_32k_in_pipeline_stages_on_512_gpus_plans_at_most_76_gib_and_a_quart
     piped, alone = measure(stages), measure(fsdp)
     assert piped["gpus"] == alone["gpus"] == 512 and piped["sequences_per_step"] == alone["sequences_per_step"] == 128
     assert piped["sent_gib_per_step"] <= alone["sent_gib_per_step"] / 4, (piped, alone)
-    assert piped["step_seconds"] < alone["step_seconds"]
+    assert piped["step_seconds"] < alone["step_seconds"]  # the plan's modelled estimate, not a measured time
